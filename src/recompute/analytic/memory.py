@@ -1,0 +1,187 @@
+"""Activation bytes per transformer layer, by component and by policy (Korthikanti et al. 2022, Section 4).
+
+Symbols as in the paper: s sequence, b micro-batch, h hidden, a heads, t tensor-parallel size. With 16-bit
+activations, 1-byte dropout masks, d_ff = 4h, multi-head attention and no parallelism, the components add up
+to the paper's Eq. 1, sbh(34 + 5as/h), plus the LayerNorm statistics the paper leaves out (see
+``LayerActivations.norm_stats``). The model is architecture-aware:
+
+- ``e`` bytes per element (2 for bf16/fp16, 4 for fp32); dropout masks take 1 byte on CUDA (``native_dropout``
+  keeps a bool mask) and ``e`` bytes on the CPU (ATen's CPU dropout keeps a float mask); no masks when the
+  model's dropout is 0;
+- grouped-query attention stores K and V at n_kv_heads * head_dim, not h;
+- SwiGLU stores four d_ff-wide tensors (gate, up, silu(gate), their product) where GELU stores two;
+- ``eager`` attention stores the softmax (and, with dropout, its mask and output): the s^2 terms;
+  ``flash`` (SDPA / FlashAttention) stores only the output and a per-row fp32 log-sum-exp;
+- LayerNorm keeps its input and fp32 mean and rstd; RMSNorm on the CPU (a composite of ATen ops) keeps its
+  input, its normalised output and rstd, and on CUDA (the fused kernel) its input and an fp32 rstd.
+
+Tensor parallelism divides the head- and d_ff-sharded tensors by t; without sequence parallelism the norm
+inputs, the inputs of the first linears and the residual dropout masks stay whole on every rank (the paper's
+10sbh), with it they are split along the sequence too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from recompute.spec import ModelSpec
+from recompute.workload import Workload
+
+__all__ = ["LayerActivations", "OuterActivations", "layer_activations", "outer_activations"]
+
+ATTENTION = ("attn_in", "qkv", "scores", "attn_out", "attn_drop")
+MLP = ("mlp_in", "mlp_hidden", "mlp_drop")
+NORMS = ("norms", "norm_stats")
+GROUPS = {"attention": ATTENTION, "mlp": MLP, "norms": NORMS}
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes one layer saves for backward with nothing recomputed, by component (per rank, one micro-batch)."""
+
+    attn_in: float
+    """Input of the Q/K/V projections (the first norm's output): the paper's 2sbh."""
+    qkv: float
+    """Q and K for QK^T, V for attention over V: 6sbh (GQA: K and V at kv_dim)."""
+    scores: float
+    """eager: softmax output, its dropout mask and dropout output (5as^2b); flash: the fp32 log-sum-exp."""
+    attn_out: float
+    """Input of the attention output projection (the attention result): 2sbh."""
+    attn_drop: float
+    """Dropout mask after the attention output projection: sbh."""
+    mlp_in: float
+    """Input of the first MLP linear(s) (the second norm's output): 2sbh."""
+    mlp_hidden: float
+    """GELU: its input and output (16sbh at d_ff = 4h); SwiGLU: gate, up, silu(gate) and the product."""
+    mlp_drop: float
+    """Dropout mask after the MLP: sbh."""
+    norms: float
+    """The two norms' saved inputs (and RMSNorm's normalised output on the CPU): 4sbh."""
+    norm_stats: float
+    """The norms' per-token statistics (mean/rstd), which the paper leaves out: 16sb for LayerNorm."""
+    layer_in: float
+    """The layer input, the one tensor full recomputation keeps (it is the first norm's saved input)."""
+    workspace: float
+    """Largest scratch the layer's backward allocates at once (gradients of its widest tensors)."""
+
+    def group(self, name: str) -> float:
+        """Bytes of one component group: ``attention``, ``mlp`` or ``norms``."""
+        return sum(getattr(self, c) for c in GROUPS[name])
+
+    @property
+    def total(self) -> float:
+        """Everything stored with policy ``none``."""
+        return sum(self.group(g) for g in GROUPS)
+
+    def stored(self, policy: str) -> float:
+        """Bytes kept from the forward until the backward of this layer under ``policy``.
+
+        A recomputed region keeps only its input; the inputs of the sub-blocks are tensors the layer keeps
+        anyway (``attn_in``, ``mlp_in``), and the layer input is the first norm's saved input.
+        """
+        return sum(self.stored_by_component(policy).values())
+
+    def stored_by_component(self, policy: str) -> dict[str, float]:
+        """``stored`` split into components; ``checkpoint`` is a recomputed region's kept input."""
+        parts = {k: v for k, v in asdict(self).items() if k not in ("layer_in", "workspace")}
+        if policy == "core_attn":
+            parts["scores"] = 0.0  # Q, K, V (its inputs) stay stored; only the s^2 / lse terms go
+        if policy in ("attn", "attn+mlp"):
+            parts.update({c: 0.0 for c in ATTENTION}, checkpoint=self.attn_in)
+        if policy in ("mlp", "attn+mlp"):
+            parts.update({c: 0.0 for c in MLP})
+            parts["checkpoint"] = parts.get("checkpoint", 0.0) + self.mlp_in
+        if policy == "block":
+            parts = {c: 0.0 for c in parts}
+            parts["checkpoint"] = self.layer_in
+        return parts
+
+    def transient(self, policy: str) -> float:
+        """Bytes that exist again while this layer's recomputed part is replayed in the backward.
+
+        Note: [why peak includes the recompute transient] the recomputed activations are freed as the
+        layer's backward consumes them, but for a moment all of them are back; the peak of a step with
+        recomputation is the stored bytes of the layers below plus this transient.
+        """
+        return self.total - self.stored(policy)
+
+
+def _mask_bytes(spec: ModelSpec, wl: Workload) -> int:
+    if spec.dropout == 0:
+        return 0
+    return 1 if wl.device == "cuda" else wl.e
+
+
+def _norm_bytes(spec: ModelSpec, wl: Workload, sbh: float) -> tuple[float, float]:
+    """(saved tensor bytes, statistics bytes) of one norm over an (s, b, h) input."""
+    sb = sbh / spec.hidden
+    if spec.norm == "layernorm":
+        return wl.e * sbh, 2 * 4 * sb  # input; fp32 mean and rstd
+    if wl.device == "cpu":
+        return 2 * wl.e * sbh, wl.e * sb  # input and normalised output; rstd in the input dtype
+    return wl.e * sbh, 4 * sb  # fused kernel: input; fp32 rstd
+
+
+def layer_activations(spec: ModelSpec, wl: Workload) -> LayerActivations:
+    """Activation bytes of one layer, per tensor-parallel rank, for one micro-batch (Korthikanti Table 2)."""
+    s, b, h, a, t, e = wl.seq_len, wl.micro_batch, spec.hidden, spec.n_heads, wl.tp, wl.e
+    f, r = spec.ffn, (t if wl.sp else 1)  # r divides what sequence parallelism splits and TP alone does not
+    sbh, sb = s * b * h, s * b
+    m = _mask_bytes(spec, wl)
+    if wl.attention == "eager":
+        scores = (e + (m + e if m else 0)) * a * s * s * b / t  # softmax out (+ dropout mask and output)
+        attn_grad = 2 * e * a * s * s * b / t  # dP and dS of the (b, a, s, s) scores in backward
+    else:
+        scores = 4 * a * s * b / t  # fp32 log-sum-exp per row: (b, a, s)
+        attn_grad = 0.0
+    hidden_tensors = 4 if spec.mlp == "swiglu" else 2
+    norm_saved, norm_stats = _norm_bytes(spec, wl, sbh)
+    return LayerActivations(
+        attn_in=e * sbh / r,
+        qkv=e * sb * (spec.q_dim + 2 * spec.kv_dim) / t,
+        scores=scores,
+        attn_out=e * sb * spec.q_dim / t,
+        attn_drop=m * sbh / r,
+        mlp_in=e * sbh / r,
+        mlp_hidden=hidden_tensors * e * sb * f / t,
+        mlp_drop=m * sbh / r,
+        norms=2 * norm_saved / r,
+        norm_stats=2 * norm_stats / r,
+        layer_in=e * sbh / r,
+        workspace=max(attn_grad, 2 * e * sb * f / t, 2 * e * sbh),
+    )
+
+
+@dataclass(frozen=True)
+class OuterActivations:
+    """Activation bytes outside the transformer layers, per rank and micro-batch (Korthikanti Section 4.3)."""
+
+    embedding: float
+    """Token ids kept by the embedding backward (int64) and the embedding dropout mask (the paper's sbhp/t)."""
+    head: float
+    """Final norm's saved input and statistics, and the output layer's input: 4sbh/t in the paper."""
+    logits: float
+    """fp32 log-probabilities kept by cross-entropy: 4sbv/t."""
+    loss_transient: float
+    """Logits and the loss gradients alive at once at the start of the backward: (e + 8)sbv/t."""
+
+    @property
+    def stored(self) -> float:
+        return self.embedding + self.head + self.logits
+
+
+def outer_activations(spec: ModelSpec, wl: Workload, *, last_stage: bool) -> OuterActivations:
+    """Embedding, head and loss activations; the head and loss live only on the last pipeline stage."""
+    s, b, h, v, t, e = wl.seq_len, wl.micro_batch, spec.hidden, spec.vocab, wl.tp, wl.e
+    r = t if wl.sp else 1
+    sbh = s * b * h
+    embedding = 8 * s * b + _mask_bytes(spec, wl) * sbh / r
+    if not last_stage:
+        return OuterActivations(embedding=embedding, head=0.0, logits=0.0, loss_transient=0.0)
+    norm_saved, norm_stats = _norm_bytes(spec, wl, sbh)
+    return OuterActivations(
+        embedding=embedding,
+        head=(norm_saved + norm_stats + e * sbh) / r,
+        logits=4 * s * b * v / t,
+        loss_transient=(e + 8) * s * b * v / t,
+    )

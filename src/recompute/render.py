@@ -1,0 +1,77 @@
+"""Turn results into text: plain aligned tables (no heavy imports, so the CLI starts fast)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from recompute.analytic.estimate import Estimate
+from recompute.spec import ModelSpec
+from recompute.workload import Workload
+
+__all__ = ["gib", "render_estimate", "render_table"]
+
+GiB = 2**30
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB with two decimals (MiB below 1 GiB)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Align columns: first column left, the rest right."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def describe_workload(spec: ModelSpec, wl: Workload) -> str:
+    """One line naming the model and the step's shape."""
+    parallel = f"t={wl.tp}{' +sp' if wl.sp else ''} p={wl.pp}" + (f" m={wl.interleave}" if wl.interleave > 1 else "")
+    return (
+        f"{spec.name}: b={wl.micro_batch} s={wl.seq_len} {wl.dtype} on {wl.device}, {wl.attention} attention, "
+        f"{parallel} d={wl.dp}, {wl.precision} precision"
+    )
+
+
+def _saved_per_pct(base: Estimate, e: Estimate) -> str:
+    if e.overhead <= 0:
+        return "-"
+    return gib((base.activation_bytes - e.activation_bytes) / (100 * e.overhead))
+
+
+def render_estimate(spec: ModelSpec, wl: Workload, rows: Sequence[Estimate], chosen: Estimate) -> str:
+    """The policy table, then the breakdown of ``chosen``."""
+    base = next((e for e in rows if e.policy == "none"), rows[0])
+    table = render_table(
+        ["policy", "activations", "total", "peak", "overhead", "saved per 1% overhead"],
+        [
+            [e.policy, gib(e.activation_bytes), gib(e.total), gib(e.peak), f"{100 * e.overhead:.1f}%",
+             _saved_per_pct(base, e)]
+            for e in rows
+        ],
+    )
+    st = chosen.states
+    lines = [
+        describe_workload(spec, wl),
+        f"model states: {gib(st.total)} for {st.params / 1e9:.3g}B parameters on this rank "
+        f"(parameters {gib(st.parameters)}, gradients {gib(st.gradients)}, optimizer {gib(st.optimizer)})",
+        "",
+        table,
+        "",
+        f"breakdown of {chosen.policy} (per rank, first pipeline stage):",
+        render_table(
+            ["component", "bytes"],
+            [[k, gib(v)] for k, v in chosen.activations.items() if v]
+            + [["activations", gib(chosen.activation_bytes)], ["model states", gib(st.total)],
+               [f"peak ({chosen.peak_phase})", gib(chosen.peak)]],
+        ),
+        "",
+        f"FLOPs per micro-batch: model {chosen.model_flops:.3e}, recomputed {chosen.recompute_flops:.3e} "
+        f"(+{100 * chosen.overhead:.1f}%)",
+        *(f"note: {n}" for n in chosen.notes),
+    ]
+    return "\n".join(lines)
