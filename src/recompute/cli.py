@@ -63,7 +63,8 @@ def workload_from(args: argparse.Namespace) -> Workload:
 
 def add_policy_args(p: argparse.ArgumentParser, default: str | None = "block") -> None:
     p.add_argument(
-        "--policy", default=default,
+        "--policy",
+        default=default,
         help=f"one of {', '.join(POLICIES)}, or a plan/policy JSON file (default: {default})",
     )
     p.add_argument("--every", type=int, help="apply the policy to every k-th layer only")
@@ -101,10 +102,14 @@ def _estimate_run(args: argparse.Namespace) -> int:
     spec, wl = resolve_model(args.model), workload_from(args)
     rows, chosen = estimate_policies(spec, wl), estimate(spec, wl, policy_from(args))
     if args.json:
-        emit_json({
-            "model": spec.to_dict(), "workload": wl.to_dict(),
-            "policies": [e.to_dict() for e in rows], "chosen": chosen.to_dict(),
-        })
+        emit_json(
+            {
+                "model": spec.to_dict(),
+                "workload": wl.to_dict(),
+                "policies": [e.to_dict() for e in rows],
+                "chosen": chosen.to_dict(),
+            }
+        )
     else:
         print(render_estimate(spec, wl, rows, chosen))
     return 0
@@ -114,7 +119,8 @@ Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 COMMANDS: dict[str, Command] = {
     "estimate": (
-        _estimate_args, _estimate_run,
+        _estimate_args,
+        _estimate_run,
         "memory (by component) and FLOPs of a training step for every policy, from the analytic model",
     ),
 }

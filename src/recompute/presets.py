@@ -14,8 +14,17 @@ _LLAMA_SOURCE = "meta-llama/llama-models models/sku_list.py; HF config.json of m
 _PAPER_SOURCE = "Korthikanti et al. 2022 (arXiv 2205.05198) Table 3; v = 51200, s = 2048, FFN = 4h"
 
 _LLAMA: dict[str, Any] = dict(
-    vocab=128256, mlp="swiglu", norm="rmsnorm", position="rotary", dropout=0.0, tied_embeddings=False,
-    bias=False, max_positions=131072, norm_eps=1e-5, rope_theta=500000.0, source=_LLAMA_SOURCE,
+    vocab=128256,
+    mlp="swiglu",
+    norm="rmsnorm",
+    position="rotary",
+    dropout=0.0,
+    tied_embeddings=False,
+    bias=False,
+    max_positions=131072,
+    norm_eps=1e-5,
+    rope_theta=500000.0,
+    source=_LLAMA_SOURCE,
 )
 _PAPER: dict[str, Any] = dict(vocab=51200, max_positions=2048, source=_PAPER_SOURCE)
 
@@ -40,7 +49,10 @@ for _name, _L, _h, _a, _ff in [
 
 # GPT-3 175B as published (dense attention, as Megatron and Korthikanti model it).
 PRESETS["gpt3-175b"] = dict(
-    n_layers=96, hidden=12288, n_heads=96, max_positions=2048,
+    n_layers=96,
+    hidden=12288,
+    n_heads=96,
+    max_positions=2048,
     source="Brown et al. 2020 Table 2.1; NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh",
 )
 

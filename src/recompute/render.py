@@ -23,7 +23,8 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        padded = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(padded).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
@@ -49,8 +50,14 @@ def render_estimate(spec: ModelSpec, wl: Workload, rows: Sequence[Estimate], cho
     table = render_table(
         ["policy", "activations", "total", "peak", "overhead", "saved per 1% overhead"],
         [
-            [e.policy, gib(e.activation_bytes), gib(e.total), gib(e.peak), f"{100 * e.overhead:.1f}%",
-             _saved_per_pct(base, e)]
+            [
+                e.policy,
+                gib(e.activation_bytes),
+                gib(e.total),
+                gib(e.peak),
+                f"{100 * e.overhead:.1f}%",
+                _saved_per_pct(base, e),
+            ]
             for e in rows
         ],
     )
@@ -66,8 +73,11 @@ def render_estimate(spec: ModelSpec, wl: Workload, rows: Sequence[Estimate], cho
         render_table(
             ["component", "bytes"],
             [[k, gib(v)] for k, v in chosen.activations.items() if v]
-            + [["activations", gib(chosen.activation_bytes)], ["model states", gib(st.total)],
-               [f"peak ({chosen.peak_phase})", gib(chosen.peak)]],
+            + [
+                ["activations", gib(chosen.activation_bytes)],
+                ["model states", gib(st.total)],
+                [f"peak ({chosen.peak_phase})", gib(chosen.peak)],
+            ],
         ),
         "",
         f"FLOPs per micro-batch: model {chosen.model_flops:.3e}, recomputed {chosen.recompute_flops:.3e} "

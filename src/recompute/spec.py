@@ -195,7 +195,9 @@ def _from_hf_dict(raw: dict[str, Any]) -> dict[str, Any]:
         for key in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout")
     )
     return dict(
-        hidden=hidden, n_layers=layers, n_heads=heads,
+        hidden=hidden,
+        n_layers=layers,
+        n_heads=heads,
         n_kv_heads=_first(raw, "num_key_value_heads"),
         head_dim=_first(raw, "head_dim"),
         d_ff=_first(raw, "intermediate_size", "n_inner", "ffn_dim"),

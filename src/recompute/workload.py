@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from recompute.errors import ConfigError, one_of, positive_int, require
 from recompute.spec import ModelSpec
@@ -35,9 +35,7 @@ class Workload:
 
     micro_batch: int = field(default=1, metadata=_opt("--micro-batch", "b: sequences per micro-batch"))
     seq_len: int = field(default=2048, metadata=_opt("--seq-len", "s: tokens per sequence"))
-    dtype: str = field(
-        default="bf16", metadata=_opt("--dtype", "activation dtype", choices=tuple(DTYPE_BYTES))
-    )
+    dtype: str = field(default="bf16", metadata=_opt("--dtype", "activation dtype", choices=tuple(DTYPE_BYTES)))
     tp: int = field(default=1, metadata=_opt("--tp", "t: tensor-parallel size"))
     sp: bool = field(default=False, metadata=_opt("--sp", "sequence parallelism (needs t > 1 to matter)"))
     pp: int = field(default=1, metadata=_opt("--pp", "p: pipeline-parallel size"))

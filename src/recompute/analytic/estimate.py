@@ -62,8 +62,11 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(
-            activation_bytes=self.activation_bytes, total=self.total, hardware_flops=self.hardware_flops,
-            overhead=self.overhead, states=dict(asdict(self.states), total=self.states.total),
+            activation_bytes=self.activation_bytes,
+            total=self.total,
+            hardware_flops=self.hardware_flops,
+            overhead=self.overhead,
+            states=dict(asdict(self.states), total=self.states.total),
         )
         return out
 
@@ -105,13 +108,21 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
             activations[group] = activations.get(group, 0.0) + k * value
     activations.update(embedding=k * outer.embedding, head=outer.head, logits=outer.logits)
 
-    peak_act, phase = _peak_activations(la, stage, k, outer.embedding * k, outer.head + outer.logits,
-                                        outer.loss_transient)
+    peak_act, phase = _peak_activations(
+        la, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient
+    )
     states = model_states(spec, wl)
     return Estimate(
-        model=spec.name, policy=pol.describe(), per_layer=per_layer, states=states,
-        activations=activations, peak=states.total + peak_act, peak_phase=phase,
-        model_flops=model_flops(spec, wl), recompute_flops=recompute_flops(spec, wl, per_layer), notes=_notes(spec, wl, pol),
+        model=spec.name,
+        policy=pol.describe(),
+        per_layer=per_layer,
+        states=states,
+        activations=activations,
+        peak=states.total + peak_act,
+        peak_phase=phase,
+        model_flops=model_flops(spec, wl),
+        recompute_flops=recompute_flops(spec, wl, per_layer),
+        notes=_notes(spec, wl, pol),
     )
 
 
@@ -139,14 +150,21 @@ def _notes(spec: ModelSpec, wl: Workload, pol: Policy) -> tuple[str, ...]:
     notes = [
         f"attention {wl.attention}: "
         + ("the s^2 softmax is stored" if wl.attention == "eager" else "no s^2 term; fp32 log-sum-exp per row"),
-        f"dropout masks: {'none (dropout 0)' if spec.dropout == 0 else ('1 B' if wl.device == 'cuda' else f'{wl.e} B') + '/element'}",
+        "dropout masks: " + _mask_note(spec, wl),
         f"model states: {wl.precision} precision",
     ]
     if wl.pp > 1:
-        notes.append(f"first pipeline stage: {-(-spec.n_layers // wl.pp)} layers x {in_flight(wl):g} micro-batches in flight")
+        layers = -(-spec.n_layers // wl.pp)
+        notes.append(f"first pipeline stage: {layers} layers x {in_flight(wl):g} micro-batches in flight")
     if pol.save_ops or pol.offload:
         notes.append("op-level save lists and CPU offload are not modelled analytically; use `recompute trace`")
     return tuple(notes)
+
+
+def _mask_note(spec: ModelSpec, wl: Workload) -> str:
+    if spec.dropout == 0:
+        return "none (dropout 0)"
+    return f"{1 if wl.device == 'cuda' else wl.e} B/element"
 
 
 def estimate_policies(spec: ModelSpec, wl: Workload) -> list[Estimate]:
@@ -158,4 +176,3 @@ def layer_overheads(spec: ModelSpec, wl: Workload) -> dict[str, float]:
     """The workshop's per-layer overhead F_recomputed / 3F for each policy (logits excluded)."""
     lf = layer_flops(spec, wl)
     return {name: lf.overhead(name) for name in POLICIES}
-
