@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,8 +45,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2", help="preset name or path to an HF config.json (default: gpt2)")
 
 
+DEFAULT_SEQ_LEN = 2048
+
+
 def add_workload_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
-    """One option per ``Workload`` field, with the field's own help text."""
+    """One option per ``Workload`` field, with the field's own help text.
+
+    ``--seq-len`` defaults to 2048, or to the model's context where that is shorter.
+    """
+    defaults.setdefault("seq_len", None)
     for f in workload_fields():
         meta, default = f.metadata, defaults.get(f.name, f.default)
         if f.type in ("bool", bool):
@@ -53,12 +61,18 @@ def add_workload_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
             continue
         kind = int if "int" in str(f.type) else str
         extra = {"choices": meta["choices"]} if "choices" in meta else {}
-        shown = "" if default is None else f" (default: {default})"
+        shown = f" (default: {default})" if default is not None else ""
+        if f.name == "seq_len" and default is None:
+            shown = f" (default: {DEFAULT_SEQ_LEN}, or the model's context if shorter)"
         p.add_argument(meta["flag"], dest=f.name, type=kind, default=default, help=meta["help"] + shown, **extra)
 
 
-def workload_from(args: argparse.Namespace) -> Workload:
-    return Workload(**{f.name: getattr(args, f.name) for f in workload_fields()})
+def workload_from(args: argparse.Namespace, spec: ModelSpec) -> Workload:
+    """The Workload the options describe, with an unset ``--seq-len`` fitted to ``spec``."""
+    values = {f.name: getattr(args, f.name) for f in workload_fields()}
+    if values["seq_len"] is None:
+        values["seq_len"] = min(DEFAULT_SEQ_LEN, spec.max_positions)
+    return Workload(**values)
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str | None = "block") -> None:
@@ -99,7 +113,8 @@ def _estimate_run(args: argparse.Namespace) -> int:
     from recompute.analytic import estimate, estimate_policies
     from recompute.render import render_estimate
 
-    spec, wl = resolve_model(args.model), workload_from(args)
+    spec = resolve_model(args.model)
+    wl = workload_from(args, spec)
     rows, chosen = estimate_policies(spec, wl), estimate(spec, wl, policy_from(args))
     if args.json:
         emit_json(
@@ -146,7 +161,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def main_exit() -> NoReturn:
     """Console-script entry point."""
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # output piped into `head` and friends: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":

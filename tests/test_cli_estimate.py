@@ -1,0 +1,129 @@
+"""`recompute estimate`: table and JSON carry the analytic numbers; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from recompute import ModelSpec, Workload, estimate
+from recompute.cli import main
+from recompute.policy import POLICIES
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's own exits (--help, usage errors)
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table_has_a_row_per_policy_and_a_breakdown(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "estimate", "--model", "llama3.1-8b", "--seq-len", "8192", "--policy", "core_attn")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    for name in POLICIES:
+        assert any(line.startswith(name + " ") for line in lines), name
+    assert "breakdown of core_attn" in out and "saved per 1% overhead" in out
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_json_equals_the_library(capsys: pytest.CaptureFixture[str], policy: str) -> None:
+    argv = ["estimate", "--model", "llama3.1-70b", "--seq-len", "4096", "--tp", "8", "--sp", "--pp", "4"]
+    code, out, _ = run(capsys, *argv, "--policy", policy, "--json")
+    assert code == 0
+    data = json.loads(out)
+    expected = estimate(ModelSpec.from_name("llama3.1-70b"), Workload(seq_len=4096, tp=8, sp=True, pp=4), policy)
+    assert data["chosen"]["peak"] == expected.peak
+    assert data["chosen"]["activation_bytes"] == expected.activation_bytes
+    assert data["chosen"]["overhead"] == expected.overhead
+    assert [row["policy"] for row in data["policies"]] == list(POLICIES)
+
+
+def test_every_and_first(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "estimate", "--policy", "block", "--every", "3", "--json")
+    assert code == 0
+    assert json.loads(out)["chosen"]["per_layer"][:4] == ["block", "none", "none", "block"]
+
+
+def test_plan_file_as_policy(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": ["block"] * 6 + ["none"] * 6, "model": "gpt2"}))
+    code, out, _ = run(capsys, "estimate", "--policy", str(plan), "--json")
+    assert code == 0 and json.loads(out)["chosen"]["per_layer"].count("block") == 6
+
+
+def test_hf_config_path_as_model(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    cfg = {
+        "model_type": "gpt2",
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "layer_norm_epsilon": 1e-5,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, out, _ = run(capsys, "estimate", "--model", str(tmp_path / "config.json"), "--json")
+    assert code == 0 and json.loads(out)["chosen"]["states"]["params"] == 124_439_808
+
+
+BAD_INPUT = {
+    "unknown model": ["--model", "gpt5"],
+    "unknown policy": ["--policy", "sometimes"],
+    "zero seq len": ["--seq-len", "0"],
+    "negative micro-batch": ["--micro-batch", "-2"],
+    "non-integer seq len": ["--seq-len", "lots"],
+    "unknown dtype": ["--dtype", "int8"],
+    "unknown precision": ["--precision", "fp8"],
+    "unknown attention": ["--attention", "magic"],
+    "tp does not divide heads": ["--tp", "5"],
+    "tp does not divide kv heads": ["--model", "llama3.1-8b", "--tp", "16"],
+    "pipeline deeper than layers": ["--pp", "13"],
+    "sequence beyond positions": ["--seq-len", "4096"],
+    "sp with indivisible sequence": ["--model", "llama3.1-8b", "--tp", "8", "--sp", "--seq-len", "1001"],
+    "interleave without pipeline": ["--interleave", "2"],
+    "every zero": ["--every", "0"],
+    "every with first": ["--every", "2", "--first", "3"],
+    "missing plan file": ["--policy", "no-such-plan.json"],
+    "zero data parallel": ["--dp", "0"],
+    "unknown option": ["--frobnicate"],
+}
+
+
+@pytest.mark.parametrize("argv", list(BAD_INPUT.values()), ids=list(BAD_INPUT))
+def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    code, out, err = run(capsys, "estimate", *argv)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_corrupt_plan_file(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    bad = tmp_path / "plan.json"
+    bad.write_text("{not json")
+    code, _, err = run(capsys, "estimate", "--policy", str(bad))
+    assert code == 2 and "not valid JSON" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_for_another_layer_count(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": ["block"] * 32}))
+    code, _, err = run(capsys, "estimate", "--policy", str(plan))
+    assert code == 2 and "lists 32 layers but the model has 12" in err
+
+
+def test_console_script_runs_without_importing_torch() -> None:
+    code = (
+        "import sys; from recompute.cli import main; "
+        "rc = main(['estimate', '--model', 'llama3.1-405b', '--seq-len', '8192', '--tp', '8', '--sp', '--json']); "
+        "assert 'torch' not in sys.modules, 'estimate imported torch'; sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["model"]["name"] == "llama3.1-405b"
