@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from recompute.analytic.estimate import Estimate
+from recompute.plan import FrontierPoint, Plan
 from recompute.spec import ModelSpec
 from recompute.workload import Workload
 
-__all__ = ["gib", "render_estimate", "render_table"]
+__all__ = ["gib", "layer_runs", "render_estimate", "render_plan", "render_table"]
 
 GiB = 2**30
 
@@ -85,3 +86,62 @@ def render_estimate(spec: ModelSpec, wl: Workload, rows: Sequence[Estimate], cho
         *(f"note: {n}" for n in chosen.notes),
     ]
     return "\n".join(lines)
+
+
+def layer_runs(layers: Sequence[str]) -> str:
+    """``block x10 (layers 0-9), none x2 (10-11)``: a per-layer policy in runs."""
+    runs: list[tuple[str, int, int]] = []
+    for i, name in enumerate(layers):
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1], i)
+        else:
+            runs.append((name, i, i))
+    return ", ".join(f"{n} (layer{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''})" for n, a, b in runs)
+
+
+def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) -> str:
+    """The chosen plan, its breakdown, a sample of the frontier and the uniform policies."""
+    est = plan.estimate
+    chosen = next(p for p in plan.frontier if p.cost == plan.cost and p.peak <= plan.budget)
+    sample = sorted({*_sample(plan.frontier, points), chosen}, key=lambda p: p.peak)
+    frontier = render_table(
+        ["", "peak", "overhead", "plan (first pipeline stage)"],
+        [["*" if p is chosen else "", gib(p.peak), f"{100 * p.overhead:.1f}%", _counts(p.layers)] for p in sample],
+    )
+    uniform = render_table(
+        ["uniform policy", "peak", "overhead", "fits"],
+        [
+            [n, gib(p.peak), f"{100 * p.overhead:.1f}%", "yes" if p.peak <= plan.budget else "no"]
+            for n, p in plan.uniform.items()
+        ],
+    )
+    return "\n".join(
+        [
+            describe_workload(spec, wl),
+            f"budget {gib(plan.budget)}; cost in {plan.cost_kind}",
+            "",
+            f"plan: {layer_runs(plan.policy.per_layer(spec.n_layers))}",
+            f"predicted peak {gib(est.peak)} ({est.peak_phase}), recompute overhead {100 * plan.overhead:.1f}%",
+            render_table(
+                ["component", "bytes"],
+                [[k, gib(v)] for k, v in est.activations.items() if v] + [["model states", gib(est.states.total)]],
+            ),
+            "",
+            f"frontier ({len(plan.frontier)} Pareto-optimal plans; {len(sample)} shown, * = chosen):",
+            frontier,
+            "",
+            uniform,
+        ]
+    )
+
+
+def _counts(layers: Sequence[str]) -> str:
+    return ", ".join(f"{n} x{layers.count(n)}" for n in dict.fromkeys(layers))
+
+
+def _sample(points: Sequence[FrontierPoint], n: int) -> list[FrontierPoint]:
+    """Up to ``n`` points spread evenly along the frontier, always with both ends."""
+    if len(points) <= n:
+        return list(points)
+    step = (len(points) - 1) / (n - 1)
+    return [points[round(i * step)] for i in range(n)]

@@ -5,11 +5,12 @@ Pure standard library: ``recompute estimate`` answers without importing torch.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from recompute.analytic.flops import layer_flops, model_flops, recompute_flops
-from recompute.analytic.memory import GROUPS, LayerActivations, layer_activations, outer_activations
+from recompute.analytic.memory import PART_GROUP, LayerActivations, layer_activations, outer_activations
 from recompute.analytic.params import ModelStates, model_states
 from recompute.policy import POLICIES, Policy
 from recompute.spec import ModelSpec
@@ -102,10 +103,10 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     k = in_flight(wl)
 
     activations: dict[str, float] = {}
-    for name in stage:
+    for name, count in Counter(stage).items():
         for part, value in la.stored_by_component(name).items():
-            group = next((g for g, parts in GROUPS.items() if part in parts), part)
-            activations[group] = activations.get(group, 0.0) + k * value
+            group = PART_GROUP.get(part, part)
+            activations[group] = activations.get(group, 0.0) + k * count * value
     activations.update(embedding=k * outer.embedding, head=outer.head, logits=outer.logits)
 
     peak_act, phase = _peak_activations(
@@ -134,7 +135,8 @@ def _peak_activations(
     At the loss: every stored byte plus the logits and loss gradients. Then layer j (top down): the layers
     below j still stored, other micro-batches in flight, and layer j's recompute transient and workspace.
     """
-    stored = [la.stored(name) for name in stage]
+    by_policy = {name: la.stored(name) for name in set(stage)}
+    stored = [by_policy[name] for name in stage]
     others = (k - 1) * sum(stored)
     best, phase = others + sum(stored) + embedding + head + loss, "loss"
     below = 0.0

@@ -22,7 +22,7 @@ inputs, the inputs of the first linears and the residual dropout masks stay whol
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from recompute.spec import ModelSpec
 from recompute.workload import Workload
@@ -33,6 +33,7 @@ ATTENTION = ("attn_in", "qkv", "scores", "attn_out", "attn_drop")
 MLP = ("mlp_in", "mlp_hidden", "mlp_drop")
 NORMS = ("norms", "norm_stats")
 GROUPS = {"attention": ATTENTION, "mlp": MLP, "norms": NORMS}
+PART_GROUP = {part: group for group, parts in GROUPS.items() for part in parts}
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class LayerActivations:
 
     def stored_by_component(self, policy: str) -> dict[str, float]:
         """``stored`` split into components; ``checkpoint`` is a recomputed region's kept input."""
-        parts = {k: v for k, v in asdict(self).items() if k not in ("layer_in", "workspace")}
+        parts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layer_in", "workspace")}
         if policy == "core_attn":
             parts["scores"] = 0.0  # Q, K, V (its inputs) stay stored; only the s^2 / lse terms go
         if policy in ("attn", "attn+mlp"):

@@ -1,0 +1,160 @@
+"""The planner: exact against brute force, a monotone frontier, plans that fit, clear failures."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from recompute import ModelSpec, Policy, Workload, estimate
+from recompute.cli import main
+from recompute.errors import ConfigError
+from recompute.plan import best_uniform, frontier, parse_budget, plan
+from recompute.policy import POLICIES
+
+TINY = ModelSpec(hidden=256, n_layers=6, n_heads=4, max_positions=4096, vocab=8000, name="tiny")
+EAGER = Workload(seq_len=2048, micro_batch=2, dtype="fp32", device="cpu")  # long enough for the s^2 term
+
+
+@pytest.fixture(scope="module")
+def brute_force() -> list[tuple[float, float]]:
+    """(peak, recompute FLOPs) of every one of the 6^6 per-layer assignments, from ``estimate``."""
+    return [
+        (est.peak, est.recompute_flops)
+        for layers in itertools.product(POLICIES, repeat=TINY.n_layers)
+        for est in [estimate(TINY, EAGER, Policy(layers=layers))]
+    ]
+
+
+def _budgets(points: list[tuple[float, float]], n: int = 9) -> list[float]:
+    lo, hi = min(p for p, _ in points), max(p for p, _ in points)
+    return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
+
+
+def test_plan_equals_brute_force_on_a_six_layer_chain(brute_force: list[tuple[float, float]]) -> None:
+    for budget in _budgets(brute_force):
+        best = min(cost for peak, cost in brute_force if peak <= budget)
+        chosen = plan(TINY, EAGER, budget)
+        assert chosen.cost == pytest.approx(best, rel=1e-12), budget
+        assert chosen.estimate.peak <= budget
+        assert chosen.estimate.recompute_flops == pytest.approx(best, rel=1e-12)
+
+
+def test_frontier_is_the_brute_force_pareto_set(brute_force: list[tuple[float, float]]) -> None:
+    pareto = []
+    for peak, cost in sorted(brute_force):
+        if not pareto or cost < pareto[-1][1] - 1e-6:
+            pareto.append((peak, cost))
+    got = [(p.peak, p.cost) for p in frontier(TINY, EAGER)]
+    assert len(got) == len(pareto)
+    for (gp, gc), (bp, bc) in zip(got, pareto, strict=True):
+        assert gp == pytest.approx(bp, rel=1e-12) and gc == pytest.approx(bc, rel=1e-12)
+
+
+def test_pipeline_plans_repeat_the_first_stage() -> None:
+    spec = ModelSpec(hidden=256, n_layers=6, n_heads=4, max_positions=4096, vocab=8000, name="tiny")
+    wl = Workload(seq_len=2048, micro_batch=1, pp=2)
+    results = [
+        (est.peak, est.recompute_flops)
+        for stage in itertools.product(POLICIES, repeat=3)
+        for est in [estimate(spec, wl, Policy(layers=stage * 2))]
+    ]
+    for budget in _budgets(results, 5):
+        best = min(cost for peak, cost in results if peak <= budget)
+        assert plan(spec, wl, budget).cost == pytest.approx(best, rel=1e-12)
+
+
+CASES = {
+    "gpt2 b16": ("gpt2", Workload(seq_len=1024, micro_batch=16)),
+    "llama8b flash distributed": (
+        "llama3.1-8b",
+        Workload(seq_len=8192, attention="flash", precision="distributed", dp=8),
+    ),
+    "llama70b t8 sp p4": ("llama3.1-70b", Workload(seq_len=8192, tp=8, sp=True, pp=4)),
+    "175b t8 sp p8 m3": ("175b", Workload(seq_len=2048, tp=8, sp=True, pp=8, interleave=3)),
+}
+
+
+@pytest.mark.parametrize(("name", "wl"), list(CASES.values()), ids=list(CASES))
+def test_frontier_is_monotone_and_every_plan_fits(name: str, wl: Workload) -> None:
+    spec = ModelSpec.from_name(name)
+    points = frontier(spec, wl)
+    assert all(a.peak < b.peak and a.cost > b.cost for a, b in itertools.pairwise(points))
+    for fraction in (0.0, 0.3, 0.6, 1.0):
+        budget = points[0].peak + fraction * (points[-1].peak - points[0].peak)
+        chosen = plan(spec, wl, budget)
+        assert chosen.estimate.peak <= budget
+        # The planner's shortcut for the chain's peak agrees with the estimate's full chain walk.
+        point = next(p for p in points if p.cost == chosen.cost and p.peak <= budget)
+        assert chosen.estimate.peak == pytest.approx(point.peak, rel=1e-12)
+
+
+@pytest.mark.parametrize(("name", "wl"), list(CASES.values())[:2], ids=list(CASES)[:2])
+def test_plan_beats_or_equals_the_best_every_kth_setting(name: str, wl: Workload) -> None:
+    spec = ModelSpec.from_name(name)
+    points = frontier(spec, wl)
+    budget = (points[0].peak + points[-1].peak) / 2
+    uniform = best_uniform(spec, wl, budget)
+    assert uniform is not None
+    assert plan(spec, wl, budget).cost <= uniform[1].recompute_flops * (1 + 1e-12)
+
+
+def test_nothing_fits_names_the_smallest_peak_and_a_fix() -> None:
+    with pytest.raises(ConfigError, match=r"smallest achievable peak .* is 150\.4 GiB; would fit: --precision"):
+        plan(ModelSpec.from_name("llama3.1-8b"), Workload(seq_len=8192), 75 * 2**30)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("70GiB", 70 * 2**30), ("80 GB", 80e9), ("7.5e10", 7.5e10), ("512MiB", 2**29), (1e9, 1e9)]
+)
+def test_parse_budget(text: str | float, value: float) -> None:
+    assert parse_budget(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "70 GiBs", "-5GB", "0"])
+def test_bad_budgets(text: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_budget(text)
+
+
+def test_cli_plan_writes_a_file_apply_and_estimate_read(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    workload = ["--model", "llama3.1-70b", "--seq-len", "8192", "--tp", "8", "--sp", "--pp", "4"]
+    assert main(["plan", *workload, "--budget", "70GiB", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "frontier" in text and "* " in text
+    policy = Policy.load(out)
+    assert policy.model == "llama3.1-70b" and len(policy.per_layer(80)) == 80
+    assert main(["estimate", *workload, "--policy", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["peak"] == json.loads(out.read_text())["predicted"]["peak"] <= 70 * 2**30
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--budget", "1GiB"],
+        ["--budget", "lots"],
+        [],
+        ["--budget", "70GiB", "--cost", "measured"],
+        ["--budget", "70GiB", "--cost", "measured", "--bench", "missing.json"],
+    ],
+    ids=["nothing fits", "bad budget", "no budget", "measured without bench", "missing bench file"],
+)
+def test_cli_plan_bad_input(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    try:
+        code = main(["plan", "--model", "gpt2", *argv])
+    except SystemExit as e:
+        code = int(e.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+
+
+def test_measured_costs_from_bench_results(tmp_path) -> None:
+    times = {"none": 1.0, "core_attn": 1.02, "attn": 1.08, "mlp": 1.2, "attn+mlp": 1.3, "block": 1.31}
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"results": [{"policy": p, "step_time_s": t} for p, t in times.items()]}))
+    spec, wl = ModelSpec.from_name("gpt2"), Workload(seq_len=1024, micro_batch=8)
+    points = frontier(spec, wl, measured=bench)
+    assert points[-1].cost == 0 and points[0].overhead == pytest.approx(0.31, rel=1e-9)
