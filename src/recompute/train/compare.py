@@ -1,0 +1,103 @@
+"""``compare-train``: the same run under several policies from the same seed, side by side.
+
+This is the seed blog's experiment as one command: does recomputation change the losses (it must not), and
+what does it do to peak memory and step time?
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from recompute.render import gib, render_table
+from recompute.train.config import TrainConfig
+from recompute.train.loop import RunResult, train
+
+__all__ = ["CompareRow", "compare_train", "plot_losses", "render_compare"]
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    """One policy's run against the ``none`` (or first) run."""
+
+    policy: str
+    final_loss: float
+    max_loss_diff: float
+    """Largest |loss - reference loss| over all steps."""
+    tokens_per_s: float
+    peak_bytes: int | None
+    memory_change: float | None
+    """Peak memory change against the reference, as a fraction."""
+    time_change: float
+    """Median step-time change against the reference, as a fraction."""
+
+
+def compare_train(
+    config: TrainConfig, policies: Sequence[str], *, quiet: bool = False
+) -> tuple[list[CompareRow], list[RunResult]]:
+    """Train once per policy (same seed, data and options), each in ``out/<policy>``; compare to the first."""
+    runs = [
+        train(config.replace(policy=p, out=str(Path(config.out) / _dirname(p)), resume=False), quiet=quiet)
+        for p in policies
+    ]
+    ref = runs[0]
+    rows = []
+    for policy, run in zip(policies, runs):
+        tokens = config.micro_batch * config.seq_len * config.grad_accum
+        peak, ref_peak = run.peak_bytes, ref.peak_bytes
+        rows.append(
+            CompareRow(
+                policy=policy,
+                final_loss=run.losses[-1],
+                max_loss_diff=max(abs(a - b) for a, b in zip(run.losses, ref.losses)),
+                tokens_per_s=tokens / run.median_step_time,
+                peak_bytes=peak,
+                memory_change=(peak / ref_peak - 1) if peak and ref_peak else None,
+                time_change=run.median_step_time / ref.median_step_time - 1,
+            )
+        )
+    return rows, runs
+
+
+def _dirname(policy: str) -> str:
+    return Path(policy).stem if policy.endswith(".json") else policy.replace("+", "_")
+
+
+def render_compare(rows: Sequence[CompareRow]) -> str:
+    """The comparison table (memory and time changes against the first row)."""
+    pct = lambda x: "-" if x is None else f"{100 * x:+.1f}%"  # noqa: E731
+    return render_table(
+        ["policy", "final loss", "max |loss diff|", "tokens/s", "peak memory", "memory", "step time"],
+        [
+            [
+                r.policy,
+                f"{r.final_loss:.4f}",
+                f"{r.max_loss_diff:.2e}",
+                f"{r.tokens_per_s:,.0f}",
+                gib(r.peak_bytes) if r.peak_bytes else "-",
+                pct(r.memory_change),
+                pct(r.time_change),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def plot_losses(runs: Sequence[RunResult], path: str | Path) -> None:
+    """Loss against step for every run, one line each, as a PNG (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    styles = ["-", "--", ":", "-."]
+    for i, run in enumerate(runs):
+        ax.plot([m.step + 1 for m in run.metrics], run.losses, styles[i % 4], label=run.config.policy, lw=1.6)
+    ax.set(xlabel="step", ylabel="training loss", title=f"{runs[0].spec.name}: loss under each policy (same seed)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,95 @@
+"""``TrainConfig``: every option of ``recompute train``, declared once (the CLI is generated from it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from recompute.errors import one_of, positive_int, require
+
+__all__ = ["RESUME_MUST_MATCH", "TrainConfig"]
+
+
+def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
+    return {"flag": flag, "help": help, **extra}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run of a reference GPT-2 or Llama with a recomputation policy."""
+
+    model: str = field(default="gpt2", metadata=_opt("--model", "preset whose architecture to train"))
+    n_layers: int | None = field(default=4, metadata=_opt("--layers", "layers (overrides the preset; 0 keeps it)"))
+    hidden: int | None = field(default=256, metadata=_opt("--hidden", "hidden size (overrides; 0 keeps it)"))
+    n_heads: int | None = field(default=4, metadata=_opt("--heads", "attention heads (overrides; 0 keeps it)"))
+    attention: str = field(
+        default="eager", metadata=_opt("--attention", "eager or flash (SDPA)", choices=("eager", "flash"))
+    )
+    policy: str = field(default="none", metadata=_opt("--policy", "recompute policy name, or a plan JSON file"))
+    data: str | None = field(default=None, metadata=_opt("--data", "a text file or a directory of .txt files"))
+    dataset: str | None = field(default=None, metadata=_opt("--dataset", "a Hugging Face dataset name[:split]"))
+    tokenizer: str = field(
+        default="byte",
+        metadata=_opt("--tokenizer", "byte (no training) or bpe (trained on the corpus)", choices=("byte", "bpe")),
+    )
+    steps: int = field(default=200, metadata=_opt("--steps", "optimizer steps"))
+    seq_len: int = field(default=256, metadata=_opt("--seq-len", "tokens per sequence"))
+    micro_batch: int = field(default=8, metadata=_opt("--micro-batch", "sequences per micro-batch"))
+    grad_accum: int = field(default=1, metadata=_opt("--grad-accum", "micro-batches per optimizer step"))
+    lr: float = field(default=1e-3, metadata=_opt("--lr", "peak learning rate (AdamW)"))
+    warmup: int = field(default=20, metadata=_opt("--warmup", "linear warm-up steps before the cosine decay"))
+    weight_decay: float = field(default=0.1, metadata=_opt("--weight-decay", "AdamW weight decay on matrices"))
+    grad_clip: float = field(default=1.0, metadata=_opt("--grad-clip", "gradient-norm clip (0 disables)"))
+    seed: int = field(default=1337, metadata=_opt("--seed", "seed for weights, data order and dropout"))
+    out: str = field(default="runs/train", metadata=_opt("--out", "directory for metrics, checkpoints, sample"))
+    checkpoint_every: int = field(
+        default=100, metadata=_opt("--checkpoint-every", "steps between checkpoints (one is always written at the end)")
+    )
+    keep: int = field(default=2, metadata=_opt("--keep", "checkpoints to keep"))
+    resume: bool = field(default=False, metadata=_opt("--resume", "continue from the newest checkpoint in --out"))
+    sample_tokens: int = field(default=200, metadata=_opt("--sample-tokens", "tokens to generate at the end"))
+    device: str = field(default="auto", metadata=_opt("--device", "cpu, cuda or auto", choices=("auto", "cpu", "cuda")))
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "micro_batch", "grad_accum", "keep"):
+            positive_int(flag(name), getattr(self, name))
+        for name in ("warmup", "checkpoint_every", "sample_tokens"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 0, f"{flag(name)} must be >= 0, got {value!r}")
+        require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        one_of("--attention", self.attention, ("eager", "flash"))
+        one_of("--tokenizer", self.tokenizer, ("byte", "bpe"))
+        one_of("--device", self.device, ("auto", "cpu", "cuda"))
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# What a resumed run must share with the run that wrote the checkpoint for its losses to continue exactly.
+RESUME_MUST_MATCH = (
+    "model",
+    "n_layers",
+    "hidden",
+    "n_heads",
+    "attention",
+    "data",
+    "dataset",
+    "tokenizer",
+    "seq_len",
+    "micro_batch",
+    "grad_accum",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+)
+
+
+def flag(name: str) -> str:
+    """The CLI flag of a TrainConfig field."""
+    return str(next(f.metadata["flag"] for f in dataclasses.fields(TrainConfig) if f.name == name))

@@ -1,0 +1,243 @@
+"""The training loop: AdamW, warm-up + cosine, metrics per step, checkpoints, exact resume, a sample.
+
+Everything random is reproducible from the seed: weights (``torch.manual_seed`` before building), the data
+order (a pure function of seed and step, see ``TokenStream``) and dropout (the global RNG, whose state every
+checkpoint saves). Recomputation replays dropout masks (``preserve_rng_state``), so runs under any policy
+produce the same losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from recompute.errors import require
+from recompute.spec import ModelSpec
+from recompute.train.checkpoint import load_latest, save_checkpoint
+from recompute.train.config import TrainConfig
+from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
+
+__all__ = ["RunResult", "StepMetrics", "build_spec", "lr_at", "train"]
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step."""
+
+    step: int
+    loss: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_bytes: int | None
+    """Peak memory of the step: the CUDA allocator's on a GPU; MemTracker's on the CPU (first step only)."""
+
+
+@dataclass
+class RunResult:
+    """What a run produced: its metrics, where it wrote them, and the sample."""
+
+    config: TrainConfig
+    spec: ModelSpec
+    metrics: list[StepMetrics] = field(default_factory=list)
+    sample: str = ""
+    resumed_from: int = 0
+
+    @property
+    def losses(self) -> list[float]:
+        return [m.loss for m in self.metrics]
+
+    @property
+    def peak_bytes(self) -> int | None:
+        peaks = [m.peak_bytes for m in self.metrics if m.peak_bytes is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def median_step_time(self) -> float:
+        """Median step time after two warm-up steps (the first also ran under MemTracker on the CPU)."""
+        times = sorted(m.step_time_s for m in self.metrics[2:]) or sorted(m.step_time_s for m in self.metrics)
+        return times[len(times) // 2]
+
+
+def build_spec(config: TrainConfig, vocab: int) -> ModelSpec:
+    """The preset with the size overrides and the tokenizer's vocabulary."""
+    overrides = {
+        k: v for k, v in (("n_layers", config.n_layers), ("hidden", config.hidden), ("n_heads", config.n_heads)) if v
+    }
+    spec = ModelSpec.from_name(config.model, **overrides, vocab=vocab, n_kv_heads=None)
+    require(
+        config.seq_len <= spec.max_positions,
+        f"--seq-len {config.seq_len} exceeds the model's {spec.max_positions} positions",
+    )
+    return spec
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to lr/10 at the last step."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _device(config: TrainConfig) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        require(torch.cuda.is_available(), "--device cuda was asked for but CUDA is not available; use --device cpu")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class _Peak:
+    """The peak bytes of one step: the CUDA allocator's, or MemTracker's on the CPU (``None`` when off)."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, on: bool) -> None:
+        self.device, self.bytes = device, None
+        self._tracker: Any = None
+        if device.type == "cpu" and on:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self._tracker = MemTracker()
+            self._tracker.track_external(model, opt)
+
+    def __enter__(self) -> _Peak:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        elif self._tracker is not None:
+            self._tracker.__enter__()
+        return self
+
+    def next_micro_batch(self) -> None:
+        """MemTracker follows one forward/backward per module: reset its module stats (the peak stays)."""
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            self.bytes = int(torch.cuda.max_memory_allocated())
+        elif self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self.bytes = int(self._tracker.get_tracker_snapshot("peak")[self.device]["Total"])
+
+
+def _step(
+    model: nn.Module, opt: torch.optim.Optimizer, stream: TokenStream, step: int, config: TrainConfig, peak: _Peak
+) -> float:
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, config)
+    device, total = peak.device, 0.0
+    for micro in range(config.grad_accum):
+        if micro:
+            peak.next_micro_batch()
+        x, y = stream.batch(
+            step=step, micro=micro, micro_batch=config.micro_batch, seq_len=config.seq_len, seed=config.seed
+        )
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+        with autocast:
+            _, loss = model(x.to(device), y.to(device))
+        (loss / config.grad_accum).backward()
+        total += loss.item() / config.grad_accum
+    if config.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def _progress(step: int, config: TrainConfig, m: StepMetrics) -> None:
+    peak = f" peak {m.peak_bytes / 2**20:.0f} MiB" if m.peak_bytes else ""
+    line = f"step {step + 1}/{config.steps} loss {m.loss:.4f} {m.tokens_per_s:,.0f} tok/s{peak}"
+    if sys.stderr.isatty():
+        print("\r" + line.ljust(72), end="", file=sys.stderr, flush=True)
+    elif step == 0 or (step + 1) % max(1, config.steps // 10) == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _write_metrics(path: Path, metrics: list[StepMetrics]) -> None:
+    path.write_text("".join(json.dumps(m.__dict__) + "\n" for m in metrics))
+
+
+def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, quiet: bool = False) -> RunResult:
+    """Train per ``config``; returns the metrics. ``on_step(step)`` runs after each step's checkpoint.
+
+    Raises:
+        ConfigError: bad data, a sequence longer than the model's positions, or a --resume without a usable
+            checkpoint (never a silent restart from scratch).
+    """
+    from recompute.apply import apply
+    from recompute.models import build_model
+
+    device, out = _device(config), Path(config.out)
+    text = load_text(config.data, config.dataset, seed=config.seed)
+    tok = make_tokenizer(config.tokenizer, text)
+    stream = TokenStream(torch.tensor(tok.encode(text), dtype=torch.long))
+    spec = build_spec(config, tok.vocab_size)
+    torch.manual_seed(config.seed)
+    model = build_model(spec, attention=config.attention, device=device)
+    apply(model, config.policy)
+    opt = _optimizer(model, config)
+    result = RunResult(config=config, spec=spec)
+    start = 0
+    if config.resume:
+        start, metrics = load_latest(out, config, model, opt)
+        result.metrics, result.resumed_from = [StepMetrics(**m) for m in metrics], start
+    out.mkdir(parents=True, exist_ok=True)
+    model.train()
+    for step in range(start, config.steps):
+        t0 = time.perf_counter()
+        with _Peak(model, opt, device, on=step == 0) as peak:
+            loss = _step(model, opt, stream, step, config, peak)
+        dt = time.perf_counter() - t0
+        tokens = config.micro_batch * config.seq_len * config.grad_accum
+        m = StepMetrics(step, loss, lr_at(step, config), dt, tokens / dt, peak.bytes)
+        require(math.isfinite(loss), f"the loss became {loss} at step {step}; lower --lr")
+        result.metrics.append(m)
+        _write_metrics(out / "metrics.jsonl", result.metrics)
+        if not quiet:
+            _progress(step, config, m)
+        done = step + 1
+        if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
+            save_checkpoint(out, done, config, model, opt, [x.__dict__ for x in result.metrics])
+        if on_step is not None:
+            on_step(step)
+    if not quiet and sys.stderr.isatty():
+        print(file=sys.stderr)
+    result.sample = sample(model, tok, config, device)
+    (out / "sample.txt").write_text(result.sample + "\n")
+    return result
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module, tok: Tokenizer, config: TrainConfig, device: torch.device, prompt: str = "Once upon a time"
+) -> str:
+    """Generate ``config.sample_tokens`` tokens after ``prompt`` (temperature 0.8, top-40, seeded)."""
+    was_training = model.training
+    model.eval()
+    g = torch.Generator(device=device).manual_seed(config.seed)
+    ids = torch.tensor([tok.encode(prompt)], dtype=torch.long, device=device)
+    for _ in range(config.sample_tokens):
+        logits, _ = model(ids[:, -config.seq_len :])
+        logits = logits[:, -1, :].float() / 0.8  # (1, v)
+        top = torch.topk(logits, min(40, logits.size(-1)))
+        probs = torch.softmax(top.values, dim=-1)
+        choice = top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))
+        ids = torch.cat([ids, choice], dim=1)
+    model.train(was_training)
+    return tok.decode(ids[0].tolist())
