@@ -14,10 +14,9 @@ def readme_commands() -> list[str]:
 
 def test_readme_opens_with_setup_and_test_commands() -> None:
     main_job, tests = readme_commands()
-    for command in (main_job, tests):
-        assert command.startswith("python -m pip install torch==2.13.0 ")
-    assert "recompute " in main_job
-    assert "scripts/check" in tests
+    assert main_job.startswith("python -m pip install torch==2.13.0 ") and "recompute " in main_job
+    assert tests == "bash scripts/install-test-deps && bash scripts/check"
+    assert "torch==2.13.0" in (ROOT / "scripts" / "install-test-deps").read_text()
 
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:

@@ -249,10 +249,16 @@ def _fitting(points: Sequence[FrontierPoint], budget: float) -> FrontierPoint | 
     return min(fits, key=lambda p: (p.cost, p.peak)) if fits else None
 
 
-def best_uniform(spec: ModelSpec, wl: Workload, budget: float) -> tuple[Policy, Estimate] | None:
-    """The cheapest 'policy on every k-th layer' setting that fits (what HF and torchtitan offer), or None."""
+def best_uniform(
+    spec: ModelSpec, wl: Workload, budget: float, *, names: Sequence[str] = ("block",)
+) -> tuple[Policy, Estimate] | None:
+    """The cheapest 'recompute every k-th layer' setting that fits, or None.
+
+    With the default ``names=("block",)`` this is what HF (``every_n_layers``) and torchtitan's former
+    selective-layer option offer; pass ``POLICIES`` to search every policy on every k-th layer.
+    """
     best: tuple[Policy, Estimate] | None = None
-    for name in POLICIES:
+    for name in names:
         for every in range(1, spec.n_layers + 1):
             pol = Policy(name, every=every)
             est = estimate(spec, wl, pol)

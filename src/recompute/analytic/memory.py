@@ -11,9 +11,11 @@ to the paper's Eq. 1, sbh(34 + 5as/h), plus the LayerNorm statistics the paper l
 - grouped-query attention stores K and V at n_kv_heads * head_dim, not h;
 - SwiGLU stores four d_ff-wide tensors (gate, up, silu(gate), their product) where GELU stores two;
 - ``eager`` attention stores the softmax (and, with dropout, its mask and output): the s^2 terms;
-  ``flash`` (SDPA / FlashAttention) stores only the output and a per-row fp32 log-sum-exp;
-- LayerNorm keeps its input and fp32 mean and rstd; RMSNorm on the CPU (a composite of ATen ops) keeps its
-  input, its normalised output and rstd, and on CUDA (the fused kernel) its input and an fp32 rstd.
+  ``flash`` (SDPA / FlashAttention) stores only the output and a per-row fp32 log-sum-exp, except on the CPU
+  with dropout, where SDPA falls back to its math path (fp32 Q/K/V, softmax, mask and dropout output);
+- LayerNorm keeps its input and mean and rstd (fp32 on CUDA, the input dtype on the CPU); RMSNorm on the CPU
+  (a composite of ATen ops that upcasts to fp32) keeps the fp32 input, the fp32 normalised output and an fp32
+  rstd, and on CUDA (the fused kernel) its input and an fp32 rstd.
 
 Tensor parallelism divides the head- and d_ff-sharded tensors by t; without sequence parallelism the norm
 inputs, the inputs of the first linears and the residual dropout masks stay whole on every rank (the paper's
@@ -45,7 +47,8 @@ class LayerActivations:
     qkv: float
     """Q and K for QK^T, V for attention over V: 6sbh (GQA: K and V at kv_dim)."""
     scores: float
-    """eager: softmax output, its dropout mask and dropout output (5as^2b); flash: the fp32 log-sum-exp."""
+    """eager: softmax output, its dropout mask and dropout output (5as^2b); flash: the fp32 log-sum-exp (with
+    dropout on the CPU, SDPA's math path: fp32 softmax, mask, dropout output and q/k/v copies, less q/k/v)."""
     attn_out: float
     """Input of the attention output projection (the attention result): 2sbh."""
     attn_drop: float
@@ -57,9 +60,9 @@ class LayerActivations:
     mlp_drop: float
     """Dropout mask after the MLP: sbh."""
     norms: float
-    """The two norms' saved inputs (and RMSNorm's normalised output on the CPU): 4sbh."""
+    """The two norms' saved inputs (and RMSNorm's normalised output on the CPU, both in fp32): 4sbh."""
     norm_stats: float
-    """The norms' per-token statistics (mean/rstd), which the paper leaves out: 16sb for LayerNorm."""
+    """The norms' per-token statistics (mean/rstd), which the paper leaves out: 16sb for LayerNorm on CUDA."""
     layer_in: float
     """The layer input, the one tensor full recomputation keeps (it is the first norm's saved input)."""
     workspace: float
@@ -114,13 +117,19 @@ def _mask_bytes(spec: ModelSpec, wl: Workload) -> int:
 
 
 def _norm_bytes(spec: ModelSpec, wl: Workload, sbh: float) -> tuple[float, float]:
-    """(saved tensor bytes, statistics bytes) of one norm over an (s, b, h) input."""
+    """(saved tensor bytes, statistics bytes) of one norm over an (s, b, h) input (checked by the trace)."""
     sb = sbh / spec.hidden
     if spec.norm == "layernorm":
-        return wl.e * sbh, 2 * 4 * sb  # input; fp32 mean and rstd
+        stats = 4 if wl.device == "cuda" else wl.e  # the CPU kernel keeps mean and rstd in the input dtype
+        return wl.e * sbh, 2 * stats * sb  # input; mean and rstd
     if wl.device == "cpu":
-        return 2 * wl.e * sbh, wl.e * sb  # input and normalised output; rstd in the input dtype
+        return 2 * 4 * sbh, 4 * sb  # the composite upcasts: fp32 input and normalised output; fp32 rstd
     return wl.e * sbh, 4 * sb  # fused kernel: input; fp32 rstd
+
+
+def _sdpa_math_on_cpu(spec: ModelSpec, wl: Workload) -> bool:
+    """Whether SDPA runs its math path: on the CPU no fused kernel takes dropout."""
+    return wl.attention == "flash" and wl.device == "cpu" and spec.dropout > 0
 
 
 def layer_activations(spec: ModelSpec, wl: Workload) -> LayerActivations:
@@ -129,9 +138,16 @@ def layer_activations(spec: ModelSpec, wl: Workload) -> LayerActivations:
     f, r = spec.ffn, (t if wl.sp else 1)  # r divides what sequence parallelism splits and TP alone does not
     sbh, sb = s * b * h, s * b
     m = _mask_bytes(spec, wl)
+    qkv = e * sb * (spec.q_dim + 2 * spec.kv_dim) / t
     if wl.attention == "eager":
         scores = (e + (m + e if m else 0)) * a * s * s * b / t  # softmax out (+ dropout mask and output)
         attn_grad = 2 * e * a * s * s * b / t  # dP and dS of the (b, a, s, s) scores in backward
+    elif _sdpa_math_on_cpu(spec, wl):
+        # Note: [SDPA with dropout on the CPU] the math path upcasts to fp32 and repeats K/V to all heads; it
+        # keeps fp32 copies of q, k, v (not q, k, v themselves) and the fp32 softmax, mask and dropout output.
+        # ``scores`` is what the core keeps beyond its inputs, so core_attn (which keeps q, k, v) still drops it.
+        scores = (3 * 4 * a * s * s * b + 4 * sb * 3 * spec.q_dim) / t - qkv
+        attn_grad = 2 * 4 * a * s * s * b / t
     else:
         scores = 4 * a * s * b / t  # fp32 log-sum-exp per row: (b, a, s)
         attn_grad = 0.0
@@ -139,7 +155,7 @@ def layer_activations(spec: ModelSpec, wl: Workload) -> LayerActivations:
     norm_saved, norm_stats = _norm_bytes(spec, wl, sbh)
     return LayerActivations(
         attn_in=e * sbh / r,
-        qkv=e * sb * (spec.q_dim + 2 * spec.kv_dim) / t,
+        qkv=qkv,
         scores=scores,
         attn_out=e * sb * spec.q_dim / t,
         attn_drop=m * sbh / r,

@@ -108,7 +108,8 @@ class _Peak:
     """The peak bytes of one step: the CUDA allocator's, or MemTracker's on the CPU (``None`` when off)."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, on: bool) -> None:
-        self.device, self.bytes = device, None
+        self.device = device
+        self.bytes: int | None = None
         self._tracker: Any = None
         if device.type == "cpu" and on:
             from torch.distributed._tools.mem_tracker import MemTracker
@@ -180,7 +181,7 @@ def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, 
         ConfigError: bad data, a sequence longer than the model's positions, or a --resume without a usable
             checkpoint (never a silent restart from scratch).
     """
-    from recompute.apply import apply
+    from recompute.checkpointing import apply
     from recompute.models import build_model
 
     device, out = _device(config), Path(config.out)

@@ -1,0 +1,393 @@
+"""``apply(model, policy)``: switch a recomputation policy on for a model, in place, in one line.
+
+Every region a policy recomputes (a whole layer, its attention or MLP sub-block, or its core attention) gets
+an instance-level replacement of the method that runs it (``forward``, or the attention's ``core``) that
+calls the original through non-reentrant ``torch.utils.checkpoint``, with a selective-checkpointing context
+when the policy lists ops to save and ``save_on_cpu`` when it offloads. Parameters and module names are left
+alone, so ``state_dict()`` keys do not change; module hooks stay outside the checkpoint (as in transformers
+5), and applying again (``none`` included) first restores every original method.
+
+Hugging Face attention modules have no ``core``: for ``core_attn`` the selected modules get a private copy of
+their config whose ``_attn_implementation`` names a function registered with transformers'
+``AttentionInterface``; it checkpoints the implementation the model was using (eager, sdpa, ...).
+
+Offloading moves what each checkpoint keeps (its inputs) to CPU memory with ``save_on_cpu``; with a save-list,
+the op outputs that selective checkpointing keeps stay where they are (its cache bypasses saved-tensor hooks).
+
+Order with other transforms (torchtitan): ``apply``, then ``torch.compile``, then FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import os
+import re
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from recompute.errors import ConfigError
+from recompute.policy import Policy
+
+__all__ = ["REGIONS", "applied_policy", "apply", "find_layers"]
+
+REGIONS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "core_attn": ("core",),
+    "attn": ("attn",),
+    "mlp": ("mlp",),
+    "attn+mlp": ("attn", "mlp"),
+    "block": ("block",),
+}
+"""What each policy wraps in one layer: ``block`` (the layer), ``attn``/``mlp`` (sub-blocks), ``core``."""
+
+_SAVED = "_recompute_saved"  # per module: {attribute: the instance value it had, or None for the class's}
+_OPTIONS = "_recompute_options"  # per module: the _Options its wrapped methods use
+_POLICY = "_recompute_policy"  # on the root module: the Policy applied
+_HF_IMPL = "recompute_core_attn"  # our name in transformers' AttentionInterface
+_ATTN = re.compile(r"attn|attention", re.IGNORECASE)
+_MLP = re.compile(r"mlp|ffn|feed_?forward|moe|experts", re.IGNORECASE)
+
+
+def apply(
+    model: nn.Module,
+    policy: str | Policy | os.PathLike[str],
+    *,
+    layers: str | None = None,
+    attn: str | None = None,
+    mlp: str | None = None,
+) -> None:
+    """Make ``model`` recompute what ``policy`` says, in place; ``none`` restores the plain model.
+
+    Args:
+        model: recompute's ``GPT``/``Llama``, a Hugging Face decoder-only model, or any model with an
+            ``nn.ModuleList`` of identical layers (attention and MLP sub-modules needed for all but ``block``).
+        policy: a policy name, a ``Policy``, or the path of a policy/plan JSON file.
+        layers: dotted path of the layer list, when it cannot be found (e.g. ``"transformer.h"``).
+        attn, mlp: child names of the attention and MLP sub-modules in a layer, when they cannot be found.
+
+    Raises:
+        ConfigError: a plan made for another model or another layer count, layers or sub-modules that cannot
+            be found, unknown ops to save, or Hugging Face's own checkpointing already switched on.
+    """
+    pol = _as_policy(policy)
+    _check_plan_model(pol, model)
+    stack = find_layers(model, path=layers)
+    names = pol.per_layer(len(stack))
+    if any(n != "none" for n in names):
+        _refuse_hf_checkpointing(model)
+    options = _Options(save=_save_list(pol.save_ops), offload=pol.offload)
+    targets = [_region_targets(block, name, attn, mlp) for block, name in zip(stack, names)]  # check all first
+    _restore(model)
+    for layer_targets in targets:
+        for module, method in layer_targets:
+            _wrap(module, method, options)
+    setattr(model, _POLICY, pol)
+
+
+def applied_policy(model: nn.Module) -> Policy | None:
+    """The policy ``apply`` last put on ``model``, or ``None``."""
+    return getattr(model, _POLICY, None)
+
+
+# --- finding the layers -----------------------------------------------------------------------------------
+
+
+def find_layers(model: nn.Module, *, path: str | None = None) -> nn.ModuleList:
+    """The model's transformer layers: the ``nn.ModuleList`` of identical blocks holding the most parameters.
+
+    Found by structure, so any decoder-only model with a layer list works (``layers`` in recompute's models,
+    ``transformer.h`` in GPT-2, ``model.layers`` in Llama, ...). ``path`` names it explicitly.
+
+    Raises:
+        ConfigError: no such list (the message lists the candidates and how to name the right one).
+    """
+    if path is not None:
+        try:
+            found = model.get_submodule(path)
+        except AttributeError:
+            found = None
+        if not isinstance(found, nn.ModuleList):
+            raise ConfigError(
+                f"{path!r} is not an nn.ModuleList in {type(model).__name__}; candidates: {_candidates(model)}"
+            )
+        return found
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and _is_layer_stack(m)]
+    if not stacks:
+        raise ConfigError(
+            f"found no transformer layers in {type(model).__name__} (an nn.ModuleList of identical blocks with "
+            f"parameters); candidates: {_candidates(model)}; name the list with apply(model, policy, layers='<path>')"
+        )
+    return max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def _is_layer_stack(m: nn.ModuleList) -> bool:
+    blocks = list(m.children())
+    return bool(blocks) and len({type(b) for b in blocks}) == 1 and all(_has_params(b) for b in blocks)
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _candidates(model: nn.Module, limit: int = 8) -> str:
+    """Module lists and containers a user might mean, e.g. ``transformer.h (ModuleList of 12 GPT2Block)``."""
+    rows = [
+        f"{name} ({type(m).__name__} of {len(m)} {type(next(iter(m.children()))).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
+    ]
+    rows = rows or [f"{name} ({type(m).__name__})" for name, m in model.named_children()]
+    return ", ".join(rows[:limit]) + (f", ... ({len(rows) - limit} more)" if len(rows) > limit else "") or "none"
+
+
+def _region_targets(block: nn.Module, policy: str, attn: str | None, mlp: str | None) -> list[tuple[nn.Module, str]]:
+    """``(module, attribute)`` pairs to wrap in one layer for ``policy`` (``forward``, ``core`` or ``config``)."""
+    targets = []
+    for region in REGIONS[policy]:
+        if region == "block":
+            targets.append((block, "forward"))
+        elif region == "mlp":
+            targets.append((_sub_block(block, "mlp", attn, mlp), "forward"))
+        else:
+            attn_module = _sub_block(block, "attn", attn, mlp)
+            if region == "attn":
+                targets.append((attn_module, "forward"))
+            else:
+                has_core = callable(getattr(attn_module, "core", None))
+                targets.append((attn_module, "core" if has_core else _hf_core_target(attn_module)))
+    return targets
+
+
+def _sub_block(block: nn.Module, which: str, attn: str | None, mlp: str | None) -> nn.Module:
+    """The attention (``which="attn"``) or MLP child of a layer: by name pattern, the MLP also by elimination."""
+    children = {n: c for n, c in block.named_children() if _has_params(c)}
+    layers = [n for n, c in children.items() if not all(p.dim() == 1 for p in c.parameters())]  # not norms
+    attn = attn or _only([n for n in layers if _ATTN.search(n) and "cross" not in n.lower()])
+    if which == "mlp":
+        rest = [n for n in layers if n != attn]
+        mlp = mlp or _only([n for n in rest if _MLP.search(n)]) or (_only(rest) if attn else None)
+    name = attn if which == "attn" else mlp
+    if name not in children:
+        what = "attention" if which == "attn" else "MLP"
+        raise ConfigError(
+            f"cannot find the {what} sub-module of {type(block).__name__} (one child module); its children are "
+            f"{', '.join(dict(block.named_children())) or 'none'}; name it with apply(model, policy, {which}='<child>')"
+        )
+    return children[name]
+
+
+def _only(names: list[str]) -> str | None:
+    return names[0] if len(names) == 1 else None
+
+
+# --- wrapping ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How a wrapped region is checkpointed."""
+
+    save: tuple[Any, ...] | None
+    """Ops whose outputs selective checkpointing keeps (every overload spelled out), or None for plain AC."""
+    offload: bool
+
+
+def _save_list(names: tuple[str, ...] | None) -> tuple[Any, ...] | None:
+    """``aten.mm``, ``aten::mm``, ``torch.ops.aten.mm`` or ``aten.mm.default`` -> op overloads to save."""
+    if not names:
+        return None
+    return tuple(op for name in names for op in _resolve_op(name))
+
+
+def _resolve_op(name: str) -> list[Any]:
+    parts = name.removeprefix("torch.ops.").replace("::", ".").split(".")
+    try:
+        if len(parts) not in (2, 3):
+            raise AttributeError(name)
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        overloads = [parts[2]] if len(parts) == 3 else packet.overloads()
+        return [getattr(packet, o) for o in overloads]
+    except (AttributeError, RuntimeError) as e:
+        raise ConfigError(f"{name!r} is not an operator; name ops to save like 'aten.mm' or 'aten.mm.default'") from e
+
+
+def _wrap(module: nn.Module, method: str, options: _Options) -> None:
+    saved = module.__dict__.setdefault(_SAVED, {})
+    saved.setdefault(method, module.__dict__.get(method))
+    module.__dict__[_OPTIONS] = options
+    if method == "config":
+        module.config = _hf_local_config(module.config)
+    else:
+        setattr(module, method, types.MethodType(_WRAPPERS[method], module))
+
+
+def _restore(model: nn.Module) -> None:
+    for m in model.modules():
+        for name, original in m.__dict__.pop(_SAVED, {}).items():
+            if original is None:
+                delattr(m, name)
+            else:
+                setattr(m, name, original)
+        m.__dict__.pop(_OPTIONS, None)
+    model.__dict__.pop(_POLICY, None)
+
+
+def _original(module: nn.Module, method: str) -> Callable[..., Any]:
+    instance = getattr(module, _SAVED)[method]
+    return instance if instance is not None else getattr(type(module), method).__get__(module, type(module))
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return _run(self, _original(self, "forward"), args, kwargs)
+
+
+def _checkpointed_core(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return _run(self, _original(self, "core"), args, kwargs)
+
+
+_WRAPPERS = {"forward": _checkpointed_forward, "core": _checkpointed_core}
+
+
+def _run(module: nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call ``fn`` through non-reentrant checkpoint when autograd records (plain call otherwise)."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    options: _Options = getattr(module, _OPTIONS)
+    args, kwargs = _without_caches(args, kwargs)
+    # Keyword arguments are bound, not passed through: checkpoint reserves some names for itself.
+    call = functools.partial(fn, **kwargs) if kwargs else fn
+    with _offload(options.offload):
+        if options.save is None:
+            return checkpoint(call, *args, use_reentrant=False)
+        # Built here, not stored: torch.compile accepts a context_fn only as a function or a partial it sees made.
+        sac = functools.partial(create_selective_checkpoint_contexts, list(options.save))
+        return checkpoint(call, *args, use_reentrant=False, context_fn=sac)
+
+
+def _without_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Drop key/value caches: replaying a layer would append its keys and values to the cache a second time."""
+    args = tuple(None if _is_cache(a) else a for a in args)
+    kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _is_cache(x: Any) -> bool:
+    return callable(getattr(x, "get_seq_length", None)) and callable(getattr(x, "update", None))
+
+
+def _offload(on: bool) -> contextlib.AbstractContextManager[Any]:
+    """Keep the checkpoint's saved inputs in (pinned, when there is a GPU) CPU memory until the backward."""
+    if not on:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+# --- policies, plans and Hugging Face specifics -----------------------------------------------------------
+
+
+def _as_policy(policy: str | Policy | os.PathLike[str]) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, os.PathLike):
+        return Policy.load(os.fspath(policy))
+    if isinstance(policy, str):
+        return Policy.parse(policy)
+    raise ConfigError(f"expected a policy name, a Policy or a plan file path; got {type(policy).__name__}")
+
+
+def _check_plan_model(pol: Policy, model: nn.Module) -> None:
+    """Refuse a plan made for another model (names compared loosely: ``meta-llama/Llama-3.1-8B`` = ``llama3.1-8b``)."""
+    if pol.model is None:
+        return
+    name, family = _model_identity(model)
+    want = _squash(pol.model)
+    if (name and want != _squash(name)) or (not name and family and not want.startswith(_squash(family))):
+        raise ConfigError(
+            f"the plan was made for {pol.model!r} but this model is {name or family!r}; "
+            "make a plan for this model, or drop the plan's 'model' field"
+        )
+
+
+def _model_identity(model: nn.Module) -> tuple[str, str]:
+    """(name, family): ``spec.name`` of recompute's models; HF's ``name_or_path`` and ``model_type``."""
+    spec = getattr(model, "spec", None)
+    if spec is not None:
+        return str(getattr(spec, "name", "")), ""
+    config = getattr(model, "config", None)
+    return str(getattr(config, "name_or_path", "") or ""), str(getattr(config, "model_type", "") or "")
+
+
+def _squash(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.rsplit("/", 1)[-1].lower())
+
+
+def _refuse_hf_checkpointing(model: nn.Module) -> None:
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ConfigError(
+            "the model has Hugging Face activation checkpointing switched on, which would recompute layers twice; "
+            "call model.gradient_checkpointing_disable() before recompute.apply"
+        )
+
+
+def _hf_core_target(attn: nn.Module) -> str:
+    """Check that ``attn`` dispatches through transformers' AttentionInterface; the attribute to wrap."""
+    config = _hf_config(attn)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        raise ConfigError(
+            f"core_attn needs the attention module to have a core(q, k, v) method or a Hugging Face config; "
+            f"{type(attn).__name__} has neither; use the 'attn' policy instead"
+        )
+    _hf_attention_function(attn, config._attn_implementation)  # fails now, not in the forward
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_HF_IMPL, _hf_core_attention)
+    return "config"
+
+
+def _hf_local_config(config: Any) -> Any:
+    local = copy.deepcopy(config)  # deep: the setter also rewrites sub-configs, which a shallow copy shares
+    local._attn_implementation = _HF_IMPL
+    return local
+
+
+def _hf_config(attn: nn.Module) -> Any:
+    """The attention module's own config (not the copy ``apply`` may have given it)."""
+    return attn.__dict__.get(_SAVED, {}).get("config") or getattr(attn, "config", None)
+
+
+def _hf_core_attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The AttentionInterface entry: run the model's own attention function under checkpoint."""
+    impl = getattr(module, _SAVED)["config"]._attn_implementation
+    return _run(module, _hf_attention_function(module, impl), (module, *args), kwargs)
+
+
+def _hf_attention_function(module: nn.Module, impl: str | None) -> Callable[..., Any]:
+    if impl in (None, "eager"):
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise ConfigError(
+                f"{type(module).__name__} uses eager attention but its module has no eager_attention_forward; "
+                "use the 'attn' policy instead"
+            )
+        return fn
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _iter_wrapped(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """(module, attribute) pairs ``apply`` has replaced; for tests and debugging."""
+    for m in model.modules():
+        for name in m.__dict__.get(_SAVED, {}):
+            yield m, name

@@ -1,0 +1,56 @@
+"""Reference models, built from a ``ModelSpec``: GPT-2 (``GPT``) and Llama (``Llama``).
+
+Both expose ``model.layers`` (an ``nn.ModuleList`` of pre-norm blocks with ``norm1``, ``attn``, ``norm2``,
+``mlp``), an attention ``core(q, k, v)`` that ``core_attn`` recomputes, and
+``forward(idx, targets=None) -> (logits, loss_or_None)``.
+
+Example:
+    >>> from recompute import ModelSpec
+    >>> model = build_model(ModelSpec(hidden=64, n_layers=2, n_heads=4, vocab=128, max_positions=32))
+    >>> type(model).__name__, len(model.layers)
+    ('GPT', 2)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recompute.errors import ConfigError, one_of
+from recompute.models.core import ATTENTION
+from recompute.models.gpt import GPT
+from recompute.models.llama import Llama
+from recompute.spec import ModelSpec
+
+__all__ = ["ATTENTION", "GPT", "Llama", "build_model"]
+
+
+def build_model(
+    spec: ModelSpec,
+    *,
+    attention: str = "eager",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """A randomly initialised reference model for ``spec``: ``GPT`` for a GELU MLP, ``Llama`` for SwiGLU.
+
+    Args:
+        spec: the model's shape; GPT needs learned positions, Llama rotary ones.
+        attention: ``eager`` (math written out, saves the s^2 softmax) or ``flash``
+            (``F.scaled_dot_product_attention``).
+        dtype: parameter (and so activation) dtype.
+        device: where the parameters live; built there directly.
+
+    Raises:
+        ConfigError: an unknown attention, or a position kind the architecture does not have.
+    """
+    one_of("attention", attention, ATTENTION)
+    cls, position = (GPT, "learned") if spec.mlp == "gelu" else (Llama, "rotary")
+    if spec.position != position:
+        raise ConfigError(
+            f"{cls.__name__} ({spec.mlp} MLP) uses {position} positions but the spec asks for {spec.position}; "
+            f"set position={position!r}"
+        )
+    with torch.device(device):
+        model = cls(spec, attention=attention)
+    return model.to(dtype=dtype)

@@ -1,0 +1,102 @@
+"""Pieces both reference models share: core attention (eager math or SDPA), the pre-norm block, the loss.
+
+What autograd saves here is what ``recompute.analytic.memory`` counts, tensor for tensor, so the analytic
+model can be checked against these modules (see tests/test_apply_memory.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from recompute.spec import ModelSpec
+
+__all__ = ["ATTENTION", "Block", "causal_attention", "init_weights", "lm_output", "make_norm"]
+
+ATTENTION = ("eager", "flash")
+"""``eager``: the math written out, saving the s^2 softmax; ``flash``: ``F.scaled_dot_product_attention``."""
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, *, impl: str, dropout_p: float) -> Tensor:
+    """Causal attention of ``q`` over ``k``/``v``; the core that the ``core_attn`` policy recomputes.
+
+    Args:
+        q: queries, (b, a, s, dh).
+        k, v: keys and values, (b, kv, s, dh) with kv dividing a (query head j reads KV head j // (a / kv)).
+        impl: ``eager`` or ``flash``.
+        dropout_p: dropout on the attention probabilities (pass 0.0 outside training).
+
+    Returns:
+        The attention output, (b, a, s, dh).
+    """
+    if impl == "flash":
+        gqa = k.size(1) != q.size(1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    return _eager_attention(q, k, v, dropout_p)
+
+
+def _eager_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    b, a, s, dh = q.shape
+    kv = k.size(1)
+    g = a // kv
+    # Note: [GQA without repeating K/V] the g query heads that share one KV head are folded into the
+    # sequence dimension, so the matmuls read the unexpanded K and V and autograd saves them at kv_dim.
+    q = q.reshape(b, kv, g * s, dh)  # (b, kv, g*s, dh)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))  # (b, kv, g*s, s)
+    att = att + _causal_bias(s, g, att.dtype, att.device)  # an add saves nothing; masked_fill would save the mask
+    att = F.softmax(att, dim=-1)  # saved: (b, a, s, s) in the activation dtype
+    if dropout_p > 0.0:
+        att = F.dropout(att, p=dropout_p, training=True)  # saved: its mask, and its output for att @ v
+    y = att @ v  # (b, kv, g*s, dh)
+    return y.view(b, a, s, dh)
+
+
+def _causal_bias(s: int, g: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive causal mask for g query groups stacked along the rows: (g*s, s), -inf above the diagonal."""
+    return torch.full((s, s), float("-inf"), dtype=dtype, device=device).triu(1).repeat(g, 1)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer layer: ``x = x + attn(norm1(x)); x = x + mlp(norm2(x))``.
+
+    Extra positional arguments (Llama's rotary tables) go to ``attn``. Dropout on the residual branches lives
+    inside ``attn`` and ``mlp``, so recomputing a sub-block replays its masks too.
+    """
+
+    def __init__(self, norm1: nn.Module, attn: nn.Module, norm2: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
+
+    def forward(self, x: Tensor, *extra: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x), *extra)
+        return x + self.mlp(self.norm2(x))
+
+
+def lm_output(logits: Tensor, targets: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``(logits, loss)``: the loss is fp32 cross-entropy over all positions, ``None`` without targets."""
+    if targets is None:
+        return logits, None
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    return logits, loss
+
+
+def init_weights(module: nn.Module, *, n_layers: int) -> None:
+    """GPT-2 initialisation (nanoGPT): N(0, 0.02), zero biases, output projections scaled by 1/sqrt(2L)."""
+    for name, p in module.named_parameters():
+        if p.dim() < 2:
+            continue  # norms keep ones/zeros, biases are zeroed below
+        std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("c_proj.weight", "wo.weight", "w2.weight")) else 0.02
+        nn.init.normal_(p, mean=0.0, std=std)
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def make_norm(spec: ModelSpec) -> nn.Module:
+    """The spec's norm: LayerNorm (input, fp32 mean and rstd saved) or RMSNorm (``F.rms_norm``)."""
+    if spec.norm == "layernorm":
+        return nn.LayerNorm(spec.hidden, eps=spec.norm_eps, bias=spec.bias)
+    return nn.RMSNorm(spec.hidden, eps=spec.norm_eps)

@@ -1,0 +1,94 @@
+"""GPT-2, written for clarity in the spirit of nanoGPT (karpathy/nanoGPT model.py).
+
+LayerNorm, a GELU MLP, dropout on embeddings, attention probabilities and both residual branches, learned
+positions and tied embeddings. With ``attention="eager"`` one layer saves exactly what Korthikanti et al.
+2022 count (``recompute.analytic.layer_activations``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from recompute.errors import one_of
+from recompute.models.core import ATTENTION, Block, causal_attention, init_weights, lm_output, make_norm
+from recompute.spec import ModelSpec
+
+__all__ = ["GPT", "CausalSelfAttention", "GeluMLP"]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention with one fused Q/K/V projection."""
+
+    def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.kv_heads, spec.dh
+        self.split = (spec.q_dim, spec.kv_dim, spec.kv_dim)
+        self.c_attn = nn.Linear(spec.hidden, sum(self.split), bias=spec.bias)
+        self.c_proj = nn.Linear(spec.q_dim, spec.hidden, bias=spec.bias)
+        self.resid_dropout = nn.Dropout(spec.dropout)
+        self.dropout = spec.dropout
+        self.attention = one_of("attention", attention, ATTENTION)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.split, dim=2)  # saved: x, the c_attn input
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (b, a, s, dh)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
+        y = self.core(q, k, v)
+        y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*dh), a copy that c_proj saves
+        return self.resid_dropout(self.c_proj(y))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Core attention: QK^T, softmax, dropout, attention over V (or the SDPA call); (b, a, s, dh)."""
+        return causal_attention(q, k, v, impl=self.attention, dropout_p=self.dropout if self.training else 0.0)
+
+
+class GeluMLP(nn.Module):
+    """fc -> GELU -> proj -> dropout; saves the fc input, the GELU input and output, the dropout mask."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(spec.hidden, spec.ffn, bias=spec.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(spec.ffn, spec.hidden, bias=spec.bias)
+        self.dropout = nn.Dropout(spec.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model built from a ``ModelSpec`` (``spec.mlp == "gelu"``).
+
+    ``forward(idx, targets=None) -> (logits, loss_or_None)``; ``layers`` holds the blocks, each with
+    ``norm1``, ``attn``, ``norm2``, ``mlp``.
+    """
+
+    def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
+        super().__init__()
+        self.spec = spec
+        self.tok_emb = nn.Embedding(spec.vocab, spec.hidden)
+        self.pos_emb = nn.Embedding(spec.max_positions, spec.hidden)
+        self.drop = nn.Dropout(spec.dropout)
+        self.layers = nn.ModuleList(
+            Block(make_norm(spec), CausalSelfAttention(spec, attention=attention), make_norm(spec), GeluMLP(spec))
+            for _ in range(spec.n_layers)
+        )
+        self.norm = make_norm(spec)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        init_weights(self, n_layers=spec.n_layers)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # weight tying, as GPT-2 does
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits (b, s, v) for token ids ``idx`` (b, s), and the cross-entropy against ``targets``."""
+        s = idx.size(1)
+        if s > self.spec.max_positions:
+            raise ValueError(f"sequence of {s} tokens exceeds the {self.spec.max_positions} learned positions")
+        pos = torch.arange(s, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (b, s, h)
+        for layer in self.layers:
+            x = layer(x)
+        return lm_output(self.lm_head(self.norm(x)), targets)

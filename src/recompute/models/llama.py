@@ -1,0 +1,112 @@
+"""Llama, written for clarity (after meta-llama/llama and pytorch-labs/gpt-fast).
+
+RMSNorm (``F.rms_norm``), a SwiGLU MLP, grouped-query attention and rotary position embeddings; dropout
+only where the spec asks for it (the Llama presets have none). Eager attention never materialises repeated
+K/V: query heads of one KV group are folded into the sequence (``recompute.models.core``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from recompute.errors import one_of
+from recompute.models.core import ATTENTION, Block, causal_attention, init_weights, lm_output, make_norm
+from recompute.spec import ModelSpec
+
+__all__ = ["GroupedQueryAttention", "Llama", "SwiGLU", "apply_rotary", "rope_tables"]
+
+
+def rope_tables(s: int, dh: int, theta: float, *, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles for positions 0..s-1, each (s, dh), computed in fp32 then cast.
+
+    Built once per forward from ``theta`` (no position table to store or save: two (s, dh) tensors that
+    every layer shares).
+    """
+    inv_freq = theta ** (-torch.arange(0, dh, 2, device=device, dtype=torch.float32) / dh)  # (dh/2,)
+    angles = torch.outer(torch.arange(s, device=device, dtype=torch.float32), inv_freq)  # (s, dh/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (s, dh), Hugging Face's half-split layout
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` (..., s, dh) by the angles; saves only ``cos`` and ``sin`` (they need no gradient)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal self-attention with n_kv_heads key/value heads shared by groups of query heads, and RoPE."""
+
+    def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.kv_heads, spec.dh
+        self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.bias)
+        self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
+        self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
+        self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=spec.bias)
+        self.resid_dropout = nn.Dropout(spec.dropout)
+        self.dropout = spec.dropout
+        self.attention = one_of("attention", attention, ATTENTION)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (b, a, s, dh)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
+        y = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*dh), a copy that wo saves
+        return self.resid_dropout(self.wo(y))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Core attention over unexpanded K/V (eager) or SDPA with ``enable_gqa``; (b, a, s, dh)."""
+        return causal_attention(q, k, v, impl=self.attention, dropout_p=self.dropout if self.training else 0.0)
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``; saves x, the gate and up projections, silu(gate) and the product."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(spec.hidden, spec.ffn, bias=spec.bias)  # gate
+        self.w3 = nn.Linear(spec.hidden, spec.ffn, bias=spec.bias)  # up
+        self.w2 = nn.Linear(spec.ffn, spec.hidden, bias=spec.bias)  # down
+        self.dropout = nn.Dropout(spec.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class Llama(nn.Module):
+    """Llama language model built from a ``ModelSpec`` (``spec.mlp == "swiglu"``).
+
+    ``forward(idx, targets=None) -> (logits, loss_or_None)``; ``layers`` holds the blocks, each with
+    ``norm1``, ``attn``, ``norm2``, ``mlp``; every block also takes the rotary tables ``(cos, sin)``.
+    """
+
+    def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
+        super().__init__()
+        self.spec = spec
+        self.tok_emb = nn.Embedding(spec.vocab, spec.hidden)
+        self.drop = nn.Dropout(spec.dropout)
+        self.layers = nn.ModuleList(
+            Block(make_norm(spec), GroupedQueryAttention(spec, attention=attention), make_norm(spec), SwiGLU(spec))
+            for _ in range(spec.n_layers)
+        )
+        self.norm = make_norm(spec)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        init_weights(self, n_layers=spec.n_layers)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits (b, s, v) for token ids ``idx`` (b, s), and the cross-entropy against ``targets``."""
+        s = idx.size(1)
+        if s > self.spec.max_positions:
+            raise ValueError(f"sequence of {s} tokens exceeds the model's {self.spec.max_positions} positions")
+        x = self.drop(self.tok_emb(idx))  # (b, s, h)
+        cos, sin = rope_tables(s, self.spec.dh, self.spec.rope_theta, device=idx.device, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return lm_output(self.lm_head(self.norm(x)), targets)

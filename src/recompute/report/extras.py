@@ -1,0 +1,263 @@
+"""The report's optional sections: a plan file, bench results and a trace, read and checked against the model.
+
+Each function returns a plain JSON-ready dict that the page embeds under ``sections``; bad input raises a
+one-line ``ConfigError`` (unreadable file, not JSON, the wrong format, or made for another model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from recompute.analytic import Estimate, estimate, layer_activations
+from recompute.errors import ConfigError, require
+from recompute.policy import POLICIES, Policy
+from recompute.spec import ModelSpec
+from recompute.workload import Workload, build_workload
+
+__all__ = [
+    "PEAK_KEYS",
+    "TRACE_COMPONENTS",
+    "bench_section",
+    "describe_layers",
+    "load_json",
+    "plan_section",
+    "trace_section",
+    "trace_workload",
+]
+
+
+def load_json(path: str | Path, what: str, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``.
+
+    Raises:
+        ConfigError: the file cannot be read, is not JSON, or holds no object; ``what`` names the file's role
+            and ``fix`` says how to make a good one.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {str(path)!r}: {e.strerror}; {fix}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {str(path)!r} is not valid JSON ({e}); {fix}") from e
+    require(isinstance(data, dict), f"{what} {str(path)!r} must hold a JSON object; {fix}")
+    return data
+
+
+def describe_layers(layers: list[str] | tuple[str, ...]) -> str:
+    """Counts of each policy, most recomputing first: ``block x25, mlp x7``."""
+    counts = Counter(layers)
+    return ", ".join(f"{name} x{counts[name]}" for name in reversed(list(POLICIES)) if counts[name])
+
+
+def _check_model(found: object, spec: ModelSpec, what: str, path: str | Path) -> None:
+    require(
+        found == spec.name,
+        f"{what} {str(path)!r} is for model {found!r}, not {spec.name!r}; "
+        f"pass --model {found} or make it with --model {spec.name}",
+    )
+
+
+def _plan_workload(data: dict[str, Any], path: str | Path) -> Workload:
+    raw = data.get("workload")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"plan file {str(path)!r} has no workload; make it with `recompute plan -o`")
+    return build_workload(**raw)
+
+
+def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
+    """The plan per layer (policy and stored bytes) and its frontier, from a ``recompute plan -o`` file.
+
+    Stored bytes per layer and the plan's predicted peak and overhead are recomputed here from the analytic
+    model under the plan's own workload; the frontier and the uniform points are the planner's.
+
+    Raises:
+        ConfigError: unreadable file, not a plan, or a plan for another model (or layer count).
+    """
+    fix = "pass a file written by `recompute plan -o plan.json`"
+    data = load_json(path, "plan file", fix)
+    require(data.get("format") == "recompute.plan/1", f"{str(path)!r} is not a recompute plan file; {fix}")
+    _check_model(data.get("model"), spec, "plan file", path)
+    policy = Policy.from_dict(data)
+    if policy.model is not None:
+        _check_model(policy.model, spec, "the policy in plan file", path)
+    wl = _plan_workload(data, path)
+    layers = policy.per_layer(spec.n_layers)
+    la = layer_activations(spec, wl)
+    est = estimate(spec, wl, policy)
+    point = lambda p: {"peak": float(p["peak"]), "overhead": float(p["overhead"])}  # noqa: E731
+    try:
+        frontier = [dict(point(p), plan=describe_layers(p.get("layers", []))) for p in data.get("frontier", [])]
+        uniform = {name: point(p) for name, p in data.get("uniform", {}).items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"plan file {str(path)!r} has a malformed frontier ({e!r}); {fix}") from e
+    return {
+        "file": str(path),
+        "model": spec.name,
+        "workload": wl.to_dict(),
+        "budget": float(data.get("budget", 0.0)),
+        "cost_kind": str(data.get("cost_kind", "FLOPs")),
+        "layers": list(layers),
+        "stored": [la.stored(name) for name in layers],
+        "peak": est.peak,
+        "overhead": est.overhead,
+        "describe": policy.describe(),
+        "chosen": _chosen(data, est.peak, est.overhead),
+        "frontier": frontier,
+        "uniform": uniform,
+    }
+
+
+def _chosen(data: dict[str, Any], peak: float, overhead: float) -> dict[str, float]:
+    """The plan's point on its frontier, in the frontier's cost units (FLOPs or measured seconds)."""
+    predicted = data.get("predicted")
+    if not isinstance(predicted, dict):
+        predicted = {}
+    return {"peak": float(predicted.get("peak", peak)), "overhead": float(predicted.get("overhead", overhead))}
+
+
+PEAK_KEYS = ("peak_bytes", "peak", "max_memory_allocated")
+"""Keys a bench row may give its measured peak (bytes) under, first found wins."""
+
+
+def _measured_peak(row: dict[str, Any]) -> float | None:
+    value = next((row[k] for k in PEAK_KEYS if row.get(k) is not None), None)
+    return None if value is None else float(value)
+
+
+def bench_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
+    """Measured peak memory and step time per policy from a ``recompute bench`` result, with the predictions.
+
+    Reads ``{"model", "workload", "device", "results": [{"policy", "step_time_s", "peak_bytes"}, ...]}``
+    (``rows`` is accepted for ``results``). The predictions are the analytic ``estimate`` under the bench's own
+    workload; the measured overhead is each policy's step time over the ``none`` step time, minus one.
+
+    Raises:
+        ConfigError: unreadable file, no results, no workload, or results for another model.
+    """
+    fix = "pass a file written by `recompute bench --json`"
+    data = load_json(path, "bench results", fix)
+    if data.get("model") is not None:
+        _check_model(data["model"], spec, "bench results", path)
+    rows = data.get("results", data.get("rows"))
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "policy" in r for r in rows):
+        raise ConfigError(f"bench results {str(path)!r} hold no results with a policy; {fix}")
+    raw = data.get("workload")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"bench results {str(path)!r} have no workload; {fix}")
+    wl = build_workload(**raw)
+    times = {str(r["policy"]): r.get("step_time_s") for r in rows}
+    base = times.get("none")
+    out = []
+    for row in rows:
+        est = estimate(spec, wl, str(row["policy"]))
+        t = row.get("step_time_s")
+        out.append(
+            {
+                "policy": str(row["policy"]),
+                "measured_peak": _measured_peak(row),
+                "predicted_peak": est.peak,
+                "step_time_s": None if t is None else float(t),
+                "measured_overhead": float(t) / float(base) - 1 if t is not None and base else None,
+                "predicted_overhead": est.overhead,
+            }
+        )
+    device = str(data.get("device", ""))
+    return {"file": str(path), "model": spec.name, "device": device, "workload": wl.to_dict(), "rows": out}
+
+
+TRACE_COMPONENTS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer": "optimizer",
+    "attention": "attention",
+    "mlp": "MLP",
+    "norms": "norms",
+    "checkpoint": "checkpoints",
+    "other": "other (in a layer)",
+    "embedding": "embedding",
+    "head": "head and loss",
+    "peak": "peak",
+}
+"""What the trace section compares, key -> label."""
+_LAYER_PARTS = ("attention", "mlp", "norms", "checkpoint", "other")  # recompute.trace.COMPONENTS
+
+
+def trace_workload(wl: Workload, *, cuda: bool) -> Workload:
+    """The workload the trace runs and the analytic side is computed for: one rank (no parallelism), the CPU
+    unless CUDA is there, and parameters, gradients and AdamW state in the activation dtype, as the trace
+    keeps them (``bf16`` precision mode: 2 + 2 + 4 bytes per parameter; ``fp32``: 4 + 4 + 8)."""
+    return dataclasses.replace(
+        wl,
+        tp=1,
+        sp=False,
+        pp=1,
+        interleave=1,
+        n_microbatches=None,
+        dp=1,
+        device=wl.device if cuda else "cpu",
+        precision="fp32" if wl.dtype == "fp32" else "bf16",
+    )
+
+
+def _analytic_parts(est: Estimate) -> dict[str, float]:
+    act, st = est.activations, est.states
+    return {
+        "parameters": st.parameters,
+        "gradients": st.gradients,
+        "optimizer": st.optimizer,
+        **{k: act.get(k, 0.0) for k in ("attention", "mlp", "norms", "checkpoint", "embedding")},
+        "other": 0.0,
+        "head": act.get("head", 0.0) + act.get("logits", 0.0),
+        "peak": est.peak,
+    }
+
+
+def _traced_parts(result: Any) -> dict[str, float]:
+    layers = {c: float(sum(p.components.get(c, 0) for p in result.layers)) for c in _LAYER_PARTS}
+    return {
+        "parameters": result.parameters,
+        "gradients": result.gradients,
+        "optimizer": result.optimizer,
+        **layers,
+        "embedding": result.embedding.total,
+        "head": result.head.total,
+        "peak": result.peak,
+    }
+
+
+def trace_section(
+    spec: ModelSpec, wl: Workload, *, policies: tuple[str, ...] = tuple(POLICIES), layers: int | None = 2
+) -> dict[str, Any]:
+    """Trace one step of ``spec`` per policy (``recompute.trace``, fake tensors) next to the analytic bytes.
+
+    ``layers`` traced layers (and one more) are scaled to the model's; ``None`` traces them all. Imports torch.
+
+    Raises:
+        ConfigError: the trace cannot run this model or workload.
+    """
+    import torch
+
+    from recompute.trace import trace
+
+    twl = trace_workload(wl, cuda=torch.cuda.is_available())
+    scaled = layers if layers is not None and layers < spec.n_layers - 1 else None
+    rows: dict[str, Any] = {}
+    notes: tuple[str, ...] = ()
+    seconds = 0.0
+    for policy in policies:
+        result = trace(spec, twl, policy, layers=scaled)
+        rows[policy] = {"analytic": _analytic_parts(estimate(spec, twl, policy)), "traced": _traced_parts(result)}
+        notes, seconds = result.notes, seconds + result.seconds
+    return {
+        "model": spec.name,
+        "seq_len": twl.seq_len,
+        "workload": twl.to_dict(),
+        "components": dict(TRACE_COMPONENTS),
+        "policies": rows,
+        "notes": list(notes),
+        "seconds": seconds,
+    }

@@ -1,0 +1,19 @@
+"""``recompute trace``: every byte a training step allocates, from the real PyTorch step on fake tensors.
+
+The model runs forward, backward and an AdamW step under ``FakeTensorMode`` (nothing is allocated) while
+``StepTracker`` (MemTracker plus saved-tensor hooks) records parameters, gradients, optimizer state, what each
+layer saves for the backward (by component and by the op that reads it back) and the peak with its phase.
+
+Example:
+    >>> from recompute import ModelSpec, Workload
+    >>> from recompute.trace import trace
+    >>> r = trace(ModelSpec.from_name("gpt2"), Workload(seq_len=1024, device="cpu"), "block")
+    >>> r.layers[0].components
+    {'checkpoint': 1572864}
+"""
+
+from recompute.trace._render import render_trace
+from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
+from recompute.trace._run import trace, trace_layer, trace_module
+
+__all__ = ["COMPONENTS", "PartTrace", "TraceResult", "render_trace", "trace", "trace_layer", "trace_module"]

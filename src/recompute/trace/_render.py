@@ -1,0 +1,80 @@
+"""``render_trace``: a ``TraceResult`` as plain text tables."""
+
+from __future__ import annotations
+
+from recompute.render import render_table
+from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
+
+__all__ = ["render_trace"]
+
+
+def size(n: float) -> str:
+    """Bytes with four significant digits in B, KiB, MiB or GiB; ``-`` for zero."""
+    if n == 0:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}" if n / scale < 1000 else f"{n / scale:,.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _groups(r: TraceResult) -> list[tuple[str, str, PartTrace]]:
+    """Runs of consecutive layers with the same policy and bytes: (``layers 1-11``, policy, first of them)."""
+    runs: list[list[int]] = []
+    for j, part in enumerate(r.layers):
+        prev = runs[-1][-1] if runs else None
+        same = prev is not None and r.per_layer[prev] == r.per_layer[j] and r.layers[prev].components == part.components
+        if same:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    out = []
+    for run in runs:
+        label = f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}"
+        out.append((label, r.per_layer[run[0]], r.layers[run[0]]))
+    return out
+
+
+def _layer_table(r: TraceResult) -> str:
+    used = [c for c in COMPONENTS if any(p.components.get(c) for p in (*r.layers, r.embedding, r.head))]
+    rows = [[label, pol, *(size(p.components.get(c, 0)) for c in used), size(p.total)] for label, pol, p in _groups(r)]
+    for p in (r.embedding, r.head):
+        rows.append([p.name, "-", *(size(p.components.get(c, 0)) for c in used), size(p.total)])
+    return render_table(["saved by", "policy", *used, "total"], rows)
+
+
+def _ops_table(parts: list[PartTrace]) -> str:
+    ops = sorted({op for p in parts for op in p.ops}, key=lambda op: -max(p.ops.get(op, 0) for p in parts))
+    rows = [[op, *(size(p.ops.get(op, 0)) for p in parts)] for op in ops]
+    return render_table(["read back by", *(p.name for p in parts)], rows)
+
+
+def _title(r: TraceResult) -> str:
+    w = r.workload
+    how = f"traced {r.traced[0]} and {r.traced[1]} layers, scaled to {r.n_layers}" if r.scaled else "traced"
+    return (
+        f"{r.model}: b={w['micro_batch']} s={w['seq_len']} {w.get('dtype', '')} on {w['device']}, "
+        f"{w.get('attention', '')} attention, policy {r.policy} ({how} in {r.seconds:.1f} s)"
+    )
+
+
+def render_trace(r: TraceResult) -> str:
+    """The step's states, activations by layer and component, the ops that keep them, and the peak."""
+    last = r.layers[-1]
+    peak_parts = ", ".join(f"{k} {size(v)}" for k, v in r.peak_breakdown.items() if k != "Total")
+    lines = [
+        _title(r),
+        f"model states: parameters {size(r.parameters)}, gradients {size(r.gradients)}, "
+        f"optimizer {size(r.optimizer)}; buffers and batch {size(r.other)}",
+        f"saved for the backward: {size(r.activations)} (layers {size(r.layer_activations)}, "
+        f"embedding {size(r.embedding.total)}, head and loss {size(r.head.total)})",
+        f"peak: {size(r.peak)} during the {r.peak_phase} ({peak_parts})",
+        "",
+        _layer_table(r),
+        "",
+        _ops_table([last, r.embedding, r.head]),
+        "",
+        render_table(["phase", "largest total"], [[k, size(v)] for k, v in r.phases.items()]),
+        *(f"note: {n}" for n in r.notes),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""``TraceResult``: what one traced training step allocated, by state, layer, component, op and phase."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from recompute.trace._step import StepRecord
+from recompute.trace._tracker import Phase, SavedRecord
+
+__all__ = ["COMPONENTS", "PartTrace", "TraceResult", "from_record", "part_trace"]
+
+COMPONENTS = ("attention", "mlp", "norms", "checkpoint", "other")
+"""Components of a layer's saved bytes: by the layer's child module running when the tensor was saved;
+``checkpoint`` is a whole-layer checkpoint's kept input, ``other`` what the layer itself saved."""
+
+
+@dataclass(frozen=True)
+class PartTrace:
+    """Bytes one part of the model (a layer, the embedding, the head and loss) saved for the backward."""
+
+    name: str
+    components: dict[str, int]
+    """Bytes by component (``COMPONENTS``); zero entries left out."""
+    ops: dict[str, int]
+    """Bytes by the backward node that first reads the tensor (``MmBackward0``, ``checkpoint``, ...)."""
+    tensors: int
+    """Number of storages saved (each counted once, by its first saver)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(asdict(self), total=self.total)
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """One training step of a model, traced on fake tensors: every byte allocated, by what it is for."""
+
+    model: str
+    policy: str
+    """The policy in words (``Policy.describe``)."""
+    per_layer: tuple[str, ...]
+    """The policy of every layer."""
+    workload: dict[str, Any]
+    n_layers: int
+    traced: tuple[int, ...]
+    """Layer counts actually traced: ``(L,)`` for a full trace, ``(K, K + 1)`` when scaled to L."""
+    parameters: int
+    gradients: int
+    """Gradients after the backward (all of them, as the optimizer step sees them)."""
+    optimizer: int
+    """Optimizer state (AdamW: two moments per parameter, plus step counters)."""
+    other: int
+    """Buffers and the batch (token ids and targets)."""
+    layers: tuple[PartTrace, ...]
+    embedding: PartTrace
+    head: PartTrace
+    """The final norm, the output layer and the loss."""
+    peak: int
+    """Largest total bytes allocated at once during the step."""
+    peak_phase: str
+    peak_breakdown: dict[str, int]
+    """MemTracker's categories at the peak: Parameter, Gradient, Optstate, Activation, Temp, ..."""
+    phases: dict[str, int]
+    """Largest total bytes in each phase (forward/backward of the embedding, the layers, the head; step)."""
+    notes: tuple[str, ...] = ()
+    seconds: float = field(default=0.0, compare=False)
+    """Wall time of the trace."""
+
+    @property
+    def scaled(self) -> bool:
+        """True when a few layers were traced and the figures scaled to all of them."""
+        return self.traced != (self.n_layers,)
+
+    @property
+    def layer_activations(self) -> int:
+        """Bytes the transformer layers save for the backward, all layers."""
+        return sum(p.total for p in self.layers)
+
+    @property
+    def activations(self) -> int:
+        """Bytes saved for the backward: layers, embedding, head and loss."""
+        return self.layer_activations + self.embedding.total + self.head.total
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("layers",):
+            out[key] = [p.to_dict() for p in getattr(self, key)]
+        out.update(
+            embedding=self.embedding.to_dict(),
+            head=self.head.to_dict(),
+            scaled=self.scaled,
+            activations=self.activations,
+            layer_activations=self.layer_activations,
+        )
+        return out
+
+
+def part_trace(name: str, records: Iterable[SavedRecord]) -> PartTrace:
+    """Sum saved records by component and by op."""
+    components: dict[str, int] = {}
+    ops: dict[str, int] = {}
+    count = 0
+    for r in records:
+        components[r.component] = components.get(r.component, 0) + r.nbytes
+        ops[r.op] = ops.get(r.op, 0) + r.nbytes
+        count += 1
+    ordered = {c: components[c] for c in COMPONENTS if components.get(c)}
+    return PartTrace(name=name, components=ordered, ops=dict(sorted(ops.items(), key=lambda kv: -kv[1])), tensors=count)
+
+
+def _phase_group(phase: Phase) -> str:
+    if phase.stage == "optimizer":
+        return "optimizer step"
+    part = "the layers" if phase.part == "layer" else "head and loss" if phase.part == "head" else phase.part
+    return f"{phase.stage}: {part}"
+
+
+def from_record(
+    record: StepRecord,
+    *,
+    model: str,
+    policy: str,
+    per_layer: tuple[str, ...],
+    workload: dict[str, Any],
+    traced: tuple[int, ...],
+    notes: tuple[str, ...] = (),
+    seconds: float = 0.0,
+) -> TraceResult:
+    """Aggregate a ``StepRecord`` into a ``TraceResult``."""
+    by_layer: dict[int, list[SavedRecord]] = {}
+    for r in record.saved:
+        by_layer.setdefault(r.layer, []).append(r)
+    peak, phase = record.peak
+    phases: dict[str, int] = {}
+    for ph, (value, _) in sorted(record.phase_peaks.items(), key=lambda kv: kv[0].order()):
+        group = _phase_group(ph)
+        phases[group] = max(phases.get(group, 0), value)
+    st = record.states
+    return TraceResult(
+        model=model,
+        policy=policy,
+        per_layer=per_layer,
+        workload=workload,
+        n_layers=record.n_layers,
+        traced=traced,
+        parameters=st.get("Parameter", 0),
+        gradients=st.get("Gradient", 0),
+        optimizer=st.get("Optstate", 0),
+        other=st.get("Buffer", 0) + st.get("Other", 0),
+        layers=tuple(part_trace(f"layer {j}", by_layer.get(j, [])) for j in range(record.n_layers)),
+        embedding=part_trace("embedding", by_layer.get(-1, [])),
+        head=part_trace("head and loss", by_layer.get(-2, [])),
+        peak=peak,
+        peak_phase=str(phase),
+        peak_breakdown={k: v for k, v in record.phase_peaks[phase][1].items() if v},
+        phases=phases,
+        notes=notes,
+        seconds=seconds,
+    )

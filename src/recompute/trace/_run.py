@@ -1,0 +1,206 @@
+"""``trace(spec, workload, policy)``: the real PyTorch training step of a model, on fake tensors.
+
+The model is built on the meta device, its parameters become ``FakeTensor``s, the policy is applied with
+``recompute.apply``, and one steady-state step (forward, backward, AdamW step) runs under ``StepTracker``.
+Nothing is allocated, so Llama-3.1-70B at s = 8192 traces on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from recompute.errors import ConfigError, positive_int, require
+from recompute.policy import Policy
+from recompute.spec import ModelSpec
+from recompute.trace._build import DTYPES, build_meta, fakeify, hf_loss
+from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
+from recompute.trace._scale import scale_record
+from recompute.trace._step import LossFn, StepRecord, lm_loss, prime_optimizer, record_saved, run_step
+from recompute.workload import Workload
+
+__all__ = ["trace", "trace_layer", "trace_module"]
+
+
+def trace(
+    spec: ModelSpec,
+    wl: Workload,
+    policy: Policy | str = "none",
+    *,
+    layers: int | None = None,
+    hf: bool = False,
+    keep_grads: bool = False,
+) -> TraceResult:
+    """Trace one training step of ``spec`` under ``wl`` with ``policy``, allocating nothing.
+
+    Args:
+        spec: the model; recompute's reference model is traced, or Hugging Face's with ``hf=True``.
+        wl: batch, sequence, dtype (parameters, gradients and AdamW state all in it), attention and device.
+        policy: a policy name, a ``Policy``, or a plan file path.
+        layers: trace this many layers (and one more) and scale to ``spec.n_layers`` (the layers are
+            identical; the result says so). ``None`` traces every layer.
+        hf: trace the ``transformers`` implementation of ``spec`` instead of recompute's.
+        keep_grads: gradients stay allocated between steps (``zero_grad(set_to_none=False)``, DDP/Megatron
+            buffers), as ``recompute estimate`` assumes; by default they start the step as ``None``.
+
+    Raises:
+        ConfigError: the sequence is longer than the model's positions, the policy does not fit the model,
+            the model cannot be built, or CUDA is asked for without CUDA.
+    """
+    wl.check(spec)
+    require(
+        wl.tp == wl.pp == wl.dp == 1 and not wl.sp,
+        "trace runs one unsharded step; drop --tp/--pp/--dp/--sp (recompute estimate models parallelism)",
+    )
+    pol = Policy.parse(policy)
+    per_layer = pol.per_layer(spec.n_layers)
+    device = _device(wl)
+    start = time.perf_counter()
+    if layers is None or layers >= spec.n_layers - 1:
+        counts: tuple[int, ...] = (spec.n_layers,)
+        record = _trace_layers(spec, wl, pol, spec.n_layers, device=device, hf=hf, keep_grads=keep_grads)
+    else:
+        positive_int("--layers", layers)
+        require(
+            pol.is_uniform,
+            f"--layers {layers} scales identical layers, but the policy differs by layer ({pol.describe()}); "
+            "drop --layers to trace every layer",
+        )
+        counts = (layers, layers + 1)
+        small, big = (_trace_layers(spec, wl, pol, n, device=device, hf=hf, keep_grads=keep_grads) for n in counts)
+        record = scale_record(small, big, spec.n_layers)
+    return from_record(
+        record,
+        model=spec.name,
+        policy=pol.describe(),
+        per_layer=per_layer,
+        workload=_workload_dict(wl),
+        traced=counts,
+        notes=_notes(spec, wl, counts, hf, keep_grads),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _device(wl: Workload) -> str:
+    if wl.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "--device cuda needs a CUDA build of PyTorch and a GPU, and this machine has none; "
+            "use --device cpu (a CPU step keeps its dropout masks in the activation dtype)"
+        )
+    return wl.device
+
+
+def _trace_layers(
+    spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool, keep_grads: bool
+) -> StepRecord:
+    """One fake step of ``spec`` cut to ``n`` layers."""
+    model, stack, mode = _fake_model(spec, wl, pol, n, device=device, hf=hf)
+    with mode:
+        optimizer = torch.optim.AdamW(model.parameters())
+        prime_optimizer(model, optimizer)
+        batch = _batch(spec, wl, device)
+        loss_fn = hf_loss if hf else lm_loss
+        return run_step(model, batch, optimizer, stack, loss_fn=loss_fn, keep_grads=keep_grads)
+
+
+def _fake_model(
+    spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool
+) -> tuple[nn.Module, nn.ModuleList, FakeTensorMode]:
+    """``spec`` cut to ``n`` layers, built with fake parameters, in training mode, with ``pol`` applied."""
+    from recompute.checkpointing import apply, find_layers
+
+    small = dataclasses.replace(spec, n_layers=n) if n != spec.n_layers else spec
+    model = build_meta(small, attention=wl.attention, dtype=DTYPES[wl.dtype], hf=hf)
+    mode = FakeTensorMode()
+    fakeify(model, mode, device)
+    model.train()
+    apply(model, pol)
+    return model, find_layers(model), mode
+
+
+def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *, hf: bool = False) -> PartTrace:
+    """What one layer saves for the backward under a uniform ``policy``: a fake forward of two layers.
+
+    The second layer is returned (the first also saves tensors the layers share, such as rotary tables).
+    Faster than ``trace`` (no backward, no optimizer); the bytes are the same, the ops are not named.
+
+    Raises:
+        ConfigError: as ``trace``, and for a policy that is not the same in every layer.
+    """
+    wl.check(spec)
+    pol = Policy.parse(policy)
+    require(pol.is_uniform, f"trace_layer needs one policy for every layer, got {pol.describe()}")
+    device = _device(wl)
+    model, stack, mode = _fake_model(spec, wl, pol, 2, device=device, hf=hf)
+    with mode:
+        saved = record_saved(model, _batch(spec, wl, device), stack, loss_fn=hf_loss if hf else lm_loss)
+    return part_trace("layer 1", [r for r in saved if r.layer == 1])
+
+
+def _batch(spec: ModelSpec, wl: Workload, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (wl.micro_batch, wl.seq_len)
+    return (
+        torch.randint(0, spec.vocab, shape, device=device),
+        torch.randint(0, spec.vocab, shape, device=device),
+    )
+
+
+def trace_module(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn = lm_loss,
+    name: str = "model",
+    keep_grads: bool = False,
+) -> TraceResult:
+    """Trace one step of an existing module (real or fake tensors) with whatever policy it has applied.
+
+    ``batch`` is (token ids, targets); ``loss_fn(model, idx, targets) -> (kept outputs, loss)``. Creates an
+    AdamW optimizer when none is given, and primes it (see ``_step``'s note on the steady state).
+    """
+    from recompute.checkpointing import applied_policy, find_layers
+
+    stack = find_layers(model)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters())
+        prime_optimizer(model, optimizer)
+    start = time.perf_counter()
+    record = run_step(model, batch, optimizer, stack, loss_fn=loss_fn, keep_grads=keep_grads)
+    pol = applied_policy(model) or Policy("none")
+    idx = batch[0]
+    return from_record(
+        record,
+        model=name,
+        policy=pol.describe(),
+        per_layer=pol.per_layer(len(stack)),
+        workload={"micro_batch": idx.size(0), "seq_len": idx.size(1), "device": idx.device.type},
+        traced=(len(stack),),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _workload_dict(wl: Workload) -> dict[str, Any]:
+    keys = ("micro_batch", "seq_len", "dtype", "attention", "device")
+    return {k: getattr(wl, k) for k in keys}
+
+
+def _notes(spec: ModelSpec, wl: Workload, counts: tuple[int, ...], hf: bool, keep_grads: bool) -> tuple[str, ...]:
+    notes = [
+        f"traced {'the transformers' if hf else 'recompute’s reference'} model of {spec.name} on fake "
+        f"{wl.device} tensors: exact sizes, nothing allocated",
+        "steady-state step: AdamW state exists, gradients "
+        + ("stay allocated (zero_grad(set_to_none=False))" if keep_grads else "start as None")
+        + f"; parameters, gradients and AdamW state in {wl.dtype}",
+    ]
+    if len(counts) == 2:
+        notes.append(
+            f"layers are identical: traced {counts[0]} and {counts[1]} layers and scaled every figure to "
+            f"{spec.n_layers} (exact for identical layers)"
+        )
+    return tuple(notes)

@@ -1,0 +1,187 @@
+"""Run one steady-state training step (forward, backward, optimizer step) under ``StepTracker``.
+
+Works the same on real and on fake tensors: under ``FakeTensorMode`` nothing is allocated and every figure is
+exact, because MemTracker counts storages by their declared size.
+
+Note: [steady state] The step measured is a step of a run already under way: the optimizer's state exists
+(``prime_optimizer`` creates it before tracking) and the gradients were set to ``None`` after the previous
+step, as ``optimizer.zero_grad()`` does by default (``keep_grads=True``: they stay allocated, as with
+``zero_grad(set_to_none=False)`` or DDP/Megatron gradient buffers; the analytic estimate assumes this).
+The logits stay alive until the backward ends, as in a training loop that keeps ``logits, loss = model(x, y)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from recompute.trace._tracker import Phase, SavedRecord, StepTracker
+
+__all__ = ["LossFn", "StepRecord", "prime_optimizer", "record_saved", "run_step"]
+
+LossFn = Callable[[nn.Module, Tensor, Tensor], tuple[Any, Tensor]]
+"""``(model, idx, targets) -> (outputs to keep alive, loss)``."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What ``StepTracker`` saw in one step (raw material of a ``TraceResult``)."""
+
+    n_layers: int
+    phase_peaks: dict[Phase, tuple[int, dict[str, int]]]
+    """Largest total bytes of each phase and the breakdown by MemTracker category at that moment."""
+    saved: tuple[SavedRecord, ...]
+    """Every storage saved for the backward during the forward, by its first saver."""
+    states: dict[str, int]
+    """Bytes by MemTracker category right after the optimizer step (parameters, gradients, optimizer)."""
+    layer_deltas: tuple[int, ...]
+    """Bytes each layer's forward left allocated (what it stores plus its output, minus nothing freed)."""
+
+    @property
+    def peak(self) -> tuple[int, Phase]:
+        """(bytes, phase) of the largest total of the step."""
+        phase, (value, _) = max(self.phase_peaks.items(), key=lambda kv: (kv[1][0], [-x for x in kv[0].order()]))
+        return value, phase
+
+
+def lm_loss(model: nn.Module, idx: Tensor, targets: Tensor) -> tuple[Any, Tensor]:
+    """Loss of recompute's reference models: ``model(idx, targets) -> (logits, loss)``."""
+    logits, loss = model(idx, targets)
+    return logits, loss
+
+
+def prime_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state, as after a first step, and leave the gradients ``None``.
+
+    Adam and AdamW get their state directly (what their lazy initialisation makes: a CPU step counter and
+    two zero moments per parameter; a few ops instead of a whole step, which is most of a fake trace's
+    time); any other optimizer takes one step on zero gradients.
+    """
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and not any(
+        g.get("fused") or g.get("capturable") for g in optimizer.param_groups
+    ):
+        _init_adam(optimizer)
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _init_adam(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's ``_init_group`` state for every parameter (torch/optim/adam.py), with the step at 1."""
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad or optimizer.state[p]:
+                continue
+            state = {
+                "step": torch.tensor(1.0, dtype=scalar, device="cpu"),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+
+
+def run_step(
+    model: nn.Module,
+    batch: tuple[Tensor, Tensor],
+    optimizer: torch.optim.Optimizer,
+    layers: Iterable[nn.Module],
+    *,
+    loss_fn: LossFn = lm_loss,
+    keep_grads: bool = False,
+) -> StepRecord:
+    """Track one training step of ``model`` on ``batch`` (token ids, targets); the optimizer must be primed.
+
+    ``keep_grads``: the gradients exist (as zeros) from the start, as with ``zero_grad(set_to_none=False)``
+    or the persistent gradient buffers of DDP and Megatron; otherwise they start as ``None``. Leaves the
+    gradients set to ``None`` afterwards.
+    """
+    layers = list(layers)
+    if keep_grads:
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    tracker = StepTracker(layers)
+    tracker.track_external(model, optimizer, *batch)
+    deltas: dict[int, int] = {}
+    handles = _delta_hooks(tracker, layers, deltas)
+    try:
+        with tracker:
+            tracker.set_stage("forward")
+            with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+                kept, loss = loss_fn(model, *batch)
+            tracker.set_stage("backward")
+            loss.backward()
+            del kept, loss
+            tracker.set_stage("optimizer")
+            optimizer.step()
+            states = _merged_now(tracker)
+    finally:
+        for h in handles:
+            h.remove()
+    optimizer.zero_grad(set_to_none=True)
+    return StepRecord(
+        n_layers=len(layers),
+        phase_peaks=dict(tracker.phase_peaks),
+        saved=tuple(tracker.saved),
+        states=states,
+        layer_deltas=tuple(deltas.get(i, 0) for i in range(len(layers))),
+    )
+
+
+def record_saved(
+    model: nn.Module,
+    batch: tuple[Tensor, Tensor],
+    layers: Iterable[nn.Module],
+    *,
+    loss_fn: LossFn = lm_loss,
+) -> tuple[SavedRecord, ...]:
+    """What the forward alone saves for the backward, by layer and component (no backward, no ops).
+
+    The bytes are the same as ``run_step``'s (the forward decides what is saved); the saving op stays ``?``
+    since it is named by the backward node that reads the tensor.
+    """
+    tracker = StepTracker(layers)
+    tracker.track_external(model, *batch)
+    with tracker:
+        tracker.set_stage("forward")
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            kept, loss = loss_fn(model, *batch)
+        del kept, loss
+    return tuple(tracker.saved)
+
+
+def _merged_now(tracker: StepTracker) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dev_snap in tracker.get_tracker_snapshot("current").values():
+        for key, value in dev_snap.items():
+            name = str(getattr(key, "value", key))
+            out[name] = out.get(name, 0) + value
+    return out
+
+
+def _delta_hooks(tracker: StepTracker, layers: Sequence[nn.Module], deltas: dict[int, int]) -> list[Any]:
+    """Forward hooks that record the bytes each layer's first forward leaves allocated."""
+    starts: dict[int, int] = {}
+    handles = []
+    for i, layer in enumerate(layers):
+
+        def pre(_m: nn.Module, _args: Any, i: int = i) -> None:
+            if tracker.stage == "forward" and i not in deltas:
+                starts[i] = tracker.current_total()
+
+        def post(_m: nn.Module, _args: Any, _out: Any, i: int = i) -> None:
+            if tracker.stage == "forward" and i in starts and i not in deltas:
+                deltas[i] = tracker.current_total() - starts[i]
+
+        handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+    return handles

@@ -1,0 +1,239 @@
+"""``StepTracker``: MemTracker that also knows the phase of the step and who saved each tensor for backward.
+
+Built on ``torch.distributed._tools.mem_tracker.MemTracker`` (a TorchDispatchMode that counts every tensor
+storage alive, real or fake, by category). On top of it this class records
+
+- the peak of every phase of the step (forward / backward / optimizer, and which layer), so the phase of the
+  overall peak is known and a trace of a few identical layers can be scaled up (``_scale.py``);
+- every storage autograd saves during the forward (a saved-tensor pack hook), with the layer and component
+  (the layer's child module that was running) and the op that saved it.
+
+Note: [lean peak tracking] MemTracker updates a peak snapshot for every module it has seen after every op,
+which is quadratic in the layer count (minutes for a 32-layer model); only the global and per-phase peaks are
+kept here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["Phase", "SavedRecord", "StepTracker", "component_of"]
+
+_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module"})
+_STATE_KINDS = frozenset({"Parameter", "Buffer"})
+
+
+@dataclass(frozen=True, order=True)
+class Phase:
+    """Where in the step memory was measured: ``stage`` (forward, backward, optimizer) and ``part``."""
+
+    stage: str
+    """``forward``, ``backward`` or ``optimizer``."""
+    part: str
+    """``embedding``, ``layer``, ``head`` (output layer and loss) or ``step``."""
+    layer: int = -1
+    """Layer index when ``part == "layer"``."""
+
+    def order(self) -> tuple[int, int, int]:
+        """Position in the step: forward, backward, optimizer; parts and layers in the order they run."""
+        stage = {"forward": 0, "backward": 1, "optimizer": 2}.get(self.stage, 3)
+        part = {"embedding": 0, "layer": 1, "head": 2}.get(self.part, 0)
+        if self.stage == "backward":
+            return stage, 2 - part, -self.layer
+        return stage, part, self.layer
+
+    def __str__(self) -> str:
+        if self.stage == "optimizer":
+            return "optimizer step"
+        if self.part == "layer":
+            return f"{self.stage} of layer {self.layer}"
+        return f"{self.stage} ({'head and loss' if self.part == 'head' else self.part})"
+
+
+@dataclass
+class SavedRecord:
+    """One storage autograd saved for the backward (counted once, by its first saver)."""
+
+    nbytes: int
+    layer: int
+    """Layer index, or -1 for the embedding and -2 for the head and loss."""
+    component: str
+    """The layer's child module that was running (``attention``, ``mlp``, ``norms``), ``checkpoint`` (the kept
+    input of a whole-layer checkpoint) or ``other`` (saved by the layer itself, or outside the layers)."""
+    op: str = "?"
+    """The backward node that reads it (``MmBackward0``), or ``checkpoint`` for a checkpoint's kept inputs."""
+
+
+def component_of(child: str) -> str:
+    """Component of a layer's child module, by name: ``norm1``/``ln_2`` -> norms, ``attn`` -> attention, ..."""
+    name = child.lower()
+    if "norm" in name or name.startswith("ln"):
+        return "norms"
+    if "attn" in name or "attention" in name:
+        return "attention"
+    if any(k in name for k in ("mlp", "ffn", "feed_forward", "feedforward")):
+        return "mlp"
+    return "other"
+
+
+class StepTracker(MemTracker):
+    """MemTracker with per-phase peaks and attribution of saved tensors; see the module docstring.
+
+    Call ``set_stage`` with ``forward``, ``backward`` and ``optimizer`` as the step goes; install ``pack`` and
+    ``unpack`` as saved-tensor hooks around the forward (``_step.run_step`` does both).
+    """
+
+    def __init__(self, layers: Iterable[nn.Module]) -> None:
+        super().__init__()
+        self.stage = "setup"
+        self.layers = list(layers)
+        self.phase_peaks: dict[Phase, tuple[int, dict[str, int]]] = {}
+        """Largest total bytes seen in each phase, with the breakdown by category at that moment."""
+        self.saved: list[SavedRecord] = []
+        self._saved_by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._fqns: dict[str, int] = {}
+        self._layers_done: set[int] = set()
+
+    # --- phases ---------------------------------------------------------------------------------------
+
+    def set_stage(self, stage: str) -> None:
+        """Enter ``forward``, ``backward`` or ``optimizer``."""
+        self.stage = stage
+        self._layers_done = set()
+
+    def current_total(self) -> int:
+        """Bytes tracked right now, over all devices."""
+        return sum(snap["Total"] for snap in self._curr_mem_snap.values())
+
+    def _layer_now(self) -> int:
+        """Index of the layer running (forward) or being differentiated (backward); -1 outside the layers."""
+        if len(self._fqns) < len(self.layers):
+            known = [self._mod_tracker.get_known_fqn(m) for m in self.layers]
+            self._fqns = {fqn: i for i, fqn in enumerate(known) if fqn is not None}
+        active = [self._fqns[p] for p in self._mod_tracker.parents if p in self._fqns]
+        if not active:
+            return -1
+        return min(active) if self.stage == "backward" else max(active)
+
+    def phase(self) -> Phase:
+        """The phase the step is in now."""
+        if self.stage not in ("forward", "backward"):
+            return Phase(self.stage, "step")
+        j = self._layer_now()
+        if j >= 0:
+            self._layers_done.add(j)
+            return Phase(self.stage, "layer", j)
+        before = not self._layers_done
+        if self.stage == "forward":
+            return Phase("forward", "embedding" if before else "head")
+        return Phase("backward", "head" if before else "embedding")
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        total = self.current_total()
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                self._peak_mem[dev] = dev_snap["Total"]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+        phase = self.phase()
+        best = self.phase_peaks.get(phase)
+        if best is None or total > best[0]:
+            self.phase_peaks[phase] = (total, _merged(self._curr_mem_snap))
+
+    # --- who saved what -------------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """Saved-tensor pack hook: record ``t``'s storage the first time it is saved (see ``unpack``)."""
+        if self.stage != "forward":
+            return t
+        st = t.untyped_storage()
+        if st in self._saved_by_storage:
+            return t
+        info = self._WINFO.get(st)
+        if info is not None and str(info[0].reftype.value) in _STATE_KINDS:
+            return t  # a parameter or buffer (a weight saved by a matmul), not an activation
+        record = self._new_record(st, info)
+        self._saved_by_storage[st] = record
+        self.saved.append(record)
+        return _Packed(t, record)
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        """Saved-tensor unpack hook: the backward node that first reads a record's tensor names its saver.
+
+        Note: [saver by grad_fn] autograd saves an op's inputs before the op runs and its outputs after, so
+        the op being dispatched cannot tell who saves; the node that unpacks in the backward can.
+        """
+        if not isinstance(packed, _Packed):
+            return packed
+        if packed.record.op == "?":
+            node = torch._C._current_autograd_node()
+            packed.record.op = node.name() if node is not None else "?"
+        return packed.tensor
+
+    def _new_record(self, st: torch.UntypedStorage, info: Any) -> SavedRecord:
+        nbytes = info[0].mem_consumed if info is not None else st.nbytes()
+        layer, child = self._context()
+        saver = _python_saver()
+        if child is not None:
+            component = component_of(child)
+        else:
+            component = "checkpoint" if saver == "checkpoint" and layer >= 0 else "other"
+        return SavedRecord(nbytes=nbytes, layer=layer, component=component, op=saver or "?")
+
+    def _context(self) -> tuple[int, str | None]:
+        """(layer index or -1/-2 outside the layers, name of the layer's child module running or None)."""
+        phase = self.phase()
+        if phase.part != "layer":
+            return (-1 if phase.part == "embedding" else -2), None
+        prefix = next(f for f, i in self._fqns.items() if i == phase.layer) + "."
+        children = [p[len(prefix) :].split(".") for p in self._mod_tracker.parents if p.startswith(prefix)]
+        names = [next((n for n in parts if n not in _WRAPPER_NAMES), None) for parts in children]
+        named = sorted({n for n in names if n is not None})
+        return phase.layer, (named[0] if named else None)
+
+
+@dataclass
+class _Packed:
+    """What the pack hook hands autograd: the tensor itself and its record."""
+
+    tensor: torch.Tensor
+    record: SavedRecord
+
+
+def _merged(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """One ``{category: bytes}`` over all devices, with plain string keys (``Activation``, ``Total``, ...)."""
+    out: dict[str, int] = {}
+    for dev_snap in snapshot.values():
+        for key, value in dev_snap.items():
+            name = str(getattr(key, "value", key))
+            out[name] = out.get(name, 0) + value
+    return out
+
+
+def _python_saver(depth: int = 3) -> str | None:
+    """``checkpoint`` or the autograd Function's name when the save comes from Python, else None.
+
+    Non-reentrant ``torch.utils.checkpoint`` keeps its inputs through a saved tensor made in Python; custom
+    ``autograd.Function``s save theirs from ``Function.apply``. aten ops save from C++ (no Python frame).
+    """
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if path.endswith("torch/utils/checkpoint.py"):
+            return "checkpoint"
+        cls = frame.f_locals.get("cls") if frame.f_code.co_name == "apply" else None
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            return cls.__name__
+        frame = frame.f_back
+    return None

@@ -1,0 +1,91 @@
+"""``recompute bench``: real CPU steps per policy; memory as the trace predicts, times split and compared."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from recompute import ModelSpec, Workload
+from recompute.analytic import estimate
+from recompute.bench import BenchResult, bench, bench_spec, render_bench
+from recompute.cli import main
+from recompute.errors import ConfigError
+from recompute.trace import trace
+
+SPEC = ModelSpec(hidden=64, n_layers=3, n_heads=4, vocab=256, max_positions=64, name="tiny-gpt")
+WL = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def result() -> BenchResult:
+    labels: list[str] = []
+    r = bench(SPEC, WL, ["none", "block"], steps=2, warmup=1, progress=labels.append)
+    assert labels[0] == "none: warm-up 1/1" and labels[-1] == "block: step 2/2"
+    return r
+
+
+def test_memory_is_what_the_fake_trace_predicts(result: BenchResult) -> None:
+    """The CPU peak comes from MemTracker on the real step, and equals the fake trace's byte for byte."""
+    for row, policy in zip(result.rows, ("none", "block")):
+        fake = trace(SPEC, WL, policy)
+        assert row.peak == row.traced_peak == fake.peak
+        assert row.activations == fake.activations
+
+
+def test_block_recompute_trades_memory_for_time(result: BenchResult) -> None:
+    none, block = result.rows
+    assert block.activations < none.activations and result.peak_drop(block) > 0
+    assert result.overhead(none) == 0 and result.peak_drop(none) == 0
+    assert block.predicted_overhead == pytest.approx(estimate(SPEC, WL, "block").overhead)
+    for row in result.rows:
+        assert row.step_s == pytest.approx(row.forward_s + row.backward_s + row.optimizer_s, rel=0.5)
+        assert row.tokens_per_s == pytest.approx(WL.tokens / row.step_s)
+
+
+def test_render_shows_the_headline_pair(result: BenchResult) -> None:
+    text = render_bench(result)
+    drop, slower = 100 * result.peak_drop(result.rows[1]), 100 * result.overhead(result.rows[1])
+    assert f"block vs none: peak memory {drop:.1f}% lower, step time {slower:.1f}% higher" in text
+    assert result.to_dict()["rows"][1]["peak_drop"] == result.peak_drop(result.rows[1])
+
+
+def test_default_model_is_a_cpu_sized_gpt2() -> None:
+    spec, hf = bench_spec(None)
+    assert (spec.n_layers, spec.hidden, spec.n_heads, spec.vocab, spec.dropout) == (6, 384, 6, 50257, 0.1)
+    assert not hf
+    assert bench_spec(None, n_layers=2)[0].n_layers == 2
+
+
+def test_cli_json_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64"]
+    argv += ["--seq-len", "16", "--micro-batch", "1", "--steps", "1", "--warmup", "0", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert [r["policy"] for r in data["rows"]] == ["none", "block"] and data["steps"] == 1
+    assert "bench: block: step 1/1" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seq-len", "2048"], "exceeds gpt2's 1024 positions"),
+        (["--policies", "none,everything"], "is not a policy"),
+        (["--model", "llama3.1-8b"], "too many to verify here"),
+        (["--tp", "2"], "drop --tp"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("recompute bench: error:") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_refused() -> None:
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        bench(SPEC, Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cuda"))

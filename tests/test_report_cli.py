@@ -1,0 +1,236 @@
+"""`recompute report`: the file it writes (self-contained, data equal to the analytic model), PNGs, speed, and
+one-line errors for bad input. Needs the ``report`` extra (plotly, matplotlib); fails, not skips, without it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from recompute import ModelSpec, Workload, estimate
+from recompute.analytic import layer_activations
+from recompute.cli import main
+from recompute.plan import plan
+from recompute.policy import Policy
+
+GiB, K = 2**30, 1024
+NEEDS = "pip install 'recompute[report]' (plotly, matplotlib)"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's own exits
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def page_data(html: str) -> dict:  # type: ignore[type-arg]
+    """The JSON block the page embeds."""
+    match = re.search(r"<script type='application/json' id='data'>(.*?)</script>", html, re.S)
+    assert match, "no data block in the page"
+    return json.loads(match.group(1))
+
+
+def write_plan(path: Path, model: str = "llama3.1-8b", seq_len: int = 8 * K, budget: float = 80 * GiB) -> Path:
+    """A real plan file from recompute.plan (flash attention, ZeRO-1 over 8 ranks, an 80 GB budget)."""
+    wl = Workload(seq_len=seq_len, attention="flash", precision="distributed", dp=8)
+    path.write_text(json.dumps(plan(ModelSpec.from_name(model), wl, budget).to_dict()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def default_page(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, float]:
+    """The default report for Llama 3.1 8B (no --trace), and the seconds it took."""
+    missing = [m for m in ("plotly", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.fail(f"the report tests need {', '.join(missing)}: {NEEDS}")
+    out = tmp_path_factory.mktemp("report") / "report.html"
+    start = time.perf_counter()
+    assert main(["report", "--model", "llama3.1-8b", "-o", str(out)]) == 0
+    return out.read_text(encoding="utf-8"), time.perf_counter() - start
+
+
+def test_default_report_is_fast(default_page: tuple[str, float]) -> None:
+    assert default_page[1] < 5.0
+
+
+def test_page_is_self_contained(default_page: tuple[str, float]) -> None:
+    html = default_page[0]
+    assert html.count("<script") == 3  # plotly.js, the data, the page script: all inline
+    assert not re.search(r"<script[^>]+src=|<link[^>]+href=|<img[^>]+src=|@import", html)
+    assert "Plotly" in html and "scattergl" not in html.split("id='data'")[1]
+
+
+@pytest.mark.parametrize(
+    ("model", "attention", "policy", "seq_len"),
+    [
+        ("llama3.1-8b", "eager", "none", 16 * K),
+        ("llama3.1-8b", "flash", "attn", 128 * K),
+        ("llama3.1-70b", "eager", "block", 1 * K),
+        ("llama3.1-405b", "flash", "core_attn", 32 * K),
+    ],
+)
+def test_embedded_numbers_equal_the_analytic_model(
+    default_page: tuple[str, float], model: str, attention: str, policy: str, seq_len: int
+) -> None:
+    series = page_data(default_page[0])["models"][model]
+    i = series["seq_lens"].index(seq_len)
+    est = estimate(ModelSpec.from_name(model), Workload(seq_len=seq_len, attention=attention), policy)
+    mem = series["memory"][attention][policy]
+    assert mem["total"][i] == est.total and mem["peak"][i] == est.peak
+    assert mem["components"]["attention"][i] == est.activations["attention"]
+    assert mem["components"]["parameters"][i] == est.states.parameters
+    assert (
+        series["overhead"][policy][i]
+        == estimate(ModelSpec.from_name(model), Workload(seq_len=seq_len), policy).overhead
+    )
+
+
+def test_embedded_savings_table_equals_the_analytic_model(default_page: tuple[str, float]) -> None:
+    rows = {r["policy"]: r for r in page_data(default_page[0])["models"]["llama3.1-8b"]["savings"]["eager"]}
+    wl = Workload(seq_len=16 * K)
+    base = estimate(ModelSpec.from_name("llama3.1-8b"), wl, "none").activation_bytes
+    for name, row in rows.items():
+        est = estimate(ModelSpec.from_name("llama3.1-8b"), wl, name)
+        assert row["saved"] == base - est.activation_bytes and row["overhead"] == est.overhead
+        assert row["per_percent"] == row["saved"] / (100 * est.overhead)
+
+
+def test_worked_example_in_the_page(default_page: tuple[str, float]) -> None:
+    html = default_page[0]
+    for text in ("1200 + 100 = 1300", "+8.3 %", "1200 + 300 = 1500", "+25.0 %", "1200 + 400 = 1600", "+33.3 %"):
+        assert text in html
+
+
+def test_plan_section_and_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_file = write_plan(tmp_path / "plan.json")
+    out, pngs = tmp_path / "r.html", tmp_path / "png"
+    code, stdout, err = run(
+        capsys, "report", "--model", "llama3.1-8b", "--plan", str(plan_file), "-o", str(out), "--png", str(pngs)
+    )
+    assert code == 0 and err == "" and stdout.startswith(f"wrote {out}")
+    section = page_data(out.read_text())["sections"]["plan"]
+    policy = Policy.load(plan_file)
+    wl = Workload(seq_len=8 * K, attention="flash", precision="distributed", dp=8)
+    la = layer_activations(ModelSpec.from_name("llama3.1-8b"), wl)
+    assert section["layers"] == list(policy.per_layer(32))
+    assert section["stored"] == [la.stored(p) for p in section["layers"]]
+    assert section["peak"] == estimate(ModelSpec.from_name("llama3.1-8b"), wl, policy).peak <= 80 * GiB
+    assert len(section["frontier"]) == len(json.loads(plan_file.read_text())["frontier"])
+    names = sorted(p.name for p in pngs.iterdir())
+    assert names == [f"{k}-llama3.1-8b.png" for k in ("attention", "memory", "overhead", "plan")]
+    for png in pngs.iterdir():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def write_bench(path: Path, model: str = "gpt2", **fields: object) -> Path:
+    """A bench file in `recompute bench`'s layout, with synthetic "measured" figures (a test input)."""
+    wl = Workload(seq_len=512)
+    rows = [
+        {
+            "policy": p,
+            "step_time_s": 0.2 * (1 + estimate(ModelSpec.from_name("gpt2"), wl, p).overhead),
+            "peak_bytes": 1e9,
+        }
+        for p in ("none", "attn", "block")
+    ]
+    path.write_text(json.dumps({"model": model, "workload": wl.to_dict(), "device": "test", "results": rows, **fields}))
+    return path
+
+
+def test_bench_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.html"
+    code, _, err = run(
+        capsys, "report", "--model", "gpt2", "--bench", str(write_bench(tmp_path / "b.json")), "-o", str(out)
+    )
+    assert code == 0, err
+    rows = page_data(out.read_text())["sections"]["bench"]["rows"]
+    assert [r["policy"] for r in rows] == ["none", "attn", "block"]
+    for row in rows:
+        est = estimate(ModelSpec.from_name("gpt2"), Workload(seq_len=512), row["policy"])
+        assert row["predicted_peak"] == est.peak and row["predicted_overhead"] == est.overhead
+        assert row["measured_peak"] == 1e9
+        assert row["measured_overhead"] == pytest.approx(est.overhead, rel=1e-12)
+
+
+def test_trace_section(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--trace` puts recompute.trace's bytes next to the analytic ones (two policies, 1 layer scaled: quick)."""
+    import functools
+
+    from recompute.report import extras
+    from recompute.trace import trace
+
+    monkeypatch.setattr(
+        extras, "trace_section", functools.partial(extras.trace_section, policies=("none", "block"), layers=1)
+    )
+    out = tmp_path / "r.html"
+    code, _, err = run(capsys, "report", "--model", "gpt2", "--seq-len", "128", "--trace", "-o", str(out))
+    assert code == 0, err
+    section = page_data(out.read_text())["sections"]["trace"]
+    wl = Workload(seq_len=128, device="cpu", precision="bf16")
+    assert section["workload"] == wl.to_dict() and list(section["policies"]) == ["none", "block"]
+    result = trace(ModelSpec.from_name("gpt2"), wl, "block", layers=1)
+    traced, analytic = section["policies"]["block"]["traced"], section["policies"]["block"]["analytic"]
+    assert traced["checkpoint"] == sum(p.components.get("checkpoint", 0) for p in result.layers)
+    assert (traced["peak"], traced["optimizer"], traced["head"]) == (result.peak, result.optimizer, result.head.total)
+    assert analytic["peak"] == estimate(ModelSpec.from_name("gpt2"), wl, "block").peak
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str], str]]:
+    tmp = tmp_path_factory.mktemp("bad")
+    not_json = tmp / "bench.json"
+    not_json.write_text("{oops")
+    other = write_plan(tmp / "plan70.json", "llama3.1-70b", 4 * K, budget=2**50)
+    not_plan = tmp / "policy.json"
+    not_plan.write_text(json.dumps(Policy("block").to_dict()))
+    return {
+        "unknown model": (["--model", "llama9"], "'llama9' is not a known model"),
+        "unknown gpu": (["--gpu", "b300"], "'b300' is not a known GPU; known GPUs: h100-80gb"),
+        "missing plan": (["--plan", str(tmp / "nope.json")], "cannot read plan file"),
+        "plan not json": (["--plan", str(not_json)], "is not valid JSON"),
+        "not a plan": (["--plan", str(not_plan)], "is not a recompute plan file"),
+        "plan for another model": (["--plan", str(other)], "is for model 'llama3.1-70b', not 'llama3.1-8b'"),
+        "missing bench": (["--bench", str(tmp / "nope.json")], "cannot read bench results"),
+        "bench not json": (["--bench", str(not_json)], "is not valid JSON"),
+        "bench for another model": (["--bench", str(write_bench(tmp / "b.json"))], "is for model 'gpt2', not 'llama3"),
+        "bench without results": (
+            ["--bench", str(write_bench(tmp / "e.json", "llama3.1-8b", results=[]))],
+            "hold no results",
+        ),
+        "sequence too long": (["--seq-len", str(256 * K)], "exceeds llama3.1-8b's 131072 positions"),
+        "unwritable output": (["-o", str(tmp / "no" / "dir" / "r.html")], "cannot write"),
+    }
+
+
+BAD = ["unknown model", "unknown gpu", "missing plan", "plan not json", "not a plan", "plan for another model"]
+BAD += ["missing bench", "bench not json", "bench for another model", "bench without results"]
+BAD += ["sequence too long", "unwritable output"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line_and_exit_2(
+    bad_inputs: dict[str, tuple[list[str], str]], tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    argv, message = bad_inputs[case]  # later options override the defaults before them
+    code, out, err = run(capsys, "report", "--model", "llama3.1-8b", "-o", str(tmp_path / "r.html"), *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("recompute report: error: ") and message in err
+
+
+def test_missing_extra_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "plotly" else real(name, *a))
+    out = tmp_path / "never-written.html"
+    code, _, err = run(capsys, "report", "--model", "gpt2", "-o", str(out))
+    assert code == 2 and "needs plotly; install the extra: pip install 'recompute[report]'" in err
+    assert not out.exists()

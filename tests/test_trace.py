@@ -1,0 +1,225 @@
+"""``recompute trace``: the fake step equals the real one byte for byte, figures are exact, bad input is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from recompute import ModelSpec, Policy, Workload
+from recompute.analytic import n_params
+from recompute.checkpointing import apply
+from recompute.cli import main
+from recompute.errors import ConfigError
+from recompute.models import build_model
+from recompute.trace import TraceResult, trace, trace_layer, trace_module
+from recompute.trace._step import lm_loss, prime_optimizer
+from tiny import tiny_gpt, tiny_llama
+
+GPT = tiny_gpt(n_layers=3)
+LLAMA = tiny_llama(n_layers=3)
+B, S = 2, 32
+
+
+def workload(attention: str = "eager") -> Workload:
+    return Workload(micro_batch=B, seq_len=S, dtype="fp32", device="cpu", attention=attention)
+
+
+def real_trace(spec: ModelSpec, policy: str, attention: str) -> TraceResult:
+    torch.manual_seed(0)
+    model = build_model(spec, attention=attention).train()
+    apply(model, policy)
+    batch = (torch.randint(spec.vocab, (B, S)), torch.randint(spec.vocab, (B, S)))
+    return trace_module(model, batch)
+
+
+FIGURES = ("parameters", "gradients", "optimizer", "other", "layers", "embedding", "head", "peak", "peak_phase")
+FIGURES += ("peak_breakdown", "phases", "per_layer", "n_layers")
+
+
+@pytest.mark.parametrize(
+    ("name", "policy", "attention"),
+    [
+        ("gpt", "none", "eager"),
+        ("gpt", "core_attn", "flash"),
+        ("gpt", "attn+mlp", "eager"),
+        ("llama", "none", "flash"),
+        ("llama", "mlp", "eager"),
+        ("llama", "block", "flash"),
+    ],
+)
+def test_fake_trace_equals_the_real_step_byte_for_byte(name: str, policy: str, attention: str) -> None:
+    spec = GPT if name == "gpt" else LLAMA
+    fake = trace(spec, workload(attention), policy)
+    real = real_trace(spec, policy, attention)
+    for figure in FIGURES:
+        assert getattr(fake, figure) == getattr(real, figure), figure
+
+
+def test_trace_peak_equals_plain_memtracker_on_real_tensors() -> None:
+    """StepTracker keeps MemTracker's accounting: torch's own MemTracker sees the same peak and states."""
+    torch.manual_seed(0)
+    model = build_model(GPT).train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    prime_optimizer(model, optimizer)
+    batch = (torch.randint(GPT.vocab, (B, S)), torch.randint(GPT.vocab, (B, S)))
+    mt = MemTracker()
+    mt.track_external(model, optimizer, *batch)
+    with mt:
+        kept, loss = lm_loss(model, *batch)
+        loss.backward()
+        del kept, loss
+        optimizer.step()
+    plain_peak = sum(snap["Total"] for snap in mt.get_tracker_snapshot("peak").values())
+    optimizer.zero_grad(set_to_none=True)
+    ours = trace_module(model, batch, optimizer=optimizer)
+    assert ours.peak == plain_peak
+    assert fake_peak_of(GPT) == plain_peak
+
+
+def fake_peak_of(spec: ModelSpec) -> int:
+    return trace(spec, workload(), "none").peak
+
+
+def test_states_and_saved_bytes_are_exact_for_gpt2() -> None:
+    """bf16 parameters and gradients; AdamW's two moments and a 4-byte step counter per parameter tensor."""
+    spec = ModelSpec.from_name("gpt2")
+    s, h, v = 1024, 768, 50257
+    r = trace(spec, Workload(seq_len=s, device="cpu"), "block", layers=1)
+    tensors = 2 + 12 * 12 + 2  # token and position embeddings (the head is tied), 12 per layer, final norm
+    assert r.parameters == r.gradients == 2 * n_params(spec)
+    assert r.optimizer == 2 * r.parameters + 4 * tensors
+    assert r.layers[0].components == r.layers[11].components == {"checkpoint": 2 * s * h}  # the bf16 input
+    assert r.layers[5].ops == {"checkpoint": 2 * s * h}
+    # final LayerNorm: input and bf16 mean/rstd; output layer: its input; loss: fp32 log-probs, targets, weight
+    assert r.head.total == 2 * s * h + 2 * 2 * s + 2 * s * h + 4 * s * v + 8 * s + 4
+    assert r.embedding.total == 8 * s + 8 * s + 2 * s * h  # token ids, position ids, bf16 dropout mask
+
+
+@pytest.mark.parametrize("attention", ["eager", "flash"])
+def test_layer_components_match_the_analytic_model_exactly_for_llama_8b(attention: str) -> None:
+    from recompute.analytic import layer_activations
+    from recompute.validate import analytic_components
+
+    spec = ModelSpec.from_name("llama3.1-8b")
+    wl = Workload(seq_len=8192, device="cpu", attention=attention)
+    for policy in ("none", "attn", "block"):
+        traced = trace_layer(spec, wl, policy).components
+        analytic = analytic_components(layer_activations(spec, wl), policy)
+        assert {k: v for k, v in analytic.items() if v} == traced, policy
+
+
+def test_forward_only_layer_equals_the_full_trace() -> None:
+    wl = workload()
+    for policy in ("none", "attn"):
+        full = trace(dataclasses.replace(GPT, n_layers=2), wl, policy)
+        assert trace_layer(GPT, wl, policy).components == full.layers[1].components
+
+
+def test_saved_tensors_are_read_back_by_the_backward_nodes_that_saved_them() -> None:
+    r = trace(GPT, workload(), "none")
+    ops = r.layers[1].ops
+    assert {"SoftmaxBackward0", "BmmBackward0", "AddmmBackward0", "GeluBackward0", "MulBackward0"} <= set(ops)
+    assert "?" not in ops
+    assert r.head.ops["LogSoftmaxBackward0"] == 4 * B * S * GPT.vocab  # fp32 log-probabilities
+    assert r.embedding.ops["EmbeddingBackward0"] == 8 * B * S + 8 * S  # int64 token and position ids
+
+
+def test_peak_phase_is_named() -> None:
+    """GPT-2's 50257-word logits and their gradient peak at the start of the backward; recomputing every layer
+    of a small model moves the peak to the last layer's backward, when all gradients exist."""
+    gpt2 = trace(ModelSpec.from_name("gpt2"), Workload(seq_len=1024, device="cpu"), "none", layers=1)
+    assert gpt2.peak_phase == "backward (head and loss)"
+    assert trace(GPT, workload(), "none").peak_phase == "backward of layer 2"
+    assert trace(LLAMA, workload(), "block").peak_phase == "backward of layer 0"
+
+
+def test_optimizer_priming_matches_a_real_first_step() -> None:
+    model = build_model(GPT)
+    for cls in (torch.optim.AdamW, torch.optim.Adam):
+        primed = cls(model.parameters(), amsgrad=cls is torch.optim.Adam)
+        prime_optimizer(model, primed)
+        stepped = cls(model.parameters(), amsgrad=cls is torch.optim.Adam)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        stepped.step()
+        meta = [
+            {k: (v.shape, v.dtype, v.device) for k, v in o.state_dict()["state"][i].items()}
+            for o in (primed, stepped)
+            for i in range(len(list(model.parameters())))
+        ]
+        half = len(meta) // 2
+        assert meta[:half] == meta[half:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "gpt2", "--seq-len", "2048"], "exceeds gpt2's 1024 positions"),
+        (["--model", "gpt2", "--policy", "everything"], "is not a policy"),
+        (["--model", "gpt2", "--policy", "block", "--every", "2", "--layers", "2"], "drop --layers"),
+        (["--model", "no-such-model"], "is not a known model"),
+        (["--model", "gpt2", "--tp", "2"], "drop --tp"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["trace", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("recompute trace: error:")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "--model", "gpt2", "--seq-len", "64", "--device", "cuda"]) == 2
+    assert "needs a CUDA build" in capsys.readouterr().err
+
+
+def test_a_model_that_cannot_be_built_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ConfigError, match="uses learned positions"):
+        trace(dataclasses.replace(GPT, position="rotary"), workload(), "none")
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("shape mismatch in c_attn\nmore detail")
+
+    monkeypatch.setattr("recompute.models.build_model", broken)
+    assert main(["trace", "--model", "gpt2", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err == "recompute trace: error: cannot build gpt2: RuntimeError: shape mismatch in c_attn\n"
+
+
+def test_a_plan_for_another_model_is_refused() -> None:
+    with pytest.raises(ConfigError, match="plan was made for"):
+        trace(GPT, workload(), Policy("block", model="llama3.1-70b"))
+
+
+def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["trace", "--model", "gpt2", "--seq-len", "128", "--policy", "mlp", "--layers", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["scaled"] is True and data["traced"] == [1, 2] and len(data["layers"]) == 12
+    assert data["peak"] >= data["parameters"] + data["optimizer"]
+
+
+@pytest.mark.parametrize(("name", "policy"), [("gpt", "block"), ("llama", "core_attn")])
+def test_hugging_face_models_trace_like_their_real_step(name: str, policy: str) -> None:
+    pytest.importorskip("transformers")
+    from recompute.models.hf import build_hf_model
+    from recompute.trace._build import hf_loss
+
+    spec = GPT if name == "gpt" else LLAMA
+    fake = trace(spec, workload(), policy, hf=True)
+    torch.manual_seed(0)
+    model = build_hf_model(spec).train()
+    apply(model, policy)
+    real = trace_module(model, (torch.randint(spec.vocab, (B, S)), torch.randint(spec.vocab, (B, S))), loss_fn=hf_loss)
+    for figure in FIGURES:
+        assert getattr(fake, figure) == getattr(real, figure), figure
+    if policy == "block":
+        assert fake.layers[1].components == {"checkpoint": 4 * B * S * spec.hidden}

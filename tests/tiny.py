@@ -1,0 +1,39 @@
+"""Tiny model specs the torch tests share: a GPT-2 with dropout and a Llama with GQA, fast on a CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recompute import ModelSpec
+
+
+def tiny_gpt(n_layers: int = 2, **changes: Any) -> ModelSpec:
+    """GPT-2 style: LayerNorm, GELU, learned positions, tied embeddings, dropout 0.1."""
+    return ModelSpec(
+        **{
+            "hidden": 64,
+            "n_layers": n_layers,
+            "n_heads": 4,
+            "vocab": 128,
+            "max_positions": 64,
+            "dropout": 0.1,
+            **changes,
+        }
+    )
+
+
+def tiny_llama(n_layers: int = 2, **changes: Any) -> ModelSpec:
+    """Llama style: RMSNorm, SwiGLU, 2 KV heads for 4 query heads, rotary positions, no dropout or biases."""
+    return tiny_gpt(
+        n_layers,
+        **{
+            "n_kv_heads": 2,
+            "mlp": "swiglu",
+            "norm": "rmsnorm",
+            "position": "rotary",
+            "dropout": 0.0,
+            "bias": False,
+            "tied_embeddings": False,
+            **changes,
+        },
+    )
