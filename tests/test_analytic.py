@@ -188,13 +188,26 @@ def test_full_recompute_flops_equal_narayanan(case: str) -> None:
     b, s, L, h, V = wl.micro_batch, wl.seq_len, spec.n_layers, spec.hidden, spec.vocab
     full = hardware_flops(spec, wl, ("block",) * L)
     assert full == pytest.approx(paper_hardware_flops_full(b, s, L, h, V), **EXACT)
+    # Eager core_attn replays QK^T only (non-reentrant checkpoint stops early): 2bs^2h per layer.
     selective = hardware_flops(spec, wl, ("core_attn",) * L)
-    assert selective == pytest.approx(model_flops(spec, wl) + 4 * b * s * s * h * L, **EXACT)
+    assert selective == pytest.approx(model_flops(spec, wl) + 2 * b * s * s * h * L, **EXACT)
 
 
 def test_paper_hfu_over_mfu_for_gpt3_is_1_027() -> None:
     ratio = paper_hardware_flops_selective(1, 2048, 96, 12288, 51200) / paper_model_flops(1, 2048, 96, 12288, 51200)
     assert ratio == pytest.approx(1.027, abs=5e-4)
+
+
+def test_early_stop_skips_the_last_matmul_of_a_region_without_dropout() -> None:
+    spec, wl = ModelSpec.from_name("llama3.1-8b"), Workload(seq_len=4096)
+    lf = layer_flops(spec, wl)
+    assert lf.recomputed("mlp") == lf.mlp - 2 * 4096 * 4096 * 14336  # down projection skipped
+    assert lf.recomputed("attn") == lf.attn_proj + lf.attn_core - 2 * 4096 * 4096 * 4096  # output projection
+    assert lf.recomputed("block") == lf.forward - 2 * 4096 * 4096 * 14336
+    flash = layer_flops(spec, Workload(seq_len=4096, attention="flash"))
+    assert flash.recomputed("core_attn") == flash.attn_core  # one fused op replays whole
+    gpt = layer_flops(ModelSpec.from_name("gpt2"), Workload(seq_len=1024))
+    assert gpt.recomputed("block") == gpt.forward and gpt.recomputed("core_attn") == gpt.attn_core / 2
 
 
 def test_gqa_and_swiglu_flops() -> None:

@@ -337,20 +337,19 @@ def backward_flops(model: nn.Module) -> int:
     return counter.get_total_flops()
 
 
+@pytest.mark.parametrize("spec", [GPT, tiny_gpt(dropout=0.0), LLAMA], ids=["gpt", "gpt-no-dropout", "llama"])
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_recomputed_flops_equal_the_analytic_model(policy: str) -> None:
-    """Each policy's backward replays the analytic model's forward matmul FLOPs (core_attn: half of them).
+def test_recomputed_flops_equal_the_analytic_model(policy: str, spec: ModelSpec) -> None:
+    """Each policy's backward replays exactly the analytic model's ``recomputed`` matmul FLOPs.
 
-    Note: [early stop] non-reentrant checkpoint stops replaying once every tensor the backward needs is back.
-    Under core_attn nothing inside the region saves the output of attention over V (the output projection
-    outside saves its own copy), so only QK^T replays: 2bs^2h of the analytic 4bs^2h.
+    Note: [early stop] non-reentrant checkpoint stops replaying once every tensor the backward needs is back:
+    core_attn replays only QK^T, and without dropout a region's last projection is skipped.
     """
-    model = make("gpt-eager")
+    model = build_model(spec)
     base = backward_flops(model)
     apply(model, policy)
-    lf = layer_flops(GPT, Workload(micro_batch=B, seq_len=S, dtype="fp32", device="cpu"))
-    expected = lf.recomputed(policy) - (lf.attn_core / 2 if policy == "core_attn" else 0)
-    assert backward_flops(model) - base == GPT.n_layers * expected
+    lf = layer_flops(spec, Workload(micro_batch=B, seq_len=S, dtype="fp32", device="cpu"))
+    assert backward_flops(model) - base == spec.n_layers * lf.recomputed(policy)
 
 
 @pytest.mark.parametrize(

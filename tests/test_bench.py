@@ -89,3 +89,31 @@ def test_bad_input_is_one_line_and_exit_code_2(
 def test_cuda_without_cuda_is_refused() -> None:
     with pytest.raises(ConfigError, match="no CUDA device"):
         bench(SPEC, Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cuda"))
+
+
+def test_bench_takes_a_plan_file_and_keeps_gradients_on_request(tmp_path, capsys) -> None:
+    from recompute.cli import main
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": ["block", "none"]}))
+    workload = "--layers 2 --hidden 32 --heads 2 --vocab 64 --seq-len 64 --micro-batch 4 --device cpu"
+    argv = [
+        "bench",
+        *workload.split(),
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--policies",
+        "none",
+        "--plan",
+        str(plan),
+        "--json",
+    ]
+    peaks = []
+    for extra in ([], ["--keep-grads"]):
+        assert main(argv + extra) == 0
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        assert [r["policy"] for r in rows] == ["none", "per-layer none x1, block x1"]
+        peaks.append(rows[1]["peak"])
+    assert peaks[1] > peaks[0]  # gradients kept allocated between steps add to the peak

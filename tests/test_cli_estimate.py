@@ -127,3 +127,9 @@ def test_console_script_runs_without_importing_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["model"]["name"] == "llama3.1-405b"
+
+
+def test_help_lists_every_command() -> None:
+    from recompute.cli import COMMANDS, ORDER
+
+    assert sorted(ORDER) == sorted(COMMANDS)

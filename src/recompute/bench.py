@@ -124,11 +124,14 @@ def bench(
     warmup: int = 1,
     seed: int = 0,
     hf: bool = False,
+    keep_grads: bool = False,
     progress: Progress | None = None,
 ) -> BenchResult:
     """Time and measure real training steps of ``spec`` under each policy (see the module docstring).
 
     ``hf=True`` runs the ``transformers`` model of ``spec`` instead of recompute's reference model.
+    ``keep_grads=True`` measures the memory step with gradients kept allocated between steps (DDP's and
+    Megatron's persistent buffers, what ``estimate`` assumes) instead of set to None.
 
     Raises:
         ConfigError: no policies, a bad policy, a sequence beyond the model's positions, or CUDA asked
@@ -162,7 +165,7 @@ def bench(
         for i in range(warmup):
             say(f"{run.policy.describe()}: warm-up {i + 1}/{warmup}")
             _timed_step(run, batch, device)
-    memory = [_memory(run, batch, device, say) for run in runs]
+    memory = [_memory(run, batch, device, say, keep_grads) for run in runs]
     for i in range(steps):
         for run in runs:
             say(f"{run.policy.describe()}: step {i + 1}/{steps}")
@@ -223,12 +226,14 @@ def _timed_step(run: _Run, batch: tuple[Tensor, Tensor], device: str) -> tuple[f
     return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
-def _memory(run: _Run, batch: tuple[Tensor, Tensor], device: str, say: Progress) -> tuple[int, int, int]:
+def _memory(
+    run: _Run, batch: tuple[Tensor, Tensor], device: str, say: Progress, keep_grads: bool = False
+) -> tuple[int, int, int]:
     """(device peak, traced peak, saved activation bytes) of one step of ``run``."""
     from recompute.trace import trace_module
 
     say(f"{run.policy.describe()}: memory step")
-    traced = trace_module(run.model, batch, optimizer=run.optimizer, loss_fn=run.loss_fn)
+    traced = trace_module(run.model, batch, optimizer=run.optimizer, loss_fn=run.loss_fn, keep_grads=keep_grads)
     if device != "cuda":
         return traced.peak, traced.peak, traced.activations
     own = _resident_bytes(run)

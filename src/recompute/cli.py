@@ -327,6 +327,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, help="override the model's vocabulary size")
     add_workload_args(p, seq_len=256, micro_batch=4, dtype="fp32", device=None)
     p.add_argument("--policies", default="none,block", help="comma-separated; the first is the reference")
+    p.add_argument("--plan", help="a plan JSON file (recompute plan -o), benched after --policies")
+    p.add_argument("--keep-grads", action="store_true", help="keep gradients allocated between steps (as estimate)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per policy, after warm-up (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per policy (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default: 0)")
@@ -341,7 +343,7 @@ def _bench_run(args: argparse.Namespace) -> int:
     keys = ("n_layers", "hidden", "n_heads", "n_kv_heads", "vocab")
     spec, hf = bench_spec(args.model, **{k: getattr(args, k) for k in keys})
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    policies = _csv(args.policies)
+    policies = _csv(args.policies) + ([args.plan] if args.plan else [])
     for name in policies:
         Policy.parse(name)
     result = bench(
@@ -352,6 +354,7 @@ def _bench_run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         seed=args.seed,
         hf=hf,
+        keep_grads=args.keep_grads,
         progress=stderr_progress,
     )
     print(file=sys.stderr)
@@ -406,10 +409,18 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+ORDER = ("estimate", "trace", "validate", "plan", "verify", "bench", "train", "compare-train", "report")
+"""The order ``recompute --help`` lists the commands in: the questions of the README, in turn."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="recompute", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = _Parser(
+        prog="recompute",
+        description="Know what activation recomputation saves and costs, plan it, apply it, check it.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, (add_args, _, help_text) in COMMANDS.items():
+    for name in ORDER:
+        add_args, _, help_text = COMMANDS[name]
         add_args(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 

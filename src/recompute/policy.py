@@ -167,5 +167,4 @@ class Policy:
             return cls(value)
         if value.endswith(".json") or Path(value).is_file():
             return cls.load(value)
-        check_name(value)
-        raise AssertionError("unreachable")
+        raise ConfigError(f"{value!r} is not a policy or a policy file; choose one of: {', '.join(POLICIES)}")

@@ -30,7 +30,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LayerFlops:
-    """Forward FLOPs of one layer per tensor-parallel rank, by part."""
+    """Forward FLOPs of one layer per tensor-parallel rank, by part, and what each policy replays."""
 
     attn_proj: float
     """Q, K, V and output projections: 8bsh^2 for multi-head attention."""
@@ -38,20 +38,37 @@ class LayerFlops:
     """QK^T and attention over V: 4bs^2h."""
     mlp: float
     """The MLP matmuls: 16bsh^2 for GELU with d_ff = 4h; 6bsh*d_ff for SwiGLU."""
+    out_proj: float = 0.0
+    """The attention output projection (part of ``attn_proj``)."""
+    mlp_out: float = 0.0
+    """The MLP's down projection (part of ``mlp``)."""
+    dropout: bool = True
+    """Whether residual dropout follows each sub-block (its mask is the last tensor a replay must rebuild)."""
+    fused_core: bool = False
+    """Whether the core attention is one fused op (SDPA / flash), replayed whole."""
 
     @property
     def forward(self) -> float:
         return self.attn_proj + self.attn_core + self.mlp
 
     def recomputed(self, policy: str) -> float:
-        """Forward FLOPs replayed in the backward under ``policy`` (norms and pointwise ops neglected)."""
+        """Forward FLOPs replayed in the backward under ``policy`` (norms and pointwise ops neglected).
+
+        Note: [early stop] non-reentrant ``torch.utils.checkpoint`` stops a replay as soon as every tensor
+        the backward needs is back. So ``core_attn`` in eager math replays QK^T and the softmax but not the
+        attention over V (nothing in the region saves its output), and without dropout a sub-block's last
+        matmul (output or down projection) is skipped, since only its input is saved. With dropout the
+        residual mask comes last and the whole region replays. ``FlopCounterMode`` pins this in the tests.
+        """
+        attn = self.attn_proj + self.attn_core - (0.0 if self.dropout else self.out_proj)
+        mlp = self.mlp - (0.0 if self.dropout else self.mlp_out)
         return {
             "none": 0.0,
-            "core_attn": self.attn_core,
-            "attn": self.attn_proj + self.attn_core,
-            "mlp": self.mlp,
-            "attn+mlp": self.forward,
-            "block": self.forward,
+            "core_attn": self.attn_core if self.fused_core else self.attn_core / 2,
+            "attn": attn,
+            "mlp": mlp,
+            "attn+mlp": attn + mlp,
+            "block": self.attn_proj + self.attn_core + mlp,
         }[policy]
 
     def overhead(self, policy: str) -> float:
@@ -67,6 +84,10 @@ def layer_flops(spec: ModelSpec, wl: Workload) -> LayerFlops:
         attn_proj=2 * bs * h * (2 * spec.q_dim + 2 * spec.kv_dim) / t,
         attn_core=4 * b * s * s * spec.q_dim / t,
         mlp=(6 if spec.mlp == "swiglu" else 4) * bs * h * spec.ffn / t,
+        out_proj=2 * bs * h * spec.q_dim / t,
+        mlp_out=2 * bs * h * spec.ffn / t,
+        dropout=spec.dropout > 0,
+        fused_core=wl.attention == "flash" and not (wl.device == "cpu" and spec.dropout > 0),
     )
 
 

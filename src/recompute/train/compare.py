@@ -91,11 +91,16 @@ def plot_losses(runs: Sequence[RunResult], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    spec = runs[0].spec
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     styles = ["-", "--", ":", "-."]
     for i, run in enumerate(runs):
         ax.plot([m.step + 1 for m in run.metrics], run.losses, styles[i % 4], label=run.config.policy, lw=1.6)
-    ax.set(xlabel="step", ylabel="training loss", title=f"{runs[0].spec.name}: loss under each policy (same seed)")
+    ax.set(
+        xlabel="step",
+        ylabel="training loss",
+        title=f"{spec.name} ({spec.n_layers} layers, h={spec.hidden}): loss under each policy, same seed",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
