@@ -13,7 +13,7 @@ and reports measured recompute overhead (step time against ``none``), measured p
 kept allocated between steps as the estimate assumes) against the prediction, and saved activation bytes.
 Prints a table and writes benchmarks/results/plan_vs_uniform.json.
 
-    python benchmarks/plan_vs_uniform.py [--steps 3] [--seq-len 1024] [--layers 8]
+    python benchmarks/plan_vs_uniform.py [--steps 5] [--seq-len 1024] [--layers 6] [--cost measured|flops]
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import torch
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.bench import bench
 from recompute.plan import best_uniform, plan
+from recompute.policy import POLICIES
 from recompute.render import render_table
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
-COMPILE_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+COMPILE_BUDGETS = (0.1, 0.3, 0.5, 0.7, 1.0)
 
 
 def saved_activation_bytes(model: torch.nn.Module, fn: Any) -> tuple[torch.Tensor, int]:
@@ -105,13 +106,27 @@ def compiled_runs(spec: ModelSpec, wl: Workload, steps: int) -> dict[float, dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument(
+        "--cost",
+        choices=("flops", "measured"),
+        default="measured",
+        help="plan on FLOPs, or on step times of every uniform policy benched first",
+    )
     args = parser.parse_args()
     spec = ModelSpec.from_name(
-        "gpt2", n_layers=args.layers, hidden=256, n_heads=8, vocab=8192, dropout=0.0, max_positions=args.seq_len
+        "gpt2",
+        n_layers=args.layers,
+        hidden=args.hidden,
+        n_heads=args.heads,
+        vocab=8192,
+        dropout=0.0,
+        max_positions=args.seq_len,
     )
     wl = Workload(
         seq_len=args.seq_len,
@@ -124,7 +139,13 @@ def main() -> None:
     none = estimate(spec, wl, "none")
     act = none.peak - none.states.total
     budgets = {f: none.states.total + f * act for f in FRACTIONS}
-    plans = {f: plan(spec, wl, b) for f, b in budgets.items()}
+    measured = None
+    if args.cost == "measured":
+        print("benching every uniform policy for the planner's measured costs")
+        costs = bench(spec, wl, list(POLICIES), steps=args.steps, warmup=1, keep_grads=True)
+        measured = Path(__file__).parent / "results" / "plan_vs_uniform_costs.json"
+        measured.write_text(json.dumps(costs.to_dict(), indent=2) + "\n")
+    plans = {f: plan(spec, wl, b, measured=measured) for f, b in budgets.items()}
     uniforms = {f: best_uniform(spec, wl, b) for f, b in budgets.items()}
     policies: dict[str, Policy] = {"none": Policy("none")}
     for f in FRACTIONS:

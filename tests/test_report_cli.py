@@ -159,6 +159,25 @@ def test_bench_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         assert row["measured_overhead"] == pytest.approx(est.overhead, rel=1e-12)
 
 
+def test_bench_section_reads_real_bench_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench_json = tmp_path / "bench.json"
+    shape = "--layers 2 --hidden 32 --heads 2 --vocab 64 --seq-len 32 --micro-batch 2 --device cpu".split()
+    code, text, err = run(
+        capsys, "bench", *shape, "--steps", "1", "--warmup", "0", "--policies", "none,block", "--json"
+    )
+    assert code == 0, err
+    bench_json.write_text(text)
+    written = json.loads(text)["rows"]
+    out = tmp_path / "r.html"
+    code, _, err = run(capsys, "report", "--model", "gpt2", "--bench", str(bench_json), "-o", str(out))
+    assert code == 0, err
+    rows = page_data(out.read_text())["sections"]["bench"]["rows"]
+    assert [r["policy"] for r in rows] == ["none", "block"]
+    for row, raw in zip(rows, written, strict=True):
+        assert row["step_time_s"] == raw["step_s"] and row["predicted_peak"] == raw["predicted_peak"]
+        assert row["measured_peak"] == raw["peak"]
+
+
 def test_trace_section(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """`--trace` puts recompute.trace's bytes next to the analytic ones (two policies, 1 layer scaled: quick)."""
     import functools

@@ -162,8 +162,9 @@ def _measured_step_times(path: str | Path) -> dict[str, float]:
     rows = data.get("results", data.get("rows", [])) if isinstance(data, dict) else data
     out: dict[str, float] = {}
     for row in rows if isinstance(rows, list) else []:
-        if isinstance(row, dict) and "policy" in row and "step_time_s" in row:
-            out[str(row["policy"])] = float(row["step_time_s"])
+        seconds = row.get("step_s", row.get("step_time_s")) if isinstance(row, dict) else None
+        if seconds is not None and "policy" in row:
+            out[str(row["policy"])] = float(seconds)
     return out
 
 

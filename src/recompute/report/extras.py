@@ -149,24 +149,38 @@ def bench_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"bench results {str(path)!r} have no workload; {fix}")
     wl = build_workload(**raw)
-    times = {str(r["policy"]): r.get("step_time_s") for r in rows}
+    times = {str(r["policy"]): _step_time(r) for r in rows}
     base = times.get("none")
     out = []
     for row in rows:
-        est = estimate(spec, wl, str(row["policy"]))
-        t = row.get("step_time_s")
+        t = _step_time(row)
+        predicted = _predicted(spec, wl, row)
         out.append(
             {
                 "policy": str(row["policy"]),
                 "measured_peak": _measured_peak(row),
-                "predicted_peak": est.peak,
-                "step_time_s": None if t is None else float(t),
-                "measured_overhead": float(t) / float(base) - 1 if t is not None and base else None,
-                "predicted_overhead": est.overhead,
+                "predicted_peak": predicted[0],
+                "step_time_s": t,
+                "measured_overhead": t / base - 1 if t is not None and base else None,
+                "predicted_overhead": predicted[1],
             }
         )
     device = str(data.get("device", ""))
     return {"file": str(path), "model": spec.name, "device": device, "workload": wl.to_dict(), "rows": out}
+
+
+def _step_time(row: dict[str, Any]) -> float | None:
+    """Seconds per step: ``step_s`` as ``recompute bench --json`` writes it (``step_time_s`` also read)."""
+    t = row.get("step_s", row.get("step_time_s"))
+    return None if t is None else float(t)
+
+
+def _predicted(spec: ModelSpec, wl: Workload, row: dict[str, Any]) -> tuple[float, float]:
+    """(peak, overhead) the bench predicted for the row, else the estimate of its policy name."""
+    if row.get("predicted_peak") is not None and row.get("predicted_overhead") is not None:
+        return float(row["predicted_peak"]), float(row["predicted_overhead"])
+    est = estimate(spec, wl, str(row["policy"]))
+    return est.peak, est.overhead
 
 
 TRACE_COMPONENTS = {
