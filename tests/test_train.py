@@ -174,3 +174,12 @@ def test_train_bad_input(argv: list[str], tmp_path: Path, capsys: pytest.Capture
         code = int(e.code or 0)
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
+
+
+def test_size_overrides_keep_gqa_and_derive_the_mlp_width() -> None:
+    from recompute.train.loop import build_spec
+
+    spec = build_spec(TrainConfig(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=8), vocab=256)
+    assert (spec.kv_heads, spec.ffn, spec.mlp) == (8, 768, "swiglu")  # 8 KV heads kept; 8h/3 rounded to 256
+    spec = build_spec(TrainConfig(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=4), vocab=256)
+    assert spec.kv_heads == 4  # 8 KV heads cannot serve 4 query heads: plain multi-head attention

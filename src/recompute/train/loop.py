@@ -71,10 +71,16 @@ class RunResult:
 
 def build_spec(config: TrainConfig, vocab: int) -> ModelSpec:
     """The preset with the size overrides and the tokenizer's vocabulary."""
-    overrides = {
+    overrides: dict[str, int | None] = {
         k: v for k, v in (("n_layers", config.n_layers), ("hidden", config.hidden), ("n_heads", config.n_heads)) if v
     }
-    spec = ModelSpec.from_name(config.model, **overrides, vocab=vocab, n_kv_heads=None)
+    preset = ModelSpec.from_name(config.model)
+    if "hidden" in overrides:  # the preset's d_ff belongs to its own width: derive it from the new one
+        overrides["d_ff"] = None
+    heads = config.n_heads or preset.n_heads
+    if heads % preset.kv_heads:  # keep grouped-query attention where the new head count allows it
+        overrides["n_kv_heads"] = None
+    spec = ModelSpec.from_name(config.model, **overrides, vocab=vocab)
     require(
         config.seq_len <= spec.max_positions,
         f"--seq-len {config.seq_len} exceeds the model's {spec.max_positions} positions",
