@@ -3,7 +3,7 @@
 For budgets from 30 % to 90 % of the no-recompute activation memory of a GPT-2-shaped model with eager
 attention (long enough sequences for the s^2 term to matter), it measures real training steps of
 
-  (a) recompute's plan (``recompute.plan``),
+  (a) recompute's plan (``recompute.plan``, checked against the fake-tensor trace: ``traced=True``),
   (b) the best uniform "policy on every k-th layer" setting that fits (what HF and torchtitan offer),
   (c) ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` tuned to the same saved
       activation bytes as the plan (backend ``aot_eager_decomp_partition``: the min-cut partitioner on eager
@@ -13,15 +13,25 @@ and reports measured recompute overhead (step time against ``none``), measured p
 kept allocated between steps as the estimate assumes) against the prediction, and saved activation bytes.
 Prints a table and writes benchmarks/results/plan_vs_uniform.json.
 
-    python benchmarks/plan_vs_uniform.py [--steps 5] [--seq-len 1024] [--layers 6] [--cost measured|flops]
+    python benchmarks/plan_vs_uniform.py [--steps 6] [--seq-len 1024] [--layers 6] [--cost measured|flops]
+                                         [--allocator reuse|system]
+
+Note: [the CPU allocator] glibc serves every buffer over its mmap threshold (at most 32 MiB) with a fresh
+mmap, so each (b, a, s, s) score tensor page-faults in anew on every op and a memory-bound replay costs
+several times its arithmetic. CUDA's caching allocator reuses blocks instead. ``--allocator reuse`` (the
+default) re-runs this script with glibc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_), which is what the caching allocator does; ``system`` measures glibc as it comes.
+Every variant runs in the same process, so both settings compare like with like.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +46,14 @@ from recompute.render import render_table
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 COMPILE_BUDGETS = (0.1, 0.3, 0.5, 0.7, 1.0)
+REUSE = {"MALLOC_MMAP_THRESHOLD_": str(2**40), "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+"""glibc settings that keep freed blocks for reuse (read at process start, hence the re-exec)."""
+
+
+def use_allocator(kind: str) -> None:
+    """Re-run this process with glibc's reuse settings when ``kind`` is ``reuse`` and they are not set."""
+    if kind == "reuse" and any(os.environ.get(k) != v for k, v in REUSE.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **REUSE})
 
 
 def saved_activation_bytes(model: torch.nn.Module, fn: Any) -> tuple[torch.Tensor, int]:
@@ -106,7 +124,7 @@ def compiled_runs(spec: ModelSpec, wl: Workload, steps: int) -> dict[float, dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--micro-batch", type=int, default=1)
@@ -118,7 +136,14 @@ def main() -> None:
         default="measured",
         help="plan on FLOPs, or on step times of every uniform policy benched first",
     )
+    parser.add_argument(
+        "--allocator",
+        choices=("reuse", "system"),
+        default="reuse",
+        help="reuse: glibc keeps freed memory, like CUDA's caching allocator (the default); system: as it comes",
+    )
     args = parser.parse_args()
+    use_allocator(args.allocator)
     spec = ModelSpec.from_name(
         "gpt2",
         n_layers=args.layers,
@@ -145,7 +170,7 @@ def main() -> None:
         costs = bench(spec, wl, list(POLICIES), steps=args.steps, warmup=1, keep_grads=True)
         measured = Path(__file__).parent / "results" / "plan_vs_uniform_costs.json"
         measured.write_text(json.dumps(costs.to_dict(), indent=2) + "\n")
-    plans = {f: plan(spec, wl, b, measured=measured) for f, b in budgets.items()}
+    plans = {f: plan(spec, wl, b, measured=measured, traced=True) for f, b in budgets.items()}
     uniforms = {f: best_uniform(spec, wl, b) for f, b in budgets.items()}
     policies: dict[str, Policy] = {"none": Policy("none")}
     for f in FRACTIONS:
@@ -178,6 +203,8 @@ def main() -> None:
                 "peak": p.peak,
                 "predicted_peak": plans[f].estimate.peak,
                 "peak_error": p.peak / plans[f].estimate.peak - 1,
+                "traced_peak": plans[f].traced_peak,
+                "fits": p.peak <= budgets[f],
                 "saved": p.activations,
                 "predicted_overhead_flops": plans[f].overhead,
             },
@@ -227,6 +254,7 @@ def main() -> None:
                     "platform": platform.platform(),
                     "torch": torch.__version__,
                     "threads": torch.get_num_threads(),
+                    "allocator": {k: os.environ.get(k) for k in REUSE},
                 },
                 "spec": spec.to_dict(),
                 "workload": wl.to_dict(),

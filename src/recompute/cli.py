@@ -149,6 +149,11 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
         help="recompute cost: analytic FLOPs, or step times measured by `recompute bench` (--bench)",
     )
     p.add_argument("--bench", help="a `recompute bench --json` result, for --cost measured")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace the chosen plan's step on fake tensors and re-plan until its traced peak fits (needs torch)",
+    )
     p.add_argument("-o", "--output", help="write the plan file here (apply and bench take it as is)")
     p.add_argument("--json", action="store_true", help="print the plan, frontier and prediction as JSON")
 
@@ -167,7 +172,7 @@ def _plan_run(args: argparse.Namespace) -> int:
         budget = parse_budget(args.budget)
     if (args.cost == "measured") != (args.bench is not None):
         raise ConfigError("--cost measured needs --bench RESULTS.json (and --bench needs --cost measured)")
-    result = plan(spec, wl, budget, measured=args.bench)
+    result = plan(spec, wl, budget, measured=args.bench, traced=args.trace)
     if args.output:
         Path(args.output).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     if args.json:

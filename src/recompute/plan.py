@@ -94,6 +94,8 @@ class Plan:
     cost_kind: str
     frontier: tuple[FrontierPoint, ...]
     uniform: dict[str, FrontierPoint] = field(default_factory=dict)
+    traced_peak: float | None = None
+    """The chosen plan's peak by ``recompute.trace`` (``plan(..., traced=True)``), else ``None``."""
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file: ``Policy.from_dict`` reads its ``policy`` entry, so ``apply`` takes the file as is."""
@@ -111,6 +113,7 @@ class Plan:
                 "activations": self.estimate.activations,
                 "overhead": self.overhead,
                 "cost": self.cost,
+                "traced_peak": self.traced_peak,
             },
             "frontier": [point(p) for p in self.frontier],
             "uniform": {name: point(p) for name, p in self.uniform.items()},
@@ -131,7 +134,7 @@ class _Chain:
     loss_extra: float
     """E + H + logits + loss transient: added to k * S at the loss."""
     top_extra: float
-    """A + W + E: added to k * S - s_top in the backward of the top layer."""
+    """A + W + E + kept logits: added to k * S - s_top in the backward of the top layer."""
     model_cost: float
 
     def peak(self, S: float, s_top: float) -> float:
@@ -181,7 +184,7 @@ def _chain(spec: ModelSpec, wl: Workload, cost: dict[str, float], model_cost: fl
         k=k,
         states=model_states(spec, wl).total,
         loss_extra=embedding + outer.head + outer.logits + outer.loss_transient,
-        top_extra=la.total + la.workspace + embedding,
+        top_extra=la.total + la.workspace + embedding + outer.kept_logits,
         model_cost=model_cost,
     )
 
@@ -268,8 +271,22 @@ def best_uniform(
     return best
 
 
-def plan(spec: ModelSpec, wl: Workload, budget: float, *, measured: str | Path | None = None) -> Plan:
+def plan(
+    spec: ModelSpec,
+    wl: Workload,
+    budget: float,
+    *,
+    measured: str | Path | None = None,
+    traced: bool = False,
+) -> Plan:
     """The least-cost per-layer policy whose predicted peak is at most ``budget`` bytes.
+
+    Args:
+        traced: also trace the chosen plan's real PyTorch step on fake tensors (``recompute.trace``, with
+            gradients kept, as the estimate assumes) and, while the traced peak is over the budget, re-plan
+            against a budget lowered by the overshoot. The analytic peak is within 0.7 % of the trace
+            (``recompute validate --peaks``) but may fall on either side; with ``traced`` the plan fits by
+            the arbiter's count. Needs torch; one full-size trace takes seconds to a minute.
 
     Raises:
         ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
@@ -280,7 +297,10 @@ def plan(spec: ModelSpec, wl: Workload, budget: float, *, measured: str | Path |
     chosen = _fitting(points, budget)
     if chosen is None:
         raise ConfigError(_nothing_fits(spec, wl, budget, points[0].peak))
-    policy = Policy(layers=(chosen.layers * wl.pp)[: spec.n_layers], model=spec.name)
+    traced_peak = None
+    if traced:
+        chosen, traced_peak = _fit_traced(spec, wl, points, chosen, budget)
+    policy = _policy(spec, wl, chosen)
     uniform = {}
     for name in POLICIES:
         cost = chain.stages * chain.n * chain.cost[name]
@@ -297,6 +317,38 @@ def plan(spec: ModelSpec, wl: Workload, budget: float, *, measured: str | Path |
         cost_kind="measured seconds" if measured else "FLOPs",
         frontier=tuple(points),
         uniform=uniform,
+        traced_peak=traced_peak,
+    )
+
+
+def _policy(spec: ModelSpec, wl: Workload, point: FrontierPoint) -> Policy:
+    """The whole model's policy for a frontier point of the first pipeline stage."""
+    return Policy(layers=(point.layers * wl.pp)[: spec.n_layers], model=spec.name)
+
+
+def _fit_traced(
+    spec: ModelSpec, wl: Workload, points: Sequence[FrontierPoint], chosen: FrontierPoint, budget: float
+) -> tuple[FrontierPoint, float]:
+    """The cheapest frontier point whose traced peak fits ``budget``, and that peak.
+
+    Each round traces the candidate; an overshoot lowers the analytic target by that much (the analytic
+    error is nearly the same for neighbouring plans), and the next candidate is traced in turn.
+    """
+    from recompute.trace import trace
+
+    target = budget
+    for _ in range(len(points)):
+        peak = float(trace(spec, wl, _policy(spec, wl, chosen), keep_grads=True).peak)
+        if peak <= budget:
+            return chosen, peak
+        target -= max(peak - budget, 1.0)
+        lower = _fitting(points, target)
+        if lower is None:
+            break
+        chosen = lower
+    raise ConfigError(
+        f"no plan's traced peak fits {budget / 2**30:.2f} GiB (the smallest predicted peak is "
+        f"{points[0].peak / 2**30:.2f} GiB); raise the budget or see the fixes without --trace"
     )
 
 

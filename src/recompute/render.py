@@ -121,7 +121,8 @@ def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) 
             f"budget {gib(plan.budget)}; cost in {plan.cost_kind}",
             "",
             f"plan: {layer_runs(plan.policy.per_layer(spec.n_layers))}",
-            f"predicted peak {gib(est.peak)} ({est.peak_phase}), recompute overhead {100 * plan.overhead:.1f}%",
+            f"predicted peak {gib(est.peak)} ({est.peak_phase}), recompute overhead {100 * plan.overhead:.1f}%"
+            + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else ""),
             render_table(
                 ["component", "bytes"],
                 [[k, gib(v)] for k, v in est.activations.items() if v] + [["model states", gib(est.states.total)]],

@@ -14,7 +14,13 @@ from recompute.analytic.flops import (
     paper_model_flops,
     recompute_flops,
 )
-from recompute.analytic.memory import LayerActivations, OuterActivations, layer_activations, outer_activations
+from recompute.analytic.memory import (
+    LayerActivations,
+    OuterActivations,
+    layer_activations,
+    outer_activations,
+    paper_layer_bytes,
+)
 from recompute.analytic.params import ModelStates, bytes_per_param, layer_params, model_states, n_params
 
 __all__ = [
@@ -41,6 +47,7 @@ __all__ = [
     "overhead_from_flops",
     "paper_hardware_flops_full",
     "paper_hardware_flops_selective",
+    "paper_layer_bytes",
     "paper_model_flops",
     "recompute_flops",
 ]

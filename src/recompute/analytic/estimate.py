@@ -110,7 +110,7 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     activations.update(embedding=k * outer.embedding, head=outer.head, logits=outer.logits)
 
     peak_act, phase = _peak_activations(
-        la, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient
+        la, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits
     )
     states = model_states(spec, wl)
     return Estimate(
@@ -128,12 +128,19 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
 
 
 def _peak_activations(
-    la: LayerActivations, stage: tuple[str, ...], k: float, embedding: float, head: float, loss: float
+    la: LayerActivations,
+    stage: tuple[str, ...],
+    k: float,
+    embedding: float,
+    head: float,
+    loss: float,
+    kept_logits: float,
 ) -> tuple[float, str]:
     """Largest activation footprint over the backward of a chain of layers.
 
     At the loss: every stored byte plus the logits and loss gradients. Then layer j (top down): the layers
-    below j still stored, other micro-batches in flight, and layer j's recompute transient and workspace.
+    below j still stored, other micro-batches in flight, layer j's recompute transient and workspace, and
+    the logits the training loop still holds.
     """
     by_policy = {name: la.stored(name) for name in set(stage)}
     stored = [by_policy[name] for name in stage]
@@ -142,7 +149,7 @@ def _peak_activations(
     below = 0.0
     for j, name in enumerate(stage):
         below += stored[j]
-        value = others + below + la.transient(name) + la.workspace + embedding
+        value = others + below + la.transient(name) + la.workspace + embedding + kept_logits
         if value > best:
             best, phase = value, f"backward of layer {j}"
     return best, phase

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 from recompute.spec import ModelSpec
 from recompute.workload import Workload
 
-__all__ = ["LayerActivations", "OuterActivations", "layer_activations", "outer_activations"]
+__all__ = ["LayerActivations", "OuterActivations", "layer_activations", "outer_activations", "paper_layer_bytes"]
 
 ATTENTION = ("attn_in", "qkv", "scores", "attn_out", "attn_drop")
 MLP = ("mlp_in", "mlp_hidden", "mlp_drop")
@@ -180,7 +180,11 @@ class OuterActivations:
     logits: float
     """fp32 log-probabilities kept by cross-entropy: 4sbv/t."""
     loss_transient: float
-    """Logits and the loss gradients alive at once at the start of the backward: (e + 8)sbv/t."""
+    """Logits and the loss gradients alive at once at the start of the backward: (e + 8)sbv/t; with t > 1
+    the vocabulary-parallel loss turns its fp32 copy into the kept softmax in place: (e + 4)sbv/t (esbv/t
+    in fp32)."""
+    kept_logits: float = 0.0
+    """The logits the training loop holds until the backward ends (``logits, loss = model(x, y)``): esbv/t."""
 
     @property
     def stored(self) -> float:
@@ -200,5 +204,41 @@ def outer_activations(spec: ModelSpec, wl: Workload, *, last_stage: bool) -> Out
         embedding=embedding,
         head=(norm_saved + norm_stats + e * sbh) / r,
         logits=4 * s * b * v / t,
-        loss_transient=(e + 8) * s * b * v / t,
+        loss_transient=_loss_transient(wl) * s * b * v / t,
+        kept_logits=e * s * b * v / t,
     )
+
+
+def _loss_transient(wl: Workload) -> int:
+    """Bytes per logit alive at the loss beyond the kept fp32 softmax (checked by the trace).
+
+    PyTorch's cross-entropy (t = 1): the logits, their fp32 copy (or an fp32 intermediate) and the gradient,
+    e + 8. Megatron's vocabulary-parallel cross-entropy (``recompute.parallel``, t > 1): the logits and
+    their fp32 copy, which becomes the kept softmax in place (no copy when the logits are already fp32).
+    """
+    if wl.tp == 1:
+        return wl.e + 8
+    return wl.e + (4 if wl.e != 4 else 0)
+
+
+def paper_layer_bytes(spec: ModelSpec, wl: Workload, policy: str) -> float | None:
+    """Korthikanti et al. 2022 (Table 2) for one layer per tensor-parallel rank, where the paper applies.
+
+    sbh(10 + 24/t + 5as/(ht)) with tensor parallelism, sbh(34/t + 5as/(ht)) with sequence parallelism too;
+    selective recomputation (``core_attn``) drops the 5as/(ht) term and full recomputation (``block``) keeps
+    2sbh (2sbh/t with sequence parallelism). fp16 activations and 1-byte dropout masks, whatever ``wl``
+    says; ``None`` for policies and models outside the paper (no dropout, SwiGLU, GQA). ``layer_activations``
+    in the paper's setting differs only by the LayerNorm statistics, which the paper leaves out.
+    """
+    if spec.mlp != "gelu" or spec.dropout == 0 or spec.kv_heads != spec.n_heads or policy not in PAPER_POLICIES:
+        return None
+    s, b, h, a, t = wl.seq_len, wl.micro_batch, spec.hidden, spec.n_heads, wl.tp
+    sbh = s * b * h
+    if policy == "block":
+        return 2 * sbh / (t if wl.sp else 1)
+    scores = 0.0 if policy == "core_attn" else 5 * a * s / (h * t)
+    return sbh * ((34 / t if wl.sp else 10 + 24 / t) + scores)
+
+
+PAPER_POLICIES = ("none", "core_attn", "block")
+"""The policies the paper's Table 2 covers: no recomputation, selective, full."""

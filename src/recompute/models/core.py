@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from recompute.spec import ModelSpec
 
@@ -45,8 +46,10 @@ def _eager_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tenso
     # Note: [GQA without repeating K/V] the g query heads that share one KV head are folded into the
     # sequence dimension, so the matmuls read the unexpanded K and V and autograd saves them at kv_dim.
     q = q.reshape(b, kv, g * s, dh)  # (b, kv, g*s, dh)
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))  # (b, kv, g*s, s)
-    att = att + _causal_bias(s, g, att.dtype, att.device)  # an add saves nothing; masked_fill would save the mask
+    att = q @ k.transpose(-2, -1)  # (b, kv, g*s, s); the matmul saves q and k, not its output
+    # In place: a fresh s^2 buffer per op costs the CPU allocator more than the op itself (page faults), and
+    # the recompute replays these lines. Adding a -inf bias saves nothing (masked_fill would save the mask).
+    att.mul_(1.0 / math.sqrt(dh)).add_(_causal_bias(s, g, att.dtype, att.device))
     att = F.softmax(att, dim=-1)  # saved: (b, a, s, s) in the activation dtype
     if dropout_p > 0.0:
         att = F.dropout(att, p=dropout_p, training=True)  # saved: its mask, and its output for att @ v
@@ -76,9 +79,17 @@ class Block(nn.Module):
 
 
 def lm_output(logits: Tensor, targets: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``(logits, loss)``: the loss is fp32 cross-entropy over all positions, ``None`` without targets."""
+    """``(logits, loss)``: the loss is fp32 cross-entropy over all positions, ``None`` without targets.
+
+    Logits that are a DTensor sharded over the vocabulary (``recompute.parallel``) get Megatron's
+    vocabulary-parallel cross-entropy, which never gathers them.
+    """
     if targets is None:
         return logits, None
+    if isinstance(logits, DTensor):
+        from recompute.parallel import vocab_parallel_cross_entropy  # imports this module
+
+        return logits, vocab_parallel_cross_entropy(logits, targets)
     loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
     return logits, loss
 

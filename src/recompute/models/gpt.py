@@ -31,14 +31,19 @@ class CausalSelfAttention(nn.Module):
         self.attention = one_of("attention", attention, ATTENTION)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.c_attn(x).split(self.split, dim=2)  # saved: x, the c_attn input
+        q, k, v = self.qkv(x)
+        b, s, _ = q.shape  # not x's: with sequence parallelism x holds only this rank's share of the sequence
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (b, a, s, dh)
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
         y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*dh), a copy that c_proj saves
         return self.resid_dropout(self.c_proj(y))
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K and V of ``x`` from one fused matmul, each (b, s, heads*dh); saved: x, the c_attn input."""
+        q, k, v = self.c_attn(x).split(self.split, dim=2)
+        return q, k, v
 
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Core attention: QK^T, softmax, dropout, attention over V (or the SDPA call); (b, a, s, dh)."""

@@ -51,13 +51,18 @@ class GroupedQueryAttention(nn.Module):
         self.attention = one_of("attention", attention, ATTENTION)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (b, a, s, dh)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
+        q, k, v = self.qkv(x)
+        b, s, _ = q.shape  # not x's: with sequence parallelism x holds only this rank's share of the sequence
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (b, a, s, dh)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (b, kv, s, dh)
         y = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*dh), a copy that wo saves
         return self.resid_dropout(self.wo(y))
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The Q, K and V projections of ``x``, (b, s, a*dh) and twice (b, s, kv*dh); saved: x, once."""
+        return self.wq(x), self.wk(x), self.wv(x)
 
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Core attention over unexpanded K/V (eager) or SDPA with ``enable_gqa``; (b, a, s, dh)."""
@@ -75,7 +80,12 @@ class SwiGLU(nn.Module):
         self.dropout = nn.Dropout(spec.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        gate, up = self.gate_up(x)
+        return self.dropout(self.w2(F.silu(gate) * up))
+
+    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The gate and up projections of ``x``, each (b, s, d_ff); saved: x, once."""
+        return self.w1(x), self.w3(x)
 
 
 class Llama(nn.Module):

@@ -7,8 +7,10 @@ Nothing is allocated, so Llama-3.1-70B at s = 8192 traces on a laptop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,11 +54,7 @@ def trace(
         ConfigError: the sequence is longer than the model's positions, the policy does not fit the model,
             the model cannot be built, or CUDA is asked for without CUDA.
     """
-    wl.check(spec)
-    require(
-        wl.tp == wl.pp == wl.dp == 1 and not wl.sp,
-        "trace runs one unsharded step; drop --tp/--pp/--dp/--sp (recompute estimate models parallelism)",
-    )
+    _check_traceable(spec, wl, hf)
     pol = Policy.parse(policy)
     per_layer = pol.per_layer(spec.n_layers)
     device = _device(wl)
@@ -86,6 +84,19 @@ def trace(
     )
 
 
+def _check_traceable(spec: ModelSpec, wl: Workload, hf: bool) -> None:
+    wl.check(spec)
+    require(
+        wl.pp == wl.dp == 1,
+        "trace runs one tensor-parallel rank of one pipeline stage's model; drop --pp/--dp "
+        "(recompute estimate models pipeline and data parallelism)",
+    )
+    require(
+        wl.tp == 1 or not hf,
+        f"--tp {wl.tp} traces recompute's reference GPT/Llama (recompute.parallel); drop --hf or --tp",
+    )
+
+
 def _device(wl: Workload) -> str:
     if wl.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
@@ -98,7 +109,18 @@ def _device(wl: Workload) -> str:
 def _trace_layers(
     spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool, keep_grads: bool
 ) -> StepRecord:
-    """One fake step of ``spec`` cut to ``n`` layers."""
+    """One fake step of ``spec`` cut to ``n`` layers (of rank 0, with ``wl.tp`` > 1)."""
+    with _fake_group(wl.tp):
+        if wl.tp > 1:
+            # Note: [DTensor's first call] the first time DTensor meets an op and its shardings it works out
+            # the output by running the op on whole-size tensors, which the tracker would count as memory (2 GiB
+            # in the head's backward of Llama 3.1 8B at t = 8). A one-layer step per policy fills that cache.
+            for name in dict.fromkeys(pol.per_layer(n)):
+                _step(spec, wl, Policy(name), 1, device=device, hf=hf, keep_grads=keep_grads)
+        return _step(spec, wl, pol, n, device=device, hf=hf, keep_grads=keep_grads)
+
+
+def _step(spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool, keep_grads: bool) -> StepRecord:
     model, stack, mode = _fake_model(spec, wl, pol, n, device=device, hf=hf)
     with mode:
         optimizer = torch.optim.AdamW(model.parameters())
@@ -106,6 +128,31 @@ def _trace_layers(
         batch = _batch(spec, wl, device)
         loss_fn = hf_loss if hf else lm_loss
         return run_step(model, batch, optimizer, stack, loss_fn=loss_fn, keep_grads=keep_grads)
+
+
+@contextlib.contextmanager
+def _fake_group(tp: int) -> Iterator[None]:
+    """With ``tp`` > 1: a fake process group of ``tp`` ranks (this process is rank 0) for the trace's duration.
+
+    PyTorch's testing ``FakeProcessGroup`` accepts every collective and moves no data, which is all a trace
+    on fake tensors needs: the shapes (and so every byte) are those of a real rank.
+    """
+    if tp == 1:
+        yield
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ConfigError(
+            "--tp traces one rank on a fake process group, but a process group is already running here; "
+            "run recompute trace outside torchrun"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _fake_model(
@@ -118,6 +165,14 @@ def _fake_model(
     model = build_meta(small, attention=wl.attention, dtype=DTYPES[wl.dtype], hf=hf)
     mode = FakeTensorMode()
     fakeify(model, mode, device)
+    if wl.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from recompute.parallel import parallelize
+
+        mesh = init_device_mesh(device, (wl.tp,), mesh_dim_names=("tp",))  # outside the fake mode
+        with mode:
+            parallelize(model, mesh, sp=wl.sp)
     model.train()
     apply(model, pol)
     return model, find_layers(model), mode
@@ -132,13 +187,14 @@ def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *,
     Raises:
         ConfigError: as ``trace``, and for a policy that is not the same in every layer.
     """
-    wl.check(spec)
+    _check_traceable(spec, wl, hf)
     pol = Policy.parse(policy)
     require(pol.is_uniform, f"trace_layer needs one policy for every layer, got {pol.describe()}")
     device = _device(wl)
-    model, stack, mode = _fake_model(spec, wl, pol, 2, device=device, hf=hf)
-    with mode:
-        saved = record_saved(model, _batch(spec, wl, device), stack, loss_fn=hf_loss if hf else lm_loss)
+    with _fake_group(wl.tp):
+        model, stack, mode = _fake_model(spec, wl, pol, 2, device=device, hf=hf)
+        with mode:
+            saved = record_saved(model, _batch(spec, wl, device), stack, loss_fn=hf_loss if hf else lm_loss)
     return part_trace("layer 1", [r for r in saved if r.layer == 1])
 
 
@@ -186,7 +242,7 @@ def trace_module(
 
 
 def _workload_dict(wl: Workload) -> dict[str, Any]:
-    keys = ("micro_batch", "seq_len", "dtype", "attention", "device")
+    keys = ("micro_batch", "seq_len", "dtype", "attention", "device", "tp", "sp")
     return {k: getattr(wl, k) for k in keys}
 
 
@@ -198,6 +254,11 @@ def _notes(spec: ModelSpec, wl: Workload, counts: tuple[int, ...], hf: bool, kee
         + ("stay allocated (zero_grad(set_to_none=False))" if keep_grads else "start as None")
         + f"; parameters, gradients and AdamW state in {wl.dtype}",
     ]
+    if wl.tp > 1:
+        notes.append(
+            f"one rank of {wl.tp}-way tensor parallelism{' with sequence parallelism' if wl.sp else ''} "
+            "(recompute.parallel on a fake process group): every figure is per rank"
+        )
     if len(counts) == 2:
         notes.append(
             f"layers are identical: traced {counts[0]} and {counts[1]} layers and scaled every figure to "

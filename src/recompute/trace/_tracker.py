@@ -154,7 +154,7 @@ class StepTracker(MemTracker):
         """Saved-tensor pack hook: record ``t``'s storage the first time it is saved (see ``unpack``)."""
         if self.stage != "forward":
             return t
-        st = t.untyped_storage()
+        st = _local(t).untyped_storage()
         if st in self._saved_by_storage:
             return t
         info = self._WINFO.get(st)
@@ -199,6 +199,13 @@ class StepTracker(MemTracker):
         names = [next((n for n in parts if n not in _WRAPPER_NAMES), None) for parts in children]
         named = sorted({n for n in names if n is not None})
         return phase.layer, (named[0] if named else None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (what its memory holds), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @dataclass
