@@ -13,7 +13,7 @@ and reports measured recompute overhead (step time against ``none``), measured p
 kept allocated between steps as the estimate assumes) against the prediction, and saved activation bytes.
 Prints a table and writes benchmarks/results/plan_vs_uniform.json.
 
-    python benchmarks/plan_vs_uniform.py [--steps 6] [--seq-len 1024] [--layers 6] [--cost measured|flops]
+    python benchmarks/plan_vs_uniform.py [--steps 6] [--seq-len 1024] [--layers 8] [--cost measured|flops]
                                          [--allocator reuse|system]
 
 Note: [the CPU allocator] glibc serves every buffer over its mmap threshold (at most 32 MiB) with a fresh
@@ -126,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)

@@ -74,7 +74,7 @@ def test_cli_json_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
         (["--seq-len", "2048"], "exceeds gpt2's 1024 positions"),
         (["--policies", "none,everything"], "is not a policy"),
         (["--model", "llama3.1-8b"], "too many to verify here"),
-        (["--tp", "2"], "drop --tp"),
+        (["--tp", "2"], "--tp 2 needs torchrun: torchrun --nproc-per-node 2 -m recompute bench --device cpu --tp 2"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(

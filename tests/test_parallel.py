@@ -182,3 +182,29 @@ def test_init_from_env_checks_the_process_count(monkeypatch: pytest.MonkeyPatch)
     assert under_torchrun()
     with pytest.raises(ConfigError, match="--tp 2 needs 2 processes but torchrun started 1"):
         init_from_env(tp=2)
+
+
+def test_bench_tp_under_torchrun_reports_per_rank_bytes_as_analytic(tmp_path: Path) -> None:
+    """``torchrun -m recompute bench --tp 2 --sp --json``: rank 0's table, TP and TP+SP, kept bytes as analytic."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "recompute"]
+    cmd += ["bench", "--tp", "2", "--sp", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128"]
+    cmd += ["--seq-len", "32", "--micro-batch", "2", "--policies", "none,core_attn,block", "--steps", "1", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)  # rank 0 alone prints
+    rows = {(r["mode"], r["policy"]): r for r in result["rows"]}
+    assert set(rows) == {(m, p) for m in ("TP", "TP+SP") for p in ("none", "core_attn", "block")}
+    for row in rows.values():
+        assert row["measured"] == row["analytic"]
+        assert row["paper"] is not None  # GPT-2 with dropout: the paper's setting
+    assert rows["TP+SP", "none"]["measured"] < rows["TP", "none"]["measured"]
+
+
+def test_bench_tp_without_torchrun_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from recompute.cli import main
+
+    assert main(["bench", "--tp", "2", "--sp"]) == 2
+    err = capsys.readouterr().err.strip()
+    fix = "torchrun --nproc-per-node 2 -m recompute bench --tp 2 --sp"
+    assert err == f"recompute bench: error: --tp 2 needs torchrun: {fix}"

@@ -161,7 +161,7 @@ def test_optimizer_priming_matches_a_real_first_step() -> None:
         (["--model", "gpt2", "--policy", "everything"], "is not a policy"),
         (["--model", "gpt2", "--policy", "block", "--every", "2", "--layers", "2"], "drop --layers"),
         (["--model", "no-such-model"], "is not a known model"),
-        (["--model", "gpt2", "--tp", "2"], "drop --tp"),
+        (["--model", "gpt2", "--dp", "2"], "drop --pp/--dp"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(

@@ -210,6 +210,8 @@ def _train_run(args: argparse.Namespace) -> int:
     if args.plan:
         args.policy = args.plan
     result = train(_train_config(args))
+    if result.rank != 0:
+        return 0  # under torchrun, rank 0 reports
     last = result.metrics[-1]
     print(
         f"trained {result.spec.name} ({args.policy}) for {last.step + 1} steps: final loss {last.loss:.4f}, "
@@ -238,6 +240,8 @@ def _compare_run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         Policy.parse(p)  # fail fast on a bad name, before any training
+    if args.tp > 1 or args.dp > 1 or args.sp:
+        raise ConfigError("compare-train runs one process; drop --tp/--sp/--dp (recompute train takes them)")
     rows, runs = compare_train(_train_config(args, "policy", "resume"), policies, quiet=args.json)
     png = Path(args.png or Path(args.out) / "loss.png")
     plot_losses(runs, png)
@@ -351,19 +355,32 @@ def _bench_run(args: argparse.Namespace) -> int:
     policies = _csv(args.policies) + ([args.plan] if args.plan else [])
     for name in policies:
         Policy.parse(name)
-    result = bench(
-        spec,
-        workload_from(args, spec),
-        policies,
-        steps=args.steps,
-        warmup=args.warmup,
-        seed=args.seed,
-        hf=hf,
-        keep_grads=args.keep_grads,
-        progress=stderr_progress,
-    )
+    wl = workload_from(args, spec)
+    if wl.tp > 1 or wl.dp > 1:
+        return _bench_parallel(args, spec, wl, policies, hf)
+    runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
+    result = bench(spec, wl, policies, **runs, hf=hf, keep_grads=args.keep_grads, progress=stderr_progress)
     print(file=sys.stderr)
     emit_json(result.to_dict()) if args.json else print(render_bench(result))
+    return 0
+
+
+def _bench_parallel(args: argparse.Namespace, spec: ModelSpec, wl: Workload, policies: list[str], hf: bool) -> int:
+    """``bench --tp/--dp`` under torchrun: every rank measures, rank 0 prints."""
+    import torch.distributed as dist
+
+    from recompute.bench import stderr_progress
+    from recompute.parallel import bench_parallel, render_parallel_bench
+
+    if hf:
+        raise ConfigError("--tp/--dp bench recompute's reference GPT/Llama (recompute.parallel); drop the hf: model")
+    runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
+    say = lambda line: stderr_progress(line) if dist.get_rank() == 0 else None  # noqa: E731
+    result = bench_parallel(spec, wl, policies, **runs, argv=args.argv, progress=say)
+    if dist.get_rank() == 0:
+        print(file=sys.stderr)
+        emit_json(result.to_dict()) if args.json else print(render_parallel_bench(result))
+    dist.destroy_process_group()
     return 0
 
 
@@ -433,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (2 for bad input)."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to repeat in messages (the torchrun command)
     try:
         return COMMANDS[args.command][1](args)
     except ConfigError as e:

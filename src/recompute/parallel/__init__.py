@@ -42,17 +42,22 @@ Order: build the model (same seed on every rank), ``parallelize``, ``recompute.a
 torch.compile is not covered.
 """
 
+from recompute.parallel._bench import ParallelBench, RankRow, bench_parallel, render_parallel_bench
 from recompute.parallel._env import init_from_env, under_torchrun
 from recompute.parallel._measure import saved_bytes_per_layer
 from recompute.parallel._ops import column_parallel, scatter_sequence, vocab_parallel_cross_entropy
 from recompute.parallel._plan import check_parallel, parallelize, qkv_row_order
 
 __all__ = [
+    "ParallelBench",
+    "RankRow",
+    "bench_parallel",
     "check_parallel",
     "column_parallel",
     "init_from_env",
     "parallelize",
     "qkv_row_order",
+    "render_parallel_bench",
     "saved_bytes_per_layer",
     "scatter_sequence",
     "under_torchrun",

@@ -26,6 +26,9 @@ class TrainConfig:
     attention: str = field(
         default="eager", metadata=_opt("--attention", "eager or flash (SDPA)", choices=("eager", "flash"))
     )
+    dropout: float | None = field(
+        default=None, metadata=_opt("--dropout", "dropout probability (overrides the preset's)")
+    )
     policy: str = field(default="none", metadata=_opt("--policy", "recompute policy name, or a plan JSON file"))
     data: str | None = field(default=None, metadata=_opt("--data", "a text file or a directory of .txt files"))
     dataset: str | None = field(default=None, metadata=_opt("--dataset", "a Hugging Face dataset name[:split]"))
@@ -35,7 +38,9 @@ class TrainConfig:
     )
     steps: int = field(default=200, metadata=_opt("--steps", "optimizer steps"))
     seq_len: int = field(default=256, metadata=_opt("--seq-len", "tokens per sequence"))
-    micro_batch: int = field(default=8, metadata=_opt("--micro-batch", "sequences per micro-batch"))
+    micro_batch: int = field(
+        default=8, metadata=_opt("--micro-batch", "sequences per micro-batch (over all --dp ranks together)")
+    )
     grad_accum: int = field(default=1, metadata=_opt("--grad-accum", "micro-batches per optimizer step"))
     lr: float = field(default=1e-3, metadata=_opt("--lr", "peak learning rate (AdamW)"))
     warmup: int = field(default=20, metadata=_opt("--warmup", "linear warm-up steps before the cosine decay"))
@@ -50,9 +55,12 @@ class TrainConfig:
     resume: bool = field(default=False, metadata=_opt("--resume", "continue from the newest checkpoint in --out"))
     sample_tokens: int = field(default=200, metadata=_opt("--sample-tokens", "tokens to generate at the end"))
     device: str = field(default="auto", metadata=_opt("--device", "cpu, cuda or auto", choices=("auto", "cpu", "cuda")))
+    tp: int = field(default=1, metadata=_opt("--tp", "tensor-parallel ranks (launch with torchrun)"))
+    sp: bool = field(default=False, metadata=_opt("--sp", "sequence parallelism over the --tp ranks"))
+    dp: int = field(default=1, metadata=_opt("--dp", "data-parallel (FSDP2) ranks (launch with torchrun)"))
 
     def __post_init__(self) -> None:
-        for name in ("steps", "seq_len", "micro_batch", "grad_accum", "keep"):
+        for name in ("steps", "seq_len", "micro_batch", "grad_accum", "keep", "tp", "dp"):
             positive_int(flag(name), getattr(self, name))
         for name in ("warmup", "checkpoint_every", "sample_tokens"):
             value = getattr(self, name)
@@ -61,12 +69,37 @@ class TrainConfig:
         one_of("--attention", self.attention, ("eager", "flash"))
         one_of("--tokenizer", self.tokenizer, ("byte", "bpe"))
         one_of("--device", self.device, ("auto", "cpu", "cuda"))
+        if self.dropout is not None:
+            require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
+        require(self.tp > 1 or not self.sp, "--sp splits the sequence over the --tp ranks; give --tp > 1 or drop --sp")
+        require(
+            self.micro_batch % self.dp == 0,
+            f"--micro-batch {self.micro_batch} is split over --dp {self.dp} ranks; use a multiple of {self.dp}",
+        )
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the run spans several processes (``tp * dp > 1``, launched with torchrun)."""
+        return self.tp * self.dp > 1
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def command_line(self) -> list[str]:
+        """``["train", options...]``: the arguments of ``recompute`` that give this config (non-defaults only)."""
+        args = ["train"]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            if isinstance(value, bool):
+                args += [f.metadata["flag"]] if value else []
+            else:  # None where the default is not: the size overrides, whose "keep the preset's" is 0
+                args += [f.metadata["flag"], "0" if value is None else str(value)]
+        return args
 
 
 # What a resumed run must share with the run that wrote the checkpoint for its losses to continue exactly.
@@ -76,6 +109,7 @@ RESUME_MUST_MATCH = (
     "hidden",
     "n_heads",
     "attention",
+    "dropout",
     "data",
     "dataset",
     "tokenizer",
@@ -87,6 +121,9 @@ RESUME_MUST_MATCH = (
     "weight_decay",
     "grad_clip",
     "seed",
+    "tp",
+    "sp",
+    "dp",
 )
 
 

@@ -4,6 +4,12 @@ Everything random is reproducible from the seed: weights (``torch.manual_seed`` 
 order (a pure function of seed and step, see ``TokenStream``) and dropout (the global RNG, whose state every
 checkpoint saves). Recomputation replays dropout masks (``preserve_rng_state``), so runs under any policy
 produce the same losses.
+
+Under torchrun (``--tp``/``--dp``, see ``distributed``) every rank builds the model from the same seed, then
+``recompute.parallel.parallelize`` (tensor and sequence parallel, FSDP2 over dp), then ``recompute.apply``,
+then the optimizer. Each rank draws its own dropout masks, so losses equal a single process's at dropout 0
+only. Rank 0 alone prints and writes ``metrics.jsonl`` and ``sample.txt``; every rank writes its checkpoint
+shards.
 """
 
 from __future__ import annotations
@@ -19,13 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from recompute.errors import require
 from recompute.spec import ModelSpec
 from recompute.train.checkpoint import load_latest, save_checkpoint
 from recompute.train.config import TrainConfig
 from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
+from recompute.train.distributed import Ranks, start
 
 __all__ = ["RunResult", "StepMetrics", "build_spec", "lr_at", "train"]
 
@@ -52,6 +61,8 @@ class RunResult:
     metrics: list[StepMetrics] = field(default_factory=list)
     sample: str = ""
     resumed_from: int = 0
+    rank: int = 0
+    """This process's rank under torchrun (0 alone prints and writes the run's files)."""
 
     @property
     def losses(self) -> list[float]:
@@ -71,9 +82,11 @@ class RunResult:
 
 def build_spec(config: TrainConfig, vocab: int) -> ModelSpec:
     """The preset with the size overrides and the tokenizer's vocabulary."""
-    overrides: dict[str, int | None] = {
+    overrides: dict[str, float | None] = {
         k: v for k, v in (("n_layers", config.n_layers), ("hidden", config.hidden), ("n_heads", config.n_heads)) if v
     }
+    if config.dropout is not None:
+        overrides["dropout"] = config.dropout
     preset = ModelSpec.from_name(config.model)
     if "hidden" in overrides:  # the preset's d_ff belongs to its own width: derive it from the new one
         overrides["d_ff"] = None
@@ -144,8 +157,15 @@ class _Peak:
 
 
 def _step(
-    model: nn.Module, opt: torch.optim.Optimizer, stream: TokenStream, step: int, config: TrainConfig, peak: _Peak
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    stream: TokenStream,
+    step: int,
+    config: TrainConfig,
+    peak: _Peak,
+    ranks: Ranks,
 ) -> float:
+    """One optimizer step; returns this rank's loss (mean over its micro-batches)."""
     for group in opt.param_groups:
         group["lr"] = lr_at(step, config)
     device, total = peak.device, 0.0
@@ -155,16 +175,25 @@ def _step(
         x, y = stream.batch(
             step=step, micro=micro, micro_batch=config.micro_batch, seq_len=config.seq_len, seed=config.seed
         )
+        x, y = ranks.share(x), ranks.share(y)  # this data-parallel rank's rows
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
         with autocast:
             _, loss = model(x.to(device), y.to(device))
         (loss / config.grad_accum).backward()
         total += loss.item() / config.grad_accum
     if config.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        _clip_grad_norm(model, config.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total
+
+
+def _clip_grad_norm(model: nn.Module, max_norm: float) -> None:
+    """``clip_grad_norm_``, with a DTensor norm (tensor parallel, FSDP2) made whole first, as torchtitan does."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
 
 
 def _progress(step: int, config: TrainConfig, m: StepMetrics) -> None:
@@ -183,39 +212,70 @@ def _write_metrics(path: Path, metrics: list[StepMetrics]) -> None:
 def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, quiet: bool = False) -> RunResult:
     """Train per ``config``; returns the metrics. ``on_step(step)`` runs after each step's checkpoint.
 
+    With ``config.tp * config.dp > 1`` run it in every process torchrun starts: it starts the process group
+    unless one is running (``distributed.start``), and every rank returns the same losses.
+
     Raises:
         ConfigError: bad data, a sequence longer than the model's positions, or a --resume without a usable
-            checkpoint (never a silent restart from scratch).
+            checkpoint (never a silent restart from scratch); with --tp/--dp, not under torchrun with t * d
+            processes, or t not dividing the heads (and the sequence, with --sp).
     """
     from recompute.checkpointing import apply
     from recompute.models import build_model
 
-    device, out = _device(config), Path(config.out)
+    device = _device(config)
     text = load_text(config.data, config.dataset, seed=config.seed)
     tok = make_tokenizer(config.tokenizer, text)
     stream = TokenStream(torch.tensor(tok.encode(text), dtype=torch.long))
     spec = build_spec(config, tok.vocab_size)
-    torch.manual_seed(config.seed)
+    ranks = start(config, spec)
+    torch.manual_seed(config.seed)  # the same weights, and dropout generator, on every rank
     model = build_model(spec, attention=config.attention, device=device)
+    if ranks.mesh is not None:
+        from recompute.parallel import parallelize
+
+        parallelize(model, ranks.mesh, sp=config.sp)
     apply(model, config.policy)
     opt = _optimizer(model, config)
-    result = RunResult(config=config, spec=spec)
-    start = 0
+    result = RunResult(config=config, spec=spec, rank=ranks.rank)
+    _run(model, opt, stream, config, result, ranks, device, on_step=on_step, quiet=quiet or not ranks.main)
+    result.sample = sample(model, tok, config, device)
+    if ranks.main:
+        (Path(config.out) / "sample.txt").write_text(result.sample + "\n")
+    return result
+
+
+def _run(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    stream: TokenStream,
+    config: TrainConfig,
+    result: RunResult,
+    ranks: Ranks,
+    device: torch.device,
+    *,
+    on_step: Callable[[int], None] | None,
+    quiet: bool,
+) -> None:
+    """The steps from the newest checkpoint (with --resume) or from 0; fills ``result.metrics``."""
+    out = Path(config.out)
+    first = 0
     if config.resume:
-        start, metrics = load_latest(out, config, model, opt)
-        result.metrics, result.resumed_from = [StepMetrics(**m) for m in metrics], start
+        first, metrics = load_latest(out, config, model, opt)
+        result.metrics, result.resumed_from = [StepMetrics(**m) for m in metrics], first
     out.mkdir(parents=True, exist_ok=True)
     model.train()
-    for step in range(start, config.steps):
+    for step in range(first, config.steps):
         t0 = time.perf_counter()
         with _Peak(model, opt, device, on=step == 0) as peak:
-            loss = _step(model, opt, stream, step, config, peak)
+            loss = ranks.mean(_step(model, opt, stream, step, config, peak, ranks))
         dt = time.perf_counter() - t0
         tokens = config.micro_batch * config.seq_len * config.grad_accum
         m = StepMetrics(step, loss, lr_at(step, config), dt, tokens / dt, peak.bytes)
         require(math.isfinite(loss), f"the loss became {loss} at step {step}; lower --lr")
         result.metrics.append(m)
-        _write_metrics(out / "metrics.jsonl", result.metrics)
+        if ranks.main:
+            _write_metrics(out / "metrics.jsonl", result.metrics)
         if not quiet:
             _progress(step, config, m)
         done = step + 1
@@ -225,9 +285,6 @@ def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, 
             on_step(step)
     if not quiet and sys.stderr.isatty():
         print(file=sys.stderr)
-    result.sample = sample(model, tok, config, device)
-    (out / "sample.txt").write_text(result.sample + "\n")
-    return result
 
 
 @torch.no_grad()
@@ -240,11 +297,23 @@ def sample(
     g = torch.Generator(device=device).manual_seed(config.seed)
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long, device=device)
     for _ in range(config.sample_tokens):
-        logits, _ = model(ids[:, -config.seq_len :])
-        logits = logits[:, -1, :].float() / 0.8  # (1, v)
+        logits = _last_logits(model, ids[:, -config.seq_len :], multiple=config.tp if config.sp else 1)
+        logits = logits.float() / 0.8  # (1, v)
         top = torch.topk(logits, min(40, logits.size(-1)))
         probs = torch.softmax(top.values, dim=-1)
         choice = top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))
         ids = torch.cat([ids, choice], dim=1)
     model.train(was_training)
     return tok.decode(ids[0].tolist())
+
+
+def _last_logits(model: nn.Module, ids: Tensor, *, multiple: int) -> Tensor:
+    """The logits (b, v) after the last of ``ids`` (b, s), on every rank.
+
+    With sequence parallelism the length must be a multiple of t: pad on the right, which the causal mask
+    hides from the positions before. Vocabulary-parallel logits (a DTensor) are gathered.
+    """
+    s = ids.size(1)
+    logits, _ = model(F.pad(ids, (0, -s % multiple)))
+    last = logits[:, s - 1, :]  # (b, v)
+    return last.full_tensor() if isinstance(last, DTensor) else last
