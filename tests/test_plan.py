@@ -104,7 +104,7 @@ def test_plan_beats_or_equals_the_best_every_kth_setting(name: str, wl: Workload
 TRACED = {
     "gpt-dropout": (tiny_gpt(6), "eager"),
     "gpt": (tiny_gpt(6, dropout=0.0), "eager"),
-    "gpt-flash": (tiny_gpt(6, dropout=0.0), "flash"),  # at 70 % the analytic plan's traced peak is over
+    "gpt-flash": (tiny_gpt(6, dropout=0.0), "flash"),  # at 70 % the analytic plan's traced peak is over (below)
     "llama": (tiny_llama(6), "eager"),
     "llama-flash": (tiny_llama(6), "flash"),
 }
@@ -124,6 +124,20 @@ def test_traced_plans_fit_by_the_trace(spec: ModelSpec, attention: str) -> None:
         # Without the trace the analytic plan is the same or a neighbour: the analytic peak is close.
         assert abs(plan(spec, wl, budget).estimate.peak / chosen.traced_peak - 1) < 0.05
     assert trace(spec, wl, chosen.policy, keep_grads=True).peak == chosen.traced_peak  # an independent trace
+
+
+def test_the_trace_check_replaces_an_analytic_plan_that_is_over_the_budget() -> None:
+    """The analytic peak can fall just under the trace: here its plan's real step is over the budget."""
+    from recompute.trace import trace
+
+    spec = tiny_gpt(6, dropout=0.0)
+    wl = Workload(seq_len=64, micro_batch=2, dtype="fp32", device="cpu", attention="flash")
+    none = estimate(spec, wl, "none")
+    budget = none.states.total + 0.7 * (none.peak - none.states.total)
+    analytic = plan(spec, wl, budget)
+    assert analytic.estimate.peak <= budget < trace(spec, wl, analytic.policy, keep_grads=True).peak
+    checked = plan(spec, wl, budget, traced=True)
+    assert checked.policy != analytic.policy and checked.traced_peak is not None and checked.traced_peak <= budget
 
 
 def test_nothing_fits_names_the_smallest_peak_and_a_fix() -> None:

@@ -13,20 +13,9 @@ from recompute.train import TrainConfig, compare_train, train
 from recompute.train.checkpoint import checkpoints
 from recompute.train.corpus import generate_stories
 from recompute.train.data import BPETokenizer, load_text
+from tiny import TRAIN
 
-# A small GPT-2 with dropout 0.1 (the preset's), fp32 on the CPU: a few seconds per run.
-TINY = dict(
-    model="gpt2",
-    n_layers=2,
-    hidden=64,
-    n_heads=4,
-    seq_len=32,
-    micro_batch=4,
-    steps=6,
-    warmup=2,
-    sample_tokens=8,
-    device="cpu",
-)
+TINY = TRAIN
 
 
 def tiny(tmp_path: Path, **changes: object) -> TrainConfig:

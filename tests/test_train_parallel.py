@@ -24,6 +24,7 @@ import torch.distributed as dist
 from recompute.cli import build_parser, main
 from recompute.errors import ConfigError
 from recompute.train import RunResult, TrainConfig, train
+from tiny import TRAIN
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -32,22 +33,8 @@ pytestmark = pytest.mark.skipif(
 WORKER = Path(__file__).parent / "dist" / "train_worker.py"
 STEPS, KILL_AFTER = 6, 4  # checkpoints after steps 3 and 6; the worker stops one run after step 5 (index 4)
 RESUME_DROPOUT = 0.1  # the stopped and resumed run has dropout on: each rank's RNG state must come back too
-# tests/test_train.py's tiny GPT-2, at dropout 0, checkpointing every 3 steps and keeping only the newest.
-TINY = dict(
-    model="gpt2",
-    n_layers=2,
-    hidden=64,
-    n_heads=4,
-    seq_len=32,
-    micro_batch=4,
-    steps=STEPS,
-    warmup=2,
-    sample_tokens=8,
-    device="cpu",
-    dropout=0.0,
-    checkpoint_every=3,
-    keep=1,
-)
+# The shared tiny GPT-2 (tests/tiny.py), at dropout 0, checkpointing every 3 steps and keeping only the newest.
+TINY = {**TRAIN, "steps": STEPS, "dropout": 0.0, "checkpoint_every": 3, "keep": 1}
 
 
 @pytest.fixture(scope="module")

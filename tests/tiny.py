@@ -37,3 +37,18 @@ def tiny_llama(n_layers: int = 2, **changes: Any) -> ModelSpec:
             **changes,
         },
     )
+
+
+TRAIN = {
+    "model": "gpt2",
+    "n_layers": 2,
+    "hidden": 64,
+    "n_heads": 4,
+    "seq_len": 32,
+    "micro_batch": 4,
+    "steps": 6,
+    "warmup": 2,
+    "sample_tokens": 8,
+    "device": "cpu",
+}
+"""``recompute train`` options for a small GPT-2 (dropout 0.1, the preset's), fp32 on the CPU: seconds a run."""

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from types import FrameType
 
 import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from recompute.checkpointing import find_layers
-from recompute.trace._tracker import component_of
+from recompute.trace._tracker import component_of, python_saver, storages
 
 __all__ = ["saved_bytes_per_layer"]
 
@@ -86,7 +82,7 @@ class _Tracker:
         self.layer, self.child = i, []
         # Read here, not once: FSDP swaps in gathered parameters in its pre-forward hook (which runs first).
         state = [*self.model.parameters(), *self.model.buffers()]
-        self.weights = {StorageWeakRef(s) for t in state for s in _storages(t)}
+        self.weights = {StorageWeakRef(s) for t in state for s in storages(t)}
 
     def leave(self) -> None:
         self.layer = None
@@ -100,8 +96,10 @@ class _Tracker:
     def pack(self, t: Tensor) -> Tensor:
         if self.layer is None:
             return t
-        component = "checkpoint" if _saved_by_checkpoint() else component_of(self.child[0]) if self.child else "other"
-        for storage in _storages(t):
+        component = component_of(self.child[0]) if self.child else "other"
+        if python_saver(depth=4) == "checkpoint":
+            component = "checkpoint"
+        for storage in storages(t):
             key = StorageWeakRef(storage)
             if key not in self.weights:
                 self.saved.setdefault(key, _Saved(storage.nbytes(), component)).layers.add(self.layer)
@@ -114,28 +112,3 @@ class _Tracker:
                 parts = out[next(iter(s.layers))]
                 parts[s.component] = parts.get(s.component, 0) + s.nbytes
         return out
-
-
-def _storages(t: Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages holding ``t``'s data on this rank: a DTensor's local shard, any wrapper's inner tensors."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for inner in (getattr(t, name) for name in names):
-            if isinstance(inner, Tensor):  # DTensor also flattens its DeviceMesh
-                yield from _storages(inner)
-    else:
-        yield t.untyped_storage()
-
-
-def _saved_by_checkpoint(depth: int = 4) -> bool:
-    """Whether the tensor being packed is a non-reentrant checkpoint's kept input (saved from checkpoint.py)."""
-    frame: FrameType | None = sys._getframe(
-        2
-    )  # 0: this function, 1: pack, 2: the Python code that saved (aten ops: the caller)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
-            return True
-        frame = frame.f_back
-    return False

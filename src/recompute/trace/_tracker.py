@@ -16,7 +16,7 @@ kept here.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Phase", "SavedRecord", "StepTracker", "component_of"]
+__all__ = ["Phase", "SavedRecord", "StepTracker", "component_of", "python_saver", "storages"]
 
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module"})
 _STATE_KINDS = frozenset({"Parameter", "Buffer"})
@@ -154,7 +155,7 @@ class StepTracker(MemTracker):
         """Saved-tensor pack hook: record ``t``'s storage the first time it is saved (see ``unpack``)."""
         if self.stage != "forward":
             return t
-        st = _local(t).untyped_storage()
+        st = next(storages(t))
         if st in self._saved_by_storage:
             return t
         info = self._WINFO.get(st)
@@ -182,7 +183,7 @@ class StepTracker(MemTracker):
     def _new_record(self, st: torch.UntypedStorage, info: Any) -> SavedRecord:
         nbytes = info[0].mem_consumed if info is not None else st.nbytes()
         layer, child = self._context()
-        saver = _python_saver()
+        saver = python_saver()
         if child is not None:
             component = component_of(child)
         else:
@@ -201,11 +202,15 @@ class StepTracker(MemTracker):
         return phase.layer, (named[0] if named else None)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (what its memory holds), else ``t``."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
+def storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages holding ``t``'s data in this process: a DTensor's local shard, any wrapper's inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for inner in (getattr(t, name) for name in names):
+            if isinstance(inner, torch.Tensor):  # DTensor also flattens its DeviceMesh
+                yield from storages(inner)
+    else:
+        yield t.untyped_storage()
 
 
 @dataclass
@@ -226,7 +231,7 @@ def _merged(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return out
 
 
-def _python_saver(depth: int = 3) -> str | None:
+def python_saver(depth: int = 3) -> str | None:
     """``checkpoint`` or the autograd Function's name when the save comes from Python, else None.
 
     Non-reentrant ``torch.utils.checkpoint`` keeps its inputs through a saved tensor made in Python; custom
