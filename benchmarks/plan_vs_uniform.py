@@ -13,8 +13,8 @@ and reports measured recompute overhead (step time against ``none``), measured p
 kept allocated between steps as the estimate assumes) against the prediction, and saved activation bytes.
 Prints a table and writes benchmarks/results/plan_vs_uniform.json.
 
-    python benchmarks/plan_vs_uniform.py [--steps 6] [--seq-len 1024] [--layers 8] [--cost measured|flops]
-                                         [--allocator reuse|system]
+    python benchmarks/plan_vs_uniform.py [--steps 20] [--compile-steps 6] [--seq-len 1024] [--layers 8]
+                                         [--cost flops|measured] [--allocator reuse|system] [--threads 1]
 
 Note: [the CPU allocator] glibc serves every buffer over its mmap threshold (at most 32 MiB) with a fresh
 mmap, so each (b, a, s, s) score tensor page-faults in anew on every op and a memory-bound replay costs
@@ -22,6 +22,16 @@ several times its arithmetic. CUDA's caching allocator reuses blocks instead. ``
 default) re-runs this script with glibc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ and
 MALLOC_TRIM_THRESHOLD_), which is what the caching allocator does; ``system`` measures glibc as it comes.
 Every variant runs in the same process, so both settings compare like with like.
+
+Note: [one thread] on this shared 2-core machine a step with two threads waits, op after op, for the slower
+core, which adds its own jitter to the host's; ``--threads 1`` (the default) trades speed for steadier steps,
+and every variant, compiled ones too, runs with it.
+
+Note: [paired overheads] even with one thread the host's load moves every step time by up to a third within
+a minute (the JSON keeps each step's time; ``step_time_spread`` sums it up), but it moves the steps run next to
+each other alike. The policies run interleaved, one step each per round, so a policy's overhead is the median
+over rounds of its step time over the same round's ``none`` step, and the plan-to-every-k ratio comes with a
+bootstrap interval over the rounds (2000 resamples, 5th to 95th percentile).
 """
 
 from __future__ import annotations
@@ -30,9 +40,11 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +52,7 @@ import torch
 
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.bench import bench
+from recompute.errors import ConfigError
 from recompute.plan import best_uniform, plan
 from recompute.policy import POLICIES
 from recompute.render import render_table
@@ -70,6 +83,28 @@ def saved_activation_bytes(model: torch.nn.Module, fn: Any) -> tuple[torch.Tenso
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = fn()
     return loss, sum(seen.values())
+
+
+def paired_overhead(times: Sequence[float], base: Sequence[float]) -> float:
+    """Median over rounds of a policy's step time over the same round's ``none`` step, minus one."""
+    return statistics.median(t / b for t, b in zip(times, base)) - 1
+
+
+def ratio_interval(
+    plan_times: Sequence[float], uniform_times: Sequence[float], base: Sequence[float], draws: int = 2000
+) -> tuple[float, float] | None:
+    """5th and 95th percentiles of plan overhead / every-k overhead over rounds resampled with replacement."""
+    rng = random.Random(0)
+    n, ratios = len(base), []
+    for _ in range(draws):
+        pick = [rng.randrange(n) for _ in range(n)]
+        u = paired_overhead([uniform_times[i] for i in pick], [base[i] for i in pick])
+        if u > 0:
+            ratios.append(paired_overhead([plan_times[i] for i in pick], [base[i] for i in pick]) / u)
+    if len(ratios) < draws // 2:
+        return None  # every-k's overhead is not above zero in most resamples: no ratio to speak of
+    ratios.sort()
+    return ratios[len(ratios) // 20], ratios[-(len(ratios) // 20) - 1]
 
 
 def compiled_run(
@@ -124,7 +159,8 @@ def compiled_runs(spec: ModelSpec, wl: Workload, steps: int) -> dict[float, dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="timed rounds: one step of each policy per round")
+    parser.add_argument("--compile-steps", type=int, default=6, help="timed steps per torch.compile budget")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=1)
@@ -133,7 +169,7 @@ def main() -> None:
     parser.add_argument(
         "--cost",
         choices=("flops", "measured"),
-        default="measured",
+        default="flops",
         help="plan on FLOPs, or on step times of every uniform policy benched first",
     )
     parser.add_argument(
@@ -142,8 +178,10 @@ def main() -> None:
         default="reuse",
         help="reuse: glibc keeps freed memory, like CUDA's caching allocator (the default); system: as it comes",
     )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (see the note on one thread)")
     args = parser.parse_args()
     use_allocator(args.allocator)
+    torch.set_num_threads(args.threads)
     spec = ModelSpec.from_name(
         "gpt2",
         n_layers=args.layers,
@@ -170,10 +208,15 @@ def main() -> None:
         costs = bench(spec, wl, list(POLICIES), steps=args.steps, warmup=1, keep_grads=True)
         measured = Path(__file__).parent / "results" / "plan_vs_uniform_costs.json"
         measured.write_text(json.dumps(costs.to_dict(), indent=2) + "\n")
-    plans = {f: plan(spec, wl, b, measured=measured, traced=True) for f, b in budgets.items()}
+    plans = {}
+    for f, b in budgets.items():
+        try:
+            plans[f] = plan(spec, wl, b, measured=measured, traced=True)
+        except ConfigError as e:
+            print(f"  {f:.0%} budget left out: {e}")
     uniforms = {f: best_uniform(spec, wl, b) for f, b in budgets.items()}
     policies: dict[str, Policy] = {"none": Policy("none")}
-    for f in FRACTIONS:
+    for f in plans:
         policies[f"plan {f:.0%}"] = plans[f].policy
         u = uniforms[f]
         if u is not None:
@@ -182,37 +225,49 @@ def main() -> None:
     print(f"benching {len(distinct)} distinct policies, {args.steps} steps each, interleaved")
     result = bench(spec, wl, distinct, steps=args.steps, warmup=1, keep_grads=True, progress=None)
     rows = {r.policy: r for r in result.rows}
-    base = rows[Policy("none").describe()].step_s
+    base_times = rows[Policy("none").describe()].step_times
+    spread = {r.policy: (max(r.step_times) - min(r.step_times)) / r.step_s for r in result.rows}
     print("compiling with activation_memory_budget")
-    compiled = compiled_runs(spec, wl, args.steps)
+    compiled = compiled_runs(spec, wl, args.compile_steps)
 
     table, records = [], []
-    for f in FRACTIONS:
+    for f in plans:
         p = rows[plans[f].policy.describe()]
         u = rows[uniforms[f][0].describe()] if uniforms[f] else None
         fits = [b for b, c in compiled.items() if c["saved"] <= p.activations] or [min(compiled)]
         cb = max(fits)
         c_over = compiled[cb]["step_s"] / compiled[1.0]["step_s"] - 1
-        p_over, u_over = p.step_s / base - 1, (u.step_s / base - 1) if u else None
+        p_over = paired_overhead(p.step_times, base_times)
+        u_over = paired_overhead(u.step_times, base_times) if u else None
+        interval = ratio_interval(p.step_times, u.step_times, base_times) if u else None
         record = {
             "fraction": f,
             "budget": budgets[f],
             "plan": {
                 "policy": p.policy,
                 "overhead": p_over,
+                "overhead_of_minima": min(p.step_times) / min(base_times) - 1,
                 "peak": p.peak,
                 "predicted_peak": plans[f].estimate.peak,
                 "peak_error": p.peak / plans[f].estimate.peak - 1,
                 "traced_peak": plans[f].traced_peak,
                 "fits": p.peak <= budgets[f],
                 "saved": p.activations,
-                "predicted_overhead_flops": plans[f].overhead,
+                "predicted_overhead": plans[f].overhead,
+                "predicted_overhead_cost": plans[f].cost_kind,
             },
             "uniform": None
             if u is None
-            else {"policy": u.policy, "overhead": u_over, "peak": u.peak, "saved": u.activations},
+            else {
+                "policy": u.policy,
+                "overhead": u_over,
+                "overhead_of_minima": min(u.step_times) / min(base_times) - 1,
+                "peak": u.peak,
+                "saved": u.activations,
+            },
             "compile": {"budget": cb, "overhead": c_over, "saved": compiled[cb]["saved"]},
-            "plan_over_uniform": (p_over / u_over) if u_over else None,
+            "plan_over_uniform": (p_over / u_over) if u_over and u_over > 0 else None,
+            "plan_over_uniform_90": interval,
         }
         records.append(record)
         table.append(
@@ -224,6 +279,8 @@ def main() -> None:
                 f"{p.peak / 2**20:.0f} / {plans[f].estimate.peak / 2**20:.0f} MiB",
                 u.policy if u else "-",
                 f"{100 * u_over:+.1f}%" if u_over is not None else "-",
+                "-" if record["plan_over_uniform"] is None else f"{record['plan_over_uniform']:.2f}",
+                "-" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}",
                 f"{cb:.2f}",
                 f"{100 * c_over:+.1f}%",
             ]
@@ -238,11 +295,17 @@ def main() -> None:
                 "peak meas./pred.",
                 "(b) every-k",
                 "overhead",
+                "(a)/(b)",
+                "90% interval",
                 "(c) compile budget",
                 "overhead",
             ],
             table,
         )
+    )
+    print(
+        f"step-time spread, (max - min) / median over {args.steps} steps: none {spread['none']:.1%}, "
+        f"median over the policies {statistics.median(spread.values()):.1%}"
     )
     out = Path(__file__).parent / "results" / "plan_vs_uniform.json"
     out.write_text(
@@ -258,7 +321,8 @@ def main() -> None:
                 },
                 "spec": spec.to_dict(),
                 "workload": wl.to_dict(),
-                "none_step_s": base,
+                "none_step_s": rows[Policy("none").describe()].step_s,
+                "step_time_spread": spread,
                 "bench": result.to_dict(),
                 "compiled": {str(k): v for k, v in compiled.items()},
                 "budgets": records,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ def test_block_recompute_trades_memory_for_time(result: BenchResult) -> None:
     for row in result.rows:
         assert row.step_s == pytest.approx(row.forward_s + row.backward_s + row.optimizer_s, rel=0.5)
         assert row.tokens_per_s == pytest.approx(WL.tokens / row.step_s)
+        assert len(row.step_times) == result.steps and row.step_s == statistics.median(row.step_times)
 
 
 def test_render_shows_the_headline_pair(result: BenchResult) -> None:

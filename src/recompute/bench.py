@@ -72,6 +72,8 @@ class BenchRow:
     """Analytic recompute overhead: recomputed FLOPs / model FLOPs of the step."""
     predicted_peak: float
     """Analytic peak (``recompute estimate``) for the same workload."""
+    step_times: tuple[float, ...] = ()
+    """Every timed step's seconds, in order (their spread is the machine's noise)."""
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,7 @@ def _row(spec: ModelSpec, wl: Workload, run: _Run, memory: tuple[int, int, int])
         tokens_per_s=wl.tokens / step,
         predicted_overhead=predicted.overhead,
         predicted_peak=predicted.peak,
+        step_times=tuple(sum(t) for t in run.times),
     )
 
 

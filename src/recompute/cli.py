@@ -370,7 +370,7 @@ def _bench_parallel(args: argparse.Namespace, spec: ModelSpec, wl: Workload, pol
     import torch.distributed as dist
 
     from recompute.bench import stderr_progress
-    from recompute.parallel import bench_parallel, render_parallel_bench
+    from recompute.parallel import bench_parallel, end_process_group, render_parallel_bench
 
     if hf:
         raise ConfigError("--tp/--dp bench recompute's reference GPT/Llama (recompute.parallel); drop the hf: model")
@@ -380,7 +380,8 @@ def _bench_parallel(args: argparse.Namespace, spec: ModelSpec, wl: Workload, pol
     if dist.get_rank() == 0:
         print(file=sys.stderr)
         emit_json(result.to_dict()) if args.json else print(render_parallel_bench(result))
-    dist.destroy_process_group()
+        sys.stdout.flush()
+    end_process_group()  # Note: [ending together]
     return 0
 
 

@@ -43,7 +43,7 @@ torch.compile is not covered.
 """
 
 from recompute.parallel._bench import ParallelBench, RankRow, bench_parallel, render_parallel_bench
-from recompute.parallel._env import init_from_env, under_torchrun
+from recompute.parallel._env import end_process_group, init_from_env, under_torchrun
 from recompute.parallel._measure import saved_bytes_per_layer
 from recompute.parallel._ops import column_parallel, scatter_sequence, vocab_parallel_cross_entropy
 from recompute.parallel._plan import check_parallel, parallelize, qkv_row_order
@@ -54,6 +54,7 @@ __all__ = [
     "bench_parallel",
     "check_parallel",
     "column_parallel",
+    "end_process_group",
     "init_from_env",
     "parallelize",
     "qkv_row_order",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recompute.errors import ConfigError, positive_int
 
-__all__ = ["init_from_env", "under_torchrun"]
+__all__ = ["end_process_group", "init_from_env", "under_torchrun"]
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -51,3 +52,19 @@ def init_from_env(*, tp: int, dp: int = 1, argv: Sequence[str] | None = None) ->
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return init_device_mesh("cuda" if cuda else "cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def end_process_group() -> None:
+    """End a run that went well: every rank waits for the others, then the process group is destroyed.
+
+    Note: [ending together] a rank that destroyed its group and exited while the other was still printing
+    (rank 0 of ``bench --tp``) aborted once in CI ("terminate called without an active exception", gloo, 2 CPU
+    ranks). The barrier makes the ranks leave together, with no collective of the step still in flight; the
+    collected garbage drops DTensor's and autograd's last references to the group's pending work first.
+    Only for the success path: on an error the other ranks may never reach the barrier.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()

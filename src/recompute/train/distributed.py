@@ -18,6 +18,7 @@ does (the reported loss is the mean over the data-parallel ranks: the global bat
 from __future__ import annotations
 
 import atexit
+import gc
 import shlex
 from dataclasses import dataclass
 
@@ -55,6 +56,11 @@ class Ranks:
         dp = self.mesh["dp"]
         return x.chunk(dp.size())[dp.get_local_rank()]
 
+    def wait_for_all(self) -> None:
+        """Block until every rank is here (nothing for one process): ranks leave a run together."""
+        if self.mesh is not None:
+            dist.barrier()  # Note: [ending together] in recompute.parallel._env
+
     def mean(self, value: float) -> float:
         """``value`` averaged over the data-parallel ranks: the same float on every rank."""
         if self.mesh is None or self.mesh["dp"].size() == 1:
@@ -90,4 +96,5 @@ def start(config: TrainConfig, spec: ModelSpec) -> Ranks:
 
 def _end_group() -> None:
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

@@ -242,6 +242,7 @@ def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, 
     result.sample = sample(model, tok, config, device)
     if ranks.main:
         (Path(config.out) / "sample.txt").write_text(result.sample + "\n")
+    ranks.wait_for_all()
     return result
 
 
