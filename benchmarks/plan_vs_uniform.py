@@ -27,11 +27,12 @@ Note: [one thread] on this shared 2-core machine a step with two threads waits, 
 core, which adds its own jitter to the host's; ``--threads 1`` (the default) trades speed for steadier steps,
 and every variant, compiled ones too, runs with it.
 
-Note: [paired overheads] even with one thread the host's load moves every step time by up to a third within
-a minute (the JSON keeps each step's time; ``step_time_spread`` sums it up), but it moves the steps run next to
-each other alike. The policies run interleaved, one step each per round, so a policy's overhead is the median
-over rounds of its step time over the same round's ``none`` step, and the plan-to-every-k ratio comes with a
-bootstrap interval over the rounds (2000 resamples, 5th to 95th percentile).
+Note: [paired overheads] even with one thread the host's load moves a policy's step times by tens of per cent
+over a run (the JSON keeps each step's time; ``step_time_spread`` sums it up), more than the overheads it
+compares; steps run next to each other are moved more alike. The policies run interleaved, one step each per
+round, so a policy's overhead is the median over rounds of its step time over the same round's ``none`` step,
+and the plan-to-every-k ratio comes with a bootstrap interval over the rounds (2000 resamples, 5th to 95th
+percentile).
 """
 
 from __future__ import annotations

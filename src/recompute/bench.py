@@ -258,7 +258,8 @@ def _resident_bytes(run: _Run) -> int:
 
 def _row(spec: ModelSpec, wl: Workload, run: _Run, memory: tuple[int, int, int]) -> BenchRow:
     fwd, bwd, opt = (statistics.median(t[i] for t in run.times) for i in range(3))
-    step = statistics.median(sum(t) for t in run.times)
+    steps = tuple(sum(t) for t in run.times)
+    step = statistics.median(steps)
     # What runs here is plain training in one dtype: AdamW's state is in the parameters' dtype.
     precision = "fp32" if wl.dtype == "fp32" else "bf16"
     predicted = estimate(spec, dataclasses.replace(wl, precision=precision), run.policy)
@@ -274,7 +275,7 @@ def _row(spec: ModelSpec, wl: Workload, run: _Run, memory: tuple[int, int, int])
         tokens_per_s=wl.tokens / step,
         predicted_overhead=predicted.overhead,
         predicted_peak=predicted.peak,
-        step_times=tuple(sum(t) for t in run.times),
+        step_times=steps,
     )
 
 
