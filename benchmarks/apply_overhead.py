@@ -51,7 +51,7 @@ def handwritten_loss(model: nn.Module, idx: Tensor, targets: Tensor) -> Tensor:
         extra: tuple[Tensor, ...] = ()
     else:
         x = model.drop(model.tok_emb(idx))
-        extra = rope_tables(s, model.spec.dh, model.spec.rope_theta, device=idx.device, dtype=x.dtype)
+        extra = rope_tables(s, model.spec.head_dim, model.spec.rope_theta, device=idx.device, dtype=x.dtype)
     for layer in model.layers:
         x = checkpoint(layer, x, *extra, use_reentrant=False)
     logits = model.lm_head(model.norm(x))
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.vocab:
         overrides["vocab"] = args.vocab
     if "hidden" in overrides:
-        overrides.update(d_ff=None, head_dim=None)
+        overrides.update(d_ff=0, head_dim=0)
     spec = ModelSpec.from_name(args.model, dropout=args.dropout, **overrides)
     step_a, step_b, same = build_pair(
         spec, attention=args.attention, seq_len=args.seq_len, micro_batch=args.micro_batch

@@ -3,7 +3,7 @@
 For budgets from 30 % to 90 % of the no-recompute activation memory of a GPT-2-shaped model with eager
 attention (long enough sequences for the s^2 term to matter), it measures real training steps of
 
-  (a) recompute's plan (``recompute.plan``, checked against the fake-tensor trace: ``traced=True``),
+  (a) recompute's plan (``recompute.core.plan``, checked against the fake-tensor trace: ``traced_peak``),
   (b) the best uniform "policy on every k-th layer" setting that fits (what HF and torchtitan offer),
   (c) ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` tuned to the same saved
       activation bytes as the plan (backend ``aot_eager_decomp_partition``: the min-cut partitioner on eager
@@ -53,10 +53,11 @@ import torch
 
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.bench import bench
-from recompute.errors import ConfigError
-from recompute.plan import best_uniform, plan
-from recompute.policy import POLICIES
-from recompute.render import render_table
+from recompute.core.errors import ConfigError
+from recompute.core.plan import best_uniform, plan
+from recompute.core.policy import POLICIES
+from recompute.core.table import render_table
+from recompute.trace import trace
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 COMPILE_BUDGETS = (0.1, 0.3, 0.5, 0.7, 1.0)
@@ -212,7 +213,9 @@ def main() -> None:
     plans = {}
     for f, b in budgets.items():
         try:
-            plans[f] = plan(spec, wl, b, measured=measured, traced=True)
+            plans[f] = plan(
+                spec, wl, b, measured=measured, traced_peak=lambda pol: trace(spec, wl, pol, keep_grads=True).peak
+            )
         except ConfigError as e:
             print(f"  {f:.0%} budget left out: {e}")
     uniforms = {f: best_uniform(spec, wl, b) for f, b in budgets.items()}

@@ -4,7 +4,7 @@ For the paper's 22B model (h = 6144, a = 64, s = 2048, b = 4, t = 8) it traces o
 real PyTorch layer (``recompute.trace_layer`` with ``recompute.parallel`` on a fake process group: fake
 tensors, full size, nothing allocated) under tensor parallelism alone, with sequence parallelism, with
 selective recomputation (``core_attn``), with both, and with full recomputation (``block``), and sets the
-bytes next to the analytic model (``recompute.analytic.layer_activations``) and the paper's formulas.
+bytes next to the analytic model (``recompute.core.analytic.layer_activations``) and the paper's formulas.
 
 The trace runs on the CPU, where PyTorch keeps dropout masks in the activation dtype (2 bytes); the paper
 counts 1-byte masks (CUDA). So three columns: the trace, the analytic model for the same CPU step (these
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from recompute import ModelSpec, Workload
-from recompute.analytic import layer_activations, paper_layer_bytes
-from recompute.render import render_table
+from recompute.core.analytic import layer_activations, paper_layer_bytes
+from recompute.core.table import render_table
 from recompute.trace import trace_layer
 
 RESULTS = Path(__file__).parent / "results" / "sequence_parallel.json"

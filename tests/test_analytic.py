@@ -7,7 +7,7 @@ import math
 import pytest
 
 from recompute import ModelSpec, Workload, estimate, estimate_policies
-from recompute.analytic import (
+from recompute.core.analytic import (
     hardware_flops,
     in_flight,
     layer_activations,
@@ -21,7 +21,7 @@ from recompute.analytic import (
     paper_hardware_flops_selective,
     paper_model_flops,
 )
-from recompute.policy import POLICIES
+from recompute.core.policy import POLICIES
 
 EXACT = dict(rel=1e-12)
 # Korthikanti's setting: GPT layer, d_ff = 4h, MHA, dropout, 16-bit activations, 1-byte masks (CUDA), eager.

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from recompute import POLICIES, ConfigError, ModelSpec, Policy, Workload
-from recompute.analytic import layer_flops
 from recompute.checkpointing import _iter_wrapped, applied_policy, apply, find_layers
+from recompute.core.analytic import layer_flops
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
 from recompute.verification import loss_of

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from recompute import POLICIES, ModelSpec, Policy, Workload
-from recompute.analytic import LayerActivations, layer_activations
 from recompute.checkpointing import apply, find_layers
+from recompute.core.analytic import LayerActivations, layer_activations
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
 from tiny import tiny_gpt, tiny_llama
@@ -113,7 +113,7 @@ def test_core_attn_on_hf_drops_the_s2_bytes(name: str) -> None:
     if name == "hf-gpt2":
         assert dropped == spec.n_layers * scores
     else:  # HF's eager GQA also saved K/V repeated to all heads; core_attn drops those copies too
-        repeated_kv = 2 * B * S * (spec.n_heads - spec.kv_heads) * spec.dh * 4
+        repeated_kv = 2 * B * S * (spec.n_heads - spec.n_kv_heads) * spec.head_dim * 4
         assert dropped == spec.n_layers * (scores + repeated_kv)
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from recompute.errors import ConfigError
-from recompute.hardware import CONTEXT_RESERVE, FRAGMENTATION, GPU, GPUS, gpu_by_name, usable_bytes
+from recompute.core.errors import ConfigError
+from recompute.core.hardware import CONTEXT_RESERVE, FRAGMENTATION, GPU, GPUS, gpu_by_name, usable_bytes
 
 MiB, GiB = 2**20, 2**30
 
@@ -55,5 +55,5 @@ def test_reserve_that_leaves_nothing() -> None:
 
 
 def test_imports_no_torch() -> None:
-    code = "import sys, recompute.hardware; assert 'torch' not in sys.modules"
+    code = "import sys, recompute.core.hardware; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

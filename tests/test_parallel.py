@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from recompute import ConfigError, Workload
-from recompute.analytic import layer_activations
 from recompute.checkpointing import apply
-from recompute.parallel import check_parallel, init_from_env, parallelize, saved_bytes_per_layer, under_torchrun
+from recompute.core.analytic import layer_activations
+from recompute.parallel import check_parallel, init_from_env, parallelize, under_torchrun
+from recompute.trace import saved_bytes_per_layer
 from tiny import tiny_gpt, tiny_llama
 
 pytestmark = pytest.mark.skipif(
@@ -109,7 +110,7 @@ def test_fake_rank_saves_what_the_analytic_model_says(fake_group: int, name: str
     from recompute.trace._build import build_meta, fakeify
 
     spec = tiny_gpt(dropout=0.1) if name == "gpt" else tiny_llama()
-    t = min(fake_group, spec.kv_heads)
+    t = min(fake_group, spec.n_kv_heads)
     mesh = init_device_mesh("cpu", (fake_group // t, t), mesh_dim_names=("dp", "tp"))["tp"]
     mode = FakeTensorMode()
     model = fakeify(build_meta(spec, attention="eager", dtype=torch.float32), mode).train()

@@ -9,10 +9,10 @@ import pytest
 
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.cli import main
-from recompute.errors import ConfigError
-from recompute.plan import best_uniform, frontier, parse_budget, plan
-from recompute.policy import POLICIES
-from tiny import tiny_gpt, tiny_llama
+from recompute.core.errors import ConfigError
+from recompute.core.plan import best_uniform, frontier, parse_budget, plan
+from recompute.core.policy import POLICIES
+from tiny import tiny_gpt, tiny_llama, write_bench
 
 TINY = ModelSpec(hidden=256, n_layers=6, n_heads=4, max_positions=4096, vocab=8000, name="tiny")
 EAGER = Workload(seq_len=2048, micro_batch=2, dtype="fp32", device="cpu")  # long enough for the s^2 term
@@ -119,7 +119,7 @@ def test_traced_plans_fit_by_the_trace(spec: ModelSpec, attention: str) -> None:
     none = estimate(spec, wl, "none")
     for fraction in (0.3, 0.7):
         budget = none.states.total + fraction * (none.peak - none.states.total)
-        chosen = plan(spec, wl, budget, traced=True)
+        chosen = plan(spec, wl, budget, traced_peak=lambda pol: trace(spec, wl, pol, keep_grads=True).peak)
         assert chosen.traced_peak is not None and chosen.traced_peak <= budget
         # Without the trace the analytic plan is the same or a neighbour: the analytic peak is close.
         assert abs(plan(spec, wl, budget).estimate.peak / chosen.traced_peak - 1) < 0.05
@@ -136,7 +136,7 @@ def test_the_trace_check_replaces_an_analytic_plan_that_is_over_the_budget() -> 
     budget = none.states.total + 0.7 * (none.peak - none.states.total)
     analytic = plan(spec, wl, budget)
     assert analytic.estimate.peak <= budget < trace(spec, wl, analytic.policy, keep_grads=True).peak
-    checked = plan(spec, wl, budget, traced=True)
+    checked = plan(spec, wl, budget, traced_peak=lambda pol: trace(spec, wl, pol, keep_grads=True).peak)
     assert checked.policy != analytic.policy and checked.traced_peak is not None and checked.traced_peak <= budget
 
 
@@ -197,8 +197,7 @@ def test_cli_plan_bad_input(capsys: pytest.CaptureFixture[str], argv: list[str])
 
 def test_measured_costs_from_bench_results(tmp_path) -> None:
     times = {"none": 1.0, "core_attn": 1.02, "attn": 1.08, "mlp": 1.2, "attn+mlp": 1.3, "block": 1.31}
-    bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"results": [{"policy": p, "step_time_s": t} for p, t in times.items()]}))
     spec, wl = ModelSpec.from_name("gpt2"), Workload(seq_len=1024, micro_batch=8)
+    bench = write_bench(tmp_path / "bench.json", spec, wl, times)
     points = frontier(spec, wl, measured=bench)
     assert points[-1].cost == 0 and points[0].overhead == pytest.approx(0.31, rel=1e-9)

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+import tiny
 from recompute import ModelSpec, Workload, estimate
-from recompute.plan import plan
+from recompute.core.plan import plan
 from recompute.report import bench_section, build_report, plan_section, render_html, trace_section
 from recompute.report.data import components
 
@@ -58,13 +59,9 @@ def _require_browser() -> None:
 def write_bench(path: Path) -> Path:
     """A bench file in `recompute bench`'s layout; its "measured" figures are synthetic (a test input)."""
     wl = Workload(seq_len=2 * K)
-    rows = []
-    for policy in ("none", "core_attn", "attn", "block"):
-        est = estimate(LLAMA, wl, policy)
-        rows.append({"policy": policy, "step_time_s": 1.0 + est.overhead / 2, "peak_bytes": 1.05 * est.peak})
-    data = {"model": "llama3.1-8b", "workload": wl.to_dict(), "device": "synthetic test input", "results": rows}
-    path.write_text(json.dumps(data))
-    return path
+    ests = {p: estimate(LLAMA, wl, p) for p in ("none", "core_attn", "attn", "block")}
+    times = {p: 1.0 + e.overhead / 2 for p, e in ests.items()}
+    return tiny.write_bench(path, LLAMA, wl, times, peaks={p: 1.05 * e.peak for p, e in ests.items()})
 
 
 def _write_report(folder: Path) -> Path:

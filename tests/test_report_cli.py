@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import tiny
 from recompute import ModelSpec, Workload, estimate
-from recompute.analytic import layer_activations
 from recompute.cli import main
-from recompute.plan import plan
-from recompute.policy import Policy
+from recompute.core.analytic import layer_activations
+from recompute.core.plan import plan
+from recompute.core.policy import Policy
 
 GiB, K = 2**30, 1024
 NEEDS = "pip install 'recompute[report]' (plotly, matplotlib)"
@@ -38,7 +39,7 @@ def page_data(html: str) -> dict:  # type: ignore[type-arg]
 
 
 def write_plan(path: Path, model: str = "llama3.1-8b", seq_len: int = 8 * K, budget: float = 80 * GiB) -> Path:
-    """A real plan file from recompute.plan (flash attention, ZeRO-1 over 8 ranks, an 80 GB budget)."""
+    """A real plan file from recompute.core.plan (flash attention, ZeRO-1 over 8 ranks, an 80 GB budget)."""
     wl = Workload(seq_len=seq_len, attention="flash", precision="distributed", dp=8)
     path.write_text(json.dumps(plan(ModelSpec.from_name(model), wl, budget).to_dict()))
     return path
@@ -129,19 +130,11 @@ def test_plan_section_and_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
-def write_bench(path: Path, model: str = "gpt2", **fields: object) -> Path:
-    """A bench file in `recompute bench`'s layout, with synthetic "measured" figures (a test input)."""
-    wl = Workload(seq_len=512)
-    rows = [
-        {
-            "policy": p,
-            "step_time_s": 0.2 * (1 + estimate(ModelSpec.from_name("gpt2"), wl, p).overhead),
-            "peak_bytes": 1e9,
-        }
-        for p in ("none", "attn", "block")
-    ]
-    path.write_text(json.dumps({"model": model, "workload": wl.to_dict(), "device": "test", "results": rows, **fields}))
-    return path
+def write_bench(path: Path, model: str = "gpt2", *, empty: bool = False) -> Path:
+    """A `recompute bench --json` file with synthetic "measured" figures (a test input)."""
+    spec, wl = ModelSpec.from_name(model), Workload(seq_len=512)
+    times = {} if empty else {p: 0.2 * (1 + estimate(spec, wl, p).overhead) for p in ("none", "attn", "block")}
+    return tiny.write_bench(path, spec, wl, times, peaks=dict.fromkeys(times, 1e9))
 
 
 def test_bench_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,11 +175,11 @@ def test_trace_section(tmp_path: Path, capsys: pytest.CaptureFixture[str], monke
     """`--trace` puts recompute.trace's bytes next to the analytic ones (two policies, 1 layer scaled: quick)."""
     import functools
 
-    from recompute.report import extras
+    from recompute.cli import report
     from recompute.trace import trace
 
     monkeypatch.setattr(
-        extras, "trace_section", functools.partial(extras.trace_section, policies=("none", "block"), layers=1)
+        report, "trace_section", functools.partial(report.trace_section, policies=("none", "block"), layers=1)
     )
     out = tmp_path / "r.html"
     code, _, err = run(capsys, "report", "--model", "gpt2", "--seq-len", "128", "--trace", "-o", str(out))
@@ -220,11 +213,11 @@ def bad_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list
         "bench not json": (["--bench", str(not_json)], "is not valid JSON"),
         "bench for another model": (["--bench", str(write_bench(tmp / "b.json"))], "is for model 'gpt2', not 'llama3"),
         "bench without results": (
-            ["--bench", str(write_bench(tmp / "e.json", "llama3.1-8b", results=[]))],
-            "hold no results",
+            ["--bench", str(write_bench(tmp / "e.json", "llama3.1-8b", empty=True))],
+            "hold no rows",
         ),
         "sequence too long": (["--seq-len", str(256 * K)], "exceeds llama3.1-8b's 131072 positions"),
-        "unwritable output": (["-o", str(tmp / "no" / "dir" / "r.html")], "cannot write"),
+        "unwritable output": (["-o", str(tmp / "no" / "dir" / "r.html")], "does not exist; create it first"),
     }
 
 

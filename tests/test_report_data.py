@@ -1,4 +1,4 @@
-"""The report's series equal ``recompute.analytic`` (no plotly, no browser): the numbers behind every chart."""
+"""The report's series equal ``recompute.core.analytic`` (no plotly, no browser): the numbers behind every chart."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import pytest
 
 from recompute import ModelSpec, Workload, estimate
-from recompute.analytic import layer_overheads
-from recompute.errors import ConfigError
-from recompute.hardware import usable_bytes
-from recompute.policy import POLICIES
+from recompute.core.analytic import layer_overheads
+from recompute.core.errors import ConfigError
+from recompute.core.hardware import usable_bytes
+from recompute.core.policy import POLICIES
 from recompute.report.data import COMPONENTS, build_report, components, family, sequence_lengths, worked_example
 
 LLAMA = ModelSpec.from_name("llama3.1-8b")

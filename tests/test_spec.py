@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
 from recompute import ConfigError, ModelSpec, Policy, Workload
-from recompute.analytic import bytes_per_param, model_states, n_params
-from recompute.presets import PRESETS
+from recompute.core.analytic import bytes_per_param, model_states, n_params
+from recompute.core.presets import PRESETS
 
 # Published parameter counts (memory-and-flops.md section 3; Korthikanti Table 3 sizes are nominal).
 PUBLISHED = {
@@ -50,11 +53,11 @@ def test_presets_name_their_source(name: str) -> None:
 
 def test_derived_fields() -> None:
     gpt = ModelSpec.from_name("gpt2")
-    assert (gpt.dh, gpt.kv_heads, gpt.ffn) == (64, 12, 3072)
+    assert (gpt.head_dim, gpt.n_kv_heads, gpt.d_ff) == (64, 12, 3072)
     llama = ModelSpec.from_name("llama3.1-70b")
-    assert (llama.dh, llama.kv_heads, llama.ffn, llama.kv_dim) == (128, 8, 28672, 1024)
+    assert (llama.head_dim, llama.n_kv_heads, llama.d_ff, llama.kv_dim) == (128, 8, 28672, 1024)
     # Llama's rule for an unspecified SwiGLU width: 2/3 of 4h rounded up to 256.
-    assert ModelSpec(hidden=4096, n_heads=32, mlp="swiglu").ffn == 11008
+    assert ModelSpec(hidden=4096, n_heads=32, mlp="swiglu").d_ff == 11008
 
 
 def test_overrides() -> None:
@@ -218,3 +221,36 @@ def test_policy_layer_selection_and_json_round_trip(tmp_path) -> None:
     assert Policy.parse(str(path)) == plan and Policy.parse(str(path)).model == "gpt2"
     with pytest.raises(ValueError, match="lists 3 layers but the model has 12"):
         plan.per_layer(12)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "says"),
+    [
+        ("MixtralConfig", "model_type 'mixtral' (mixture-of-experts layers) is not modelled exactly"),
+        ("Qwen3MoeConfig", "model_type 'qwen3_moe' (mixture-of-experts layers) is not modelled exactly"),
+        ("Qwen3Config", "model_type 'qwen3' is not modelled exactly"),
+        ("Gemma2Config", "model_type 'gemma2' is not modelled exactly"),
+        ("Phi3Config", "model_type 'phi3' is not modelled exactly"),
+        ("Olmo2Config", "model_type 'olmo2' is not modelled exactly"),
+        ("MistralConfig", "model_type 'mistral' is not modelled exactly"),
+        ("T5Config", "is not a decoder-only language model"),
+    ],
+)
+def test_configs_it_cannot_model_exactly_are_refused(config_class: str, says: str, tmp_path) -> None:
+    """No silent proxy: a config of another architecture is refused, not estimated as a dense Llama/GPT-2."""
+    transformers = pytest.importorskip("transformers")
+    raw = getattr(transformers, config_class)().to_dict()
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        ModelSpec.from_hf_config(raw)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    done = subprocess.run(
+        [sys.executable, "-m", "recompute", "estimate", "--model", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_llama_config_with_experts_is_refused() -> None:
+    raw = {**_llama_hf_dict(), "num_local_experts": 8}
+    with pytest.raises(ConfigError, match=r"'llama' \(mixture-of-experts layers\)"):
+        ModelSpec.from_hf_config(raw)

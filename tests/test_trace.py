@@ -9,13 +9,14 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from recompute import ModelSpec, Policy, Workload
-from recompute.analytic import n_params
 from recompute.checkpointing import apply
 from recompute.cli import main
-from recompute.errors import ConfigError
+from recompute.core.analytic import n_params
+from recompute.core.errors import ConfigError
 from recompute.models import build_model
+from recompute.models.loss import lm_loss
 from recompute.trace import TraceResult, trace, trace_layer, trace_module
-from recompute.trace._step import lm_loss, prime_optimizer
+from recompute.trace._step import prime_optimizer
 from tiny import tiny_gpt, tiny_llama
 
 GPT = tiny_gpt(n_layers=3)
@@ -100,7 +101,7 @@ def test_states_and_saved_bytes_are_exact_for_gpt2() -> None:
 
 @pytest.mark.parametrize("attention", ["eager", "flash"])
 def test_layer_components_match_the_analytic_model_exactly_for_llama_8b(attention: str) -> None:
-    from recompute.analytic import layer_activations
+    from recompute.core.analytic import layer_activations
     from recompute.validate import analytic_components
 
     spec = ModelSpec.from_name("llama3.1-8b")
@@ -187,7 +188,7 @@ def test_a_model_that_cannot_be_built_is_refused(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("shape mismatch in c_attn\nmore detail")
 
-    monkeypatch.setattr("recompute.models.build_model", broken)
+    monkeypatch.setattr("recompute.trace._build.build_model", broken)
     assert main(["trace", "--model", "gpt2", "--seq-len", "64"]) == 2
     err = capsys.readouterr().err
     assert err == "recompute trace: error: cannot build gpt2: RuntimeError: shape mismatch in c_attn\n"
@@ -211,7 +212,7 @@ def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
 def test_hugging_face_models_trace_like_their_real_step(name: str, policy: str) -> None:
     pytest.importorskip("transformers")
     from recompute.models.hf import build_hf_model
-    from recompute.trace._build import hf_loss
+    from recompute.models.loss import hf_loss
 
     spec = GPT if name == "gpt" else LLAMA
     fake = trace(spec, workload(), policy, hf=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from recompute import ModelSpec, Workload, estimate
-from recompute.analytic import layer_activations
 from recompute.cli import main
+from recompute.core.analytic import layer_activations
 from recompute.trace import trace, trace_layer
 from tiny import tiny_gpt, tiny_llama
 

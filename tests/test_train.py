@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from recompute.cli import main
-from recompute.errors import ConfigError
+from recompute.core.errors import ConfigError
 from recompute.train import TrainConfig, compare_train, train
 from recompute.train.checkpoint import checkpoints
 from recompute.train.corpus import generate_stories
@@ -169,6 +169,6 @@ def test_size_overrides_keep_gqa_and_derive_the_mlp_width() -> None:
     from recompute.train.loop import build_spec
 
     spec = build_spec(TrainConfig(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=8), vocab=256)
-    assert (spec.kv_heads, spec.ffn, spec.mlp) == (8, 768, "swiglu")  # 8 KV heads kept; 8h/3 rounded to 256
+    assert (spec.n_kv_heads, spec.d_ff, spec.mlp) == (8, 768, "swiglu")  # 8 KV heads kept; 8h/3 rounded to 256
     spec = build_spec(TrainConfig(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=4), vocab=256)
-    assert spec.kv_heads == 4  # 8 KV heads cannot serve 4 query heads: plain multi-head attention
+    assert spec.n_kv_heads == 4  # 8 KV heads cannot serve 4 query heads: plain multi-head attention

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from recompute.cli import build_parser, main
-from recompute.errors import ConfigError
+from recompute.core.errors import ConfigError
 from recompute.train import RunResult, TrainConfig, train
 from tiny import TRAIN
 

@@ -11,9 +11,10 @@ import json
 
 import pytest
 
-from recompute.analytic import layer_activations
 from recompute.cli import main
-from recompute.spec import ModelSpec
+from recompute.core.analytic import layer_activations
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
 from recompute.validate import (
     TARGETS,
     Validation,
@@ -22,7 +23,6 @@ from recompute.validate import (
     render_validation,
     validate,
 )
-from recompute.workload import Workload
 
 
 @pytest.fixture(scope="module")

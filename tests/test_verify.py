@@ -88,9 +88,12 @@ def test_cli_verify_exits_1_when_results_differ(masks_do_not_replay: None, capsy
     ("args", "message"),
     [
         (["--model", "gpt5"], "'gpt5' is not a known model"),
-        (["--model", "llama3.1-70b"], "too many to verify here; shrink it"),
+        (["--model", "llama3.1-70b"], "too many to run real steps of here; shrink it"),
         (["--model", "gpt2", "--heads", "5"], "n_heads (5) must divide hidden (768)"),
-        (["--model", "hf:llama", "--layers", "1", "--hidden", "64", "--heads", "4"], "n_kv_heads (8) must divide"),
+        (
+            ["--model", "hf:llama", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "3"],
+            "n_kv_heads (3) must divide",
+        ),
         (["--model", "gpt2", *SMALL, "--policy", "everything"], "'everything' is not a policy"),
     ],
     ids=["unknown-model", "too-big", "bad-heads", "bad-kv-heads", "bad-policy"],
@@ -106,9 +109,9 @@ def test_cli_verify_bad_input_is_one_line_and_exit_2(
 def test_overrides_re_derive_widths() -> None:
     spec, hf = verify_spec("hf:llama", n_layers=2, hidden=256, n_heads=8, n_kv_heads=2, vocab=None)
     assert hf and spec.name == "llama3.1-8b" and spec.vocab == 128256
-    assert (spec.n_layers, spec.hidden, spec.dh, spec.kv_heads, spec.ffn) == (2, 256, 32, 2, 768)
+    assert (spec.n_layers, spec.hidden, spec.head_dim, spec.n_kv_heads, spec.d_ff) == (2, 256, 32, 2, 768)
     spec, hf = verify_spec("gpt2", n_heads=4, n_layers=None, hidden=None, n_kv_heads=None, vocab=None)
-    assert not hf and (spec.n_heads, spec.kv_heads, spec.dh) == (4, 4, 192)
+    assert not hf and (spec.n_heads, spec.n_kv_heads, spec.head_dim) == (4, 4, 192)
 
 
 def test_render_shows_groups_and_verdict() -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from recompute import ModelSpec
+from recompute import ModelSpec, Workload, estimate
+from recompute.core.results import BenchResult, BenchRow
 
 
 def tiny_gpt(n_layers: int = 2, **changes: Any) -> ModelSpec:
@@ -52,3 +55,31 @@ TRAIN = {
     "device": "cpu",
 }
 """``recompute train`` options for a small GPT-2 (dropout 0.1, the preset's), fp32 on the CPU: seconds a run."""
+
+
+def write_bench(
+    path: Path, spec: ModelSpec, wl: Workload, times: dict[str, float], *, peaks: dict[str, float] | None = None
+) -> Path:
+    """A ``recompute bench --json`` file with synthetic "measured" step times and peaks (a test input).
+
+    The predictions are the analytic ones for ``wl``, as ``bench`` fills them in.
+    """
+    rows = tuple(
+        BenchRow(
+            policy=p,
+            peak=int((peaks or {}).get(p, 10**9)),
+            traced_peak=int((peaks or {}).get(p, 10**9)),
+            activations=0,
+            step_s=t,
+            forward_s=t / 3,
+            backward_s=2 * t / 3,
+            optimizer_s=0.0,
+            tokens_per_s=wl.tokens / t,
+            predicted_overhead=estimate(spec, wl, p).overhead,
+            predicted_peak=estimate(spec, wl, p).peak,
+        )
+        for p, t in times.items()
+    )
+    result = BenchResult(spec.name, spec.to_dict(), wl.to_dict(), steps=1, warmup=0, device="synthetic", rows=rows)
+    path.write_text(json.dumps(result.to_dict()))
+    return path

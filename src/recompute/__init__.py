@@ -8,13 +8,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from recompute.analytic import Estimate, estimate, estimate_policies
-from recompute.errors import ConfigError
-from recompute.policy import POLICIES, Policy
-from recompute.spec import ModelSpec
-from recompute.workload import Workload
-
-__version__ = "0.1.0"
+from recompute.core import __version__
+from recompute.core.analytic import Estimate, estimate, estimate_policies
+from recompute.core.errors import ConfigError
+from recompute.core.policy import POLICIES, Policy
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
 
 # Torch-using functions, imported on first access so that ``import recompute`` stays torch-free.
 _LAZY = {"apply": "recompute.checkpointing", "verify": "recompute.verification"}
@@ -33,6 +32,7 @@ __all__ = [
     "ModelSpec",
     "Policy",
     "Workload",
+    "__version__",
     "apply",
     "estimate",
     "estimate_policies",

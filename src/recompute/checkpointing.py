@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from recompute.errors import ConfigError
-from recompute.policy import Policy
+from recompute.core.errors import ConfigError
+from recompute.core.policy import Policy
 
 __all__ = ["REGIONS", "applied_policy", "apply", "find_layers"]
 

@@ -1,7 +1,7 @@
 """``recompute validate``: the analytic model against the trace, per layer and component, with the error.
 
 For every preset, policy and attention implementation at two sequence lengths, one layer's saved bytes from
-``recompute.analytic.layer_activations`` are compared with what the real PyTorch forward saves on fake
+``recompute.core.analytic.layer_activations`` are compared with what the real PyTorch forward saves on fake
 tensors (``recompute.trace.trace_layer``), component by component. The trace is the arbiter: where they
 disagree the formula is fixed or its limit is stated in docs/validation.md.
 
@@ -11,17 +11,19 @@ Targets: per-layer bytes within 3 % for GPT-style presets and within 5 % for Lla
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from recompute.analytic.memory import ATTENTION, MLP, NORMS, LayerActivations, layer_activations
-from recompute.policy import POLICIES
-from recompute.presets import PRESETS
-from recompute.render import render_table
-from recompute.spec import ModelSpec
-from recompute.workload import Workload
+from recompute.core.analytic import estimate
+from recompute.core.analytic.memory import ATTENTION, MLP, NORMS, LayerActivations, layer_activations
+from recompute.core.policy import POLICIES
+from recompute.core.presets import PRESETS
+from recompute.core.progress import Progress, no_progress
+from recompute.core.spec import ModelSpec
+from recompute.core.table import render_table
+from recompute.core.workload import Workload
+from recompute.trace import trace, trace_layer
 
 __all__ = [
     "TARGETS",
@@ -176,7 +178,7 @@ def validate(
     micro_batch: int = 1,
     dtype: str = "bf16",
     peaks: bool = False,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress = no_progress,
 ) -> Validation:
     """Compare analytic and traced per-layer bytes for every combination (CPU, fake tensors).
 
@@ -185,14 +187,12 @@ def validate(
         lengths: sequence lengths; ``None`` means ``seq_lens(spec)`` for each model.
         peaks: also compare the whole step's peak with ``recompute estimate`` (a scaled trace per
             configuration, a few seconds each).
-        progress: called with a short label before each configuration (e.g. to print progress).
+        progress: called before each configuration with its label and how many are done (of all).
     """
-    from recompute.trace import trace_layer
-
     rows, peak_rows = [], []
-    for name, spec, wl, policy in _configs(models, policies, attentions, lengths, micro_batch, dtype):
-        if progress is not None:
-            progress(f"{name} s={wl.seq_len} {wl.attention} {policy}")
+    configs = list(_configs(models, policies, attentions, lengths, micro_batch, dtype))
+    for i, (name, spec, wl, policy) in enumerate(configs):
+        progress(f"{name} s={wl.seq_len} {wl.attention} {policy}", i, len(configs))
         traced = trace_layer(spec, wl, policy).components
         analytic = analytic_components(layer_activations(spec, wl), policy)
         rows.append(
@@ -213,9 +213,6 @@ def validate(
 
 
 def _peak_row(name: str, spec: ModelSpec, wl: Workload, policy: str) -> PeakRow:
-    from recompute.analytic import estimate
-    from recompute.trace import trace
-
     wl = dataclasses.replace(wl, precision="fp32" if wl.dtype == "fp32" else "bf16")
     predicted = estimate(spec, wl, policy)
     traced = trace(spec, wl, policy, layers=min(2, spec.n_layers), keep_grads=True)
@@ -292,9 +289,3 @@ def _render_peaks(v: Validation) -> list[str]:
         f"{f} peaks: max |error| {100 * v.max_error(f, peaks=True):.2f}%" for f in sorted({r.family for r in v.peaks})
     ]
     return [render_table(headers, rows), "", *summary]
-
-
-def stderr_progress(label: str) -> None:
-    """Overwrite one line on stderr with ``label``."""
-    sys.stderr.write(f"\rvalidate: {label:<60}")
-    sys.stderr.flush()

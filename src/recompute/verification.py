@@ -3,32 +3,30 @@
 Three runs from the same seed and batch (dropout on): the plain model, the model with the policy, and the
 policy once more. The first two must agree (loss and every gradient, within fp32 tolerances; bit for bit
 where the math is the same) and the last two bit for bit: recomputation replays the dropout masks.
-
-The module imports no torch at load time (the CLI imports it for ``recompute estimate`` too).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from recompute.errors import ConfigError
-from recompute.policy import Policy
-from recompute.spec import ModelSpec
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
+from recompute.checkpointing import applied_policy, apply, find_layers
+from recompute.core.analytic import n_params
+from recompute.core.errors import ConfigError
+from recompute.core.policy import Policy
+from recompute.core.spec import ModelSpec, resolve_model
+from recompute.core.table import render_table
 
 __all__ = [
     "GroupDiff",
     "VerifyResult",
-    "add_verify_args",
     "loss_of",
     "render_verify",
-    "run_verify",
     "verify",
     "verify_spec",
 ]
@@ -108,10 +106,6 @@ def verify(
         rtol, atol: elementwise tolerance, as in ``torch.testing.assert_close``.
         name: how to call the model in the result (default: its spec name or class).
     """
-    import torch
-
-    from recompute.checkpointing import applied_policy, apply
-
     apply(model, policy)  # parses and checks the policy before any step runs
     pol = applied_policy(model)
     assert pol is not None
@@ -141,8 +135,6 @@ def verify(
 
 def loss_of(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The fp32 cross-entropy of ``model`` on ``idx`` against ``targets`` (recompute's or HF's models)."""
-    import torch.nn.functional as F
-
     if hasattr(model, "spec"):
         return model(idx, targets)[1]
     if hasattr(model, "config"):
@@ -155,8 +147,6 @@ Step = tuple["torch.Tensor", dict[str, "torch.Tensor"]]
 
 
 def _step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, seed: int) -> Step:
-    import torch
-
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # same dropout masks in every run
     loss = loss_of(model, idx, targets)
@@ -167,7 +157,6 @@ def _step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, seed: int)
 
 def _closeness(rtol: float, atol: float) -> Any:
     """An elementwise ``|a - b| <= atol + rtol * |b|`` test over whole tensors."""
-    import torch
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(torch.isclose(a, b, rtol=rtol, atol=atol).all())
@@ -176,8 +165,6 @@ def _closeness(rtol: float, atol: float) -> Any:
 
 
 def _identical(a: Step, b: Step) -> bool:
-    import torch
-
     return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
@@ -201,8 +188,6 @@ def _group_diffs(model: nn.Module, ref: dict[str, Any], got: dict[str, Any], clo
 
 
 def _layers_path(model: nn.Module) -> str:
-    from recompute.checkpointing import find_layers
-
     stack = find_layers(model)
     return next(n for n, m in model.named_modules() if m is stack)
 
@@ -232,8 +217,6 @@ def _model_name(model: nn.Module) -> str:
 
 def render_verify(result: VerifyResult) -> str:
     """A short report: the verdict, the loss, the largest gradient difference per group, repeatability."""
-    from recompute.render import render_table
-
     verdict = "PASS" if result.passed else "FAIL"
     head = [
         f"verify {result.model}, policy {result.policy}: {verdict}",
@@ -249,75 +232,21 @@ def render_verify(result: VerifyResult) -> str:
     return "\n".join([*head, "", table, "", tail])
 
 
-# --- command line -----------------------------------------------------------------------------------------
-
-
-def add_verify_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``recompute verify``."""
-    from recompute.cli import add_model_args, add_policy_args
-
-    add_model_args(p)
-    add_policy_args(p)
-    for flag, field in (("--layers", "n_layers"), ("--hidden", "hidden"), ("--heads", "n_heads"), ("--vocab", "vocab")):
-        p.add_argument(flag, dest=field, type=int, metavar="N", help=f"override the preset's {field} (to fit a CPU)")
-    p.add_argument("--kv-heads", dest="n_kv_heads", type=int, metavar="N", help="override the preset's n_kv_heads")
-    p.add_argument("--seq-len", type=int, default=64, metavar="S", help="s: tokens per sequence (default: 64)")
-    p.add_argument("--micro-batch", type=int, default=2, metavar="B", help="b: sequences per batch (default: 2)")
-    p.add_argument("--attention", choices=("eager", "flash"), default="eager", help="eager math or SDPA")
-    p.add_argument("--seed", type=int, default=0, help="seed of the batch and the dropout masks")
-    p.add_argument("--device", default="cpu", help="where to run (default: cpu)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-
-
-def run_verify(args: argparse.Namespace) -> int:
-    """``recompute verify``: 0 when the policy changes nothing, 1 when it does."""
-    from recompute.cli import emit_json, policy_from
-
-    model, name = _build_for_verify(args)
-    pol = policy_from(args)
-    result = verify(model, pol, micro_batch=args.micro_batch, seq_len=args.seq_len, seed=args.seed, name=name)
-    if args.json:
-        emit_json(result.to_dict())
-    else:
-        print(render_verify(result))
-    return 0 if result.passed else 1
-
-
-_OVERRIDES = ("n_layers", "hidden", "n_heads", "n_kv_heads", "vocab")
-
-
-def verify_spec(model: str, **overrides: int | None) -> tuple[ModelSpec, bool]:
-    """The spec ``--model`` names (``hf:`` prefix stripped; ``hf:llama`` = ``llama3.1-8b``), overridden.
+def verify_spec(model: str, **sizes: int | None) -> tuple[ModelSpec, bool]:
+    """The spec ``--model`` names (``hf:`` prefix stripped; ``hf:llama`` = ``llama3.1-8b``), resized.
 
     Returns the spec and whether to build the Hugging Face model.
-    """
-    from recompute.analytic import n_params
-    from recompute.cli import resolve_model
 
+    Raises:
+        ConfigError: an unknown model, or one over ``CPU_PARAM_LIMIT`` parameters (real steps run here).
+    """
     hf = model.startswith("hf:")
     base = model.removeprefix("hf:")
-    spec = resolve_model({"llama": "llama3.1-8b"}.get(base, base) if hf else base)
-    given: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
-    if "hidden" in given or "n_heads" in given:
-        given.update(head_dim=None)  # re-derived from the new width or head count
-    if "hidden" in given:
-        given.update(d_ff=None)  # re-derived from the new width
-    if "n_heads" in given and "n_kv_heads" not in given and spec.kv_heads == spec.n_heads:
-        given.update(n_kv_heads=None)  # multi-head attention stays multi-head
-    spec = dataclasses.replace(spec, **given)
+    spec = resolve_model({"llama": "llama3.1-8b"}.get(base, base) if hf else base).resized(**sizes)
     if n_params(spec) > CPU_PARAM_LIMIT:
         raise ConfigError(
-            f"{spec.name} has {n_params(spec) / 1e9:.1f}B parameters, too many to verify here; "
-            "shrink it, e.g. --layers 2 --hidden 512 --heads 8 --kv-heads 2 --vocab 4096"
+            f"{spec.name} has {n_params(spec) / 1e9:.1f}B parameters, too many to run real steps of here; "
+            "shrink it, e.g. --layers 2 --hidden 512 --heads 8 --kv-heads 2 --vocab 4096, "
+            "or use `recompute trace` (fake tensors, any size) or `recompute estimate`"
         )
     return spec, hf
-
-
-def _build_for_verify(args: argparse.Namespace) -> tuple[nn.Module, str]:
-    from recompute.models import build_model
-    from recompute.models.hf import build_hf_model
-
-    spec, hf = verify_spec(args.model, **{k: getattr(args, k) for k in _OVERRIDES})
-    build = build_hf_model if hf else build_model
-    model = build(spec, attention=args.attention, device=args.device)
-    return model, f"{args.model} ({spec.n_layers} layers, h={spec.hidden})"

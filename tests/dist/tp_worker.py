@@ -32,11 +32,12 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
 
 from recompute import ModelSpec, Workload
-from recompute.analytic import layer_activations, paper_layer_bytes
-from recompute.analytic.memory import PART_GROUP
+from recompute.core.analytic import layer_activations, paper_layer_bytes
+from recompute.core.analytic.memory import PART_GROUP
 from recompute.checkpointing import apply
 from recompute.models import build_model
-from recompute.parallel import parallelize, qkv_row_order, saved_bytes_per_layer
+from recompute.parallel import parallelize, qkv_row_order
+from recompute.trace import saved_bytes_per_layer
 from tiny import tiny_gpt, tiny_llama
 
 B, S = 2, 32  # micro-batch and sequence per model replica; S divisible by t

@@ -16,13 +16,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recompute.errors import ConfigError, one_of
+from recompute.core.errors import ConfigError, one_of
+from recompute.core.spec import ModelSpec
 from recompute.models.core import ATTENTION
 from recompute.models.gpt import GPT
 from recompute.models.llama import Llama
-from recompute.spec import ModelSpec
 
-__all__ = ["ATTENTION", "GPT", "Llama", "build_model"]
+__all__ = ["ATTENTION", "GPT", "Llama", "build_model", "model_class"]
+
+
+def model_class(spec: ModelSpec) -> type[GPT] | type[Llama]:
+    """The reference class ``build_model`` builds for ``spec``: ``GPT`` for a GELU MLP, ``Llama`` for SwiGLU."""
+    return GPT if spec.mlp == "gelu" else Llama
 
 
 def build_model(
@@ -45,7 +50,8 @@ def build_model(
         ConfigError: an unknown attention, or a position kind the architecture does not have.
     """
     one_of("attention", attention, ATTENTION)
-    cls, position = (GPT, "learned") if spec.mlp == "gelu" else (Llama, "rotary")
+    cls = model_class(spec)
+    position = "learned" if cls is GPT else "rotary"
     if spec.position != position:
         raise ConfigError(
             f"{cls.__name__} ({spec.mlp} MLP) uses {position} positions but the spec asks for {spec.position}; "

@@ -1,6 +1,6 @@
 """Pieces both reference models share: core attention (eager math or SDPA), the pre-norm block, the loss.
 
-What autograd saves here is what ``recompute.analytic.memory`` counts, tensor for tensor, so the analytic
+What autograd saves here is what ``recompute.core.analytic.memory`` counts, tensor for tensor, so the analytic
 model can be checked against these modules (see tests/test_apply_memory.py).
 """
 
@@ -11,11 +11,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
-from recompute.spec import ModelSpec
+from recompute.core.spec import ModelSpec
 
-__all__ = ["ATTENTION", "Block", "causal_attention", "init_weights", "lm_output", "make_norm"]
+__all__ = ["ATTENTION", "Block", "causal_attention", "cross_entropy", "init_weights", "make_norm"]
 
 ATTENTION = ("eager", "flash")
 """``eager``: the math written out, saving the s^2 softmax; ``flash``: ``F.scaled_dot_product_attention``."""
@@ -78,20 +77,13 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def lm_output(logits: Tensor, targets: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``(logits, loss)``: the loss is fp32 cross-entropy over all positions, ``None`` without targets.
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """fp32 cross-entropy over all positions: the reference models' loss (``model.loss_fn``).
 
-    Logits that are a DTensor sharded over the vocabulary (``recompute.parallel``) get Megatron's
-    vocabulary-parallel cross-entropy, which never gathers them.
+    ``recompute.parallel.parallelize`` replaces ``model.loss_fn`` by Megatron's vocabulary-parallel
+    cross-entropy, which takes the vocabulary-sharded logits without gathering them.
     """
-    if targets is None:
-        return logits, None
-    if isinstance(logits, DTensor):
-        from recompute.parallel import vocab_parallel_cross_entropy  # imports this module
-
-        return logits, vocab_parallel_cross_entropy(logits, targets)
-    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-    return logits, loss
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def init_weights(module: nn.Module, *, n_layers: int) -> None:

@@ -2,17 +2,19 @@
 
 LayerNorm, a GELU MLP, dropout on embeddings, attention probabilities and both residual branches, learned
 positions and tied embeddings. With ``attention="eager"`` one layer saves exactly what Korthikanti et al.
-2022 count (``recompute.analytic.layer_activations``).
+2022 count (``recompute.core.analytic.layer_activations``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
-from recompute.errors import one_of
-from recompute.models.core import ATTENTION, Block, causal_attention, init_weights, lm_output, make_norm
-from recompute.spec import ModelSpec
+from recompute.core.errors import one_of
+from recompute.core.spec import ModelSpec
+from recompute.models.core import ATTENTION, Block, causal_attention, cross_entropy, init_weights, make_norm
 
 __all__ = ["GPT", "CausalSelfAttention", "GeluMLP"]
 
@@ -22,7 +24,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.kv_heads, spec.dh
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
         self.split = (spec.q_dim, spec.kv_dim, spec.kv_dim)
         self.c_attn = nn.Linear(spec.hidden, sum(self.split), bias=spec.bias)
         self.c_proj = nn.Linear(spec.q_dim, spec.hidden, bias=spec.bias)
@@ -55,9 +57,9 @@ class GeluMLP(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(spec.hidden, spec.ffn, bias=spec.bias)
+        self.c_fc = nn.Linear(spec.hidden, spec.d_ff, bias=spec.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
-        self.c_proj = nn.Linear(spec.ffn, spec.hidden, bias=spec.bias)
+        self.c_proj = nn.Linear(spec.d_ff, spec.hidden, bias=spec.bias)
         self.dropout = nn.Dropout(spec.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -83,6 +85,7 @@ class GPT(nn.Module):
         )
         self.norm = make_norm(spec)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy  # parallelize swaps it
         init_weights(self, n_layers=spec.n_layers)
         if spec.tied_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # weight tying, as GPT-2 does
@@ -96,4 +99,5 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (b, s, h)
         for layer in self.layers:
             x = layer(x)
-        return lm_output(self.lm_head(self.norm(x)), targets)
+        logits = self.lm_head(self.norm(x))  # (b, s, v)
+        return logits, None if targets is None else self.loss_fn(logits, targets)

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from recompute.errors import ConfigError, one_of
-from recompute.spec import ModelSpec
+from recompute.core.errors import ConfigError, one_of
+from recompute.core.spec import ModelSpec
 
-__all__ = ["HF_ATTENTION", "build_hf_model", "hf_config"]
+__all__ = ["HF_ATTENTION", "build_hf_model", "hf_class_name", "hf_config"]
 
 HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
 """recompute's attention names and the ``attn_implementation`` they map to."""
@@ -30,14 +30,14 @@ def hf_config(spec: ModelSpec, *, attention: str = "eager") -> Any:
 
     # Not in the config classes' typed signatures, but every PretrainedConfig takes it.
     extra: dict[str, Any] = {"attn_implementation": HF_ATTENTION[one_of("attention", attention, tuple(HF_ATTENTION))]}
-    if (spec.mlp, spec.norm, spec.position) == ("gelu", "layernorm", "learned") and spec.kv_heads == spec.n_heads:
+    if (spec.mlp, spec.norm, spec.position) == ("gelu", "layernorm", "learned") and spec.n_kv_heads == spec.n_heads:
         return transformers.GPT2Config(
             vocab_size=spec.vocab,
             n_positions=spec.max_positions,
             n_embd=spec.hidden,
             n_layer=spec.n_layers,
             n_head=spec.n_heads,
-            n_inner=spec.ffn,
+            n_inner=spec.d_ff,
             resid_pdrop=spec.dropout,
             embd_pdrop=spec.dropout,
             attn_pdrop=spec.dropout,
@@ -51,11 +51,11 @@ def hf_config(spec: ModelSpec, *, attention: str = "eager") -> Any:
         return transformers.LlamaConfig(
             vocab_size=spec.vocab,
             hidden_size=spec.hidden,
-            intermediate_size=spec.ffn,
+            intermediate_size=spec.d_ff,
             num_hidden_layers=spec.n_layers,
             num_attention_heads=spec.n_heads,
-            num_key_value_heads=spec.kv_heads,
-            head_dim=spec.dh,
+            num_key_value_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim,
             max_position_embeddings=spec.max_positions,
             rms_norm_eps=spec.norm_eps,
             rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
@@ -68,9 +68,14 @@ def hf_config(spec: ModelSpec, *, attention: str = "eager") -> Any:
             **extra,
         )
     raise ConfigError(
-        f"no Hugging Face class for a {spec.mlp}/{spec.norm}/{spec.position} spec with {spec.kv_heads} KV heads; "
+        f"no Hugging Face class for a {spec.mlp}/{spec.norm}/{spec.position} spec with {spec.n_kv_heads} KV heads; "
         "use a GPT-2 shaped (gelu, layernorm, learned, MHA) or Llama shaped (swiglu, rmsnorm, rotary) spec"
     )
+
+
+def hf_class_name(spec: ModelSpec) -> str:
+    """The transformers class ``build_hf_model`` builds for ``spec``."""
+    return "GPT2LMHeadModel" if spec.mlp == "gelu" else "LlamaForCausalLM"
 
 
 def build_hf_model(
@@ -87,7 +92,7 @@ def build_hf_model(
     import transformers
 
     config = hf_config(spec, attention=attention)
-    cls = getattr(transformers, "GPT2LMHeadModel" if spec.mlp == "gelu" else "LlamaForCausalLM")
+    cls = getattr(transformers, hf_class_name(spec))
     with torch.device(device):
         model = cls(config)
     return model.to(dtype=dtype)

@@ -7,13 +7,15 @@ K/V: query heads of one KV group are folded into the sequence (``recompute.model
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recompute.errors import one_of
-from recompute.models.core import ATTENTION, Block, causal_attention, init_weights, lm_output, make_norm
-from recompute.spec import ModelSpec
+from recompute.core.errors import one_of
+from recompute.core.spec import ModelSpec
+from recompute.models.core import ATTENTION, Block, causal_attention, cross_entropy, init_weights, make_norm
 
 __all__ = ["GroupedQueryAttention", "Llama", "SwiGLU", "apply_rotary", "rope_tables"]
 
@@ -41,7 +43,7 @@ class GroupedQueryAttention(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.kv_heads, spec.dh
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.bias)
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
@@ -74,9 +76,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.w1 = nn.Linear(spec.hidden, spec.ffn, bias=spec.bias)  # gate
-        self.w3 = nn.Linear(spec.hidden, spec.ffn, bias=spec.bias)  # up
-        self.w2 = nn.Linear(spec.ffn, spec.hidden, bias=spec.bias)  # down
+        self.w1 = nn.Linear(spec.hidden, spec.d_ff, bias=spec.bias)  # gate
+        self.w3 = nn.Linear(spec.hidden, spec.d_ff, bias=spec.bias)  # up
+        self.w2 = nn.Linear(spec.d_ff, spec.hidden, bias=spec.bias)  # down
         self.dropout = nn.Dropout(spec.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -106,6 +108,7 @@ class Llama(nn.Module):
         )
         self.norm = make_norm(spec)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy  # parallelize swaps it
         init_weights(self, n_layers=spec.n_layers)
         if spec.tied_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -116,7 +119,8 @@ class Llama(nn.Module):
         if s > self.spec.max_positions:
             raise ValueError(f"sequence of {s} tokens exceeds the model's {self.spec.max_positions} positions")
         x = self.drop(self.tok_emb(idx))  # (b, s, h)
-        cos, sin = rope_tables(s, self.spec.dh, self.spec.rope_theta, device=idx.device, dtype=x.dtype)
+        cos, sin = rope_tables(s, self.spec.head_dim, self.spec.rope_theta, device=idx.device, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return lm_output(self.lm_head(self.norm(x)), targets)
+        logits = self.lm_head(self.norm(x))  # (b, s, v)
+        return logits, None if targets is None else self.loss_fn(logits, targets)

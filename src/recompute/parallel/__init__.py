@@ -19,9 +19,9 @@ Each layer, per rank:
   w1/w3 another; GPT's fused ``c_attn`` rows are reordered so that a rank's row block is its own q, k and v
   heads (``qkv_row_order``; a plain GPT's state dict needs them put back).
 
-One layer then keeps what ``recompute.analytic.layer_activations`` counts for t and sp: sbh(10 + 24/t +
+One layer then keeps what ``recompute.core.analytic.layer_activations`` counts for t and sp: sbh(10 + 24/t +
 5as/(ht)) in the paper's fp16 accounting with TP, sbh(34/t + 5as/(ht)) with TP+SP, 34sbh/t with SP and
-``core_attn``; ``saved_bytes_per_layer`` measures it.
+``core_attn``; ``recompute.trace.saved_bytes_per_layer`` measures it.
 
 Outside the layers: the token embedding is vocabulary-parallel (rows of the table per rank, output
 all-reduced), GPT's position embedding replicated; with SP the sequence is split right after the embeddings,
@@ -42,24 +42,17 @@ Order: build the model (same seed on every rank), ``parallelize``, ``recompute.a
 torch.compile is not covered.
 """
 
-from recompute.parallel._bench import ParallelBench, RankRow, bench_parallel, render_parallel_bench
 from recompute.parallel._env import end_process_group, init_from_env, under_torchrun
-from recompute.parallel._measure import saved_bytes_per_layer
 from recompute.parallel._ops import column_parallel, scatter_sequence, vocab_parallel_cross_entropy
 from recompute.parallel._plan import check_parallel, parallelize, qkv_row_order
 
 __all__ = [
-    "ParallelBench",
-    "RankRow",
-    "bench_parallel",
     "check_parallel",
     "column_parallel",
     "end_process_group",
     "init_from_env",
     "parallelize",
     "qkv_row_order",
-    "render_parallel_bench",
-    "saved_bytes_per_layer",
     "scatter_sequence",
     "under_torchrun",
     "vocab_parallel_cross_entropy",

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from recompute.errors import ConfigError, positive_int
+from recompute.core.errors import ConfigError, positive_int
 
 __all__ = ["end_process_group", "init_from_env", "under_torchrun"]
 

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="union-attr,method-assign,arg-type,operator,assignment"
+# (nn.Module children are typed Tensor | Module; the TP plan reaches into GPT/Llama submodules by name.)
 """``parallelize(model, mesh)``: the tensor- and sequence-parallel plan for recompute's GPT and Llama.
 
 The plan is the torchtitan one (``parallelize_llama``) with one change, Megatron's: the column-parallel
@@ -23,12 +25,18 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from recompute.errors import ConfigError
+from recompute.core.errors import ConfigError
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
 from recompute.models.gpt import GPT
 from recompute.models.llama import Llama
-from recompute.parallel._ops import SEQ, column_parallel, scatter_sequence, vocab_parallel_embedding
-from recompute.spec import ModelSpec
-from recompute.workload import Workload
+from recompute.parallel._ops import (
+    SEQ,
+    column_parallel,
+    scatter_sequence,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 
 __all__ = ["check_parallel", "parallelize", "qkv_row_order"]
 
@@ -103,6 +111,7 @@ def _split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]
 
 def _tensor_parallel(model: GPT | Llama, mesh: DeviceMesh, *, sp: bool) -> None:
     tied = model.lm_head.weight is model.tok_emb.weight
+    model.loss_fn = vocab_parallel_cross_entropy  # the logits stay sharded on the vocabulary
     norm = SequenceParallel(sequence_dim=SEQ, use_local_output=True) if sp else _ReplicateParallel()
     plan: dict[str, ParallelStyle] = {
         "tok_emb": _VocabParallel(),

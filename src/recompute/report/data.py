@@ -1,4 +1,4 @@
-"""The report's numbers: every series the page and the PNGs draw, computed from ``recompute.analytic``.
+"""The report's numbers: every series the page and the PNGs draw, computed from ``recompute.core.analytic``.
 
 Nothing here formats or writes: ``build_report`` returns a ``Report`` of plain numbers (bytes, fractions),
 ``Report.to_dict`` is what the page embeds as JSON, and ``render_html`` / ``write_pngs`` only draw it.
@@ -11,13 +11,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from recompute.analytic import Estimate, estimate, layer_overheads, n_params, overhead_from_flops
-from recompute.errors import ConfigError
-from recompute.hardware import GPU, gpu_by_name, usable_bytes
-from recompute.policy import POLICIES
-from recompute.presets import PRESETS
-from recompute.spec import ModelSpec
-from recompute.workload import Workload
+from recompute.core.analytic import Estimate, estimate, layer_overheads, n_params, overhead_from_flops
+from recompute.core.errors import ConfigError
+from recompute.core.hardware import GPU, gpu_by_name, usable_bytes
+from recompute.core.policy import POLICIES
+from recompute.core.presets import PRESETS
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
 
 __all__ = [
     "COMPONENTS",

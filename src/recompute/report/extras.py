@@ -7,44 +7,26 @@ one-line ``ConfigError`` (unreadable file, not JSON, the wrong format, or made f
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from recompute.analytic import Estimate, estimate, layer_activations
-from recompute.errors import ConfigError, require
-from recompute.policy import POLICIES, Policy
-from recompute.spec import ModelSpec
-from recompute.workload import Workload, build_workload
+from recompute.core.analytic import Estimate, estimate, layer_activations
+from recompute.core.errors import ConfigError, require
+from recompute.core.policy import POLICIES, Policy
+from recompute.core.results import read_bench, read_json
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload, build_workload
 
 __all__ = [
-    "PEAK_KEYS",
     "TRACE_COMPONENTS",
     "bench_section",
     "describe_layers",
-    "load_json",
     "plan_section",
     "trace_section",
     "trace_workload",
 ]
-
-
-def load_json(path: str | Path, what: str, fix: str) -> dict[str, Any]:
-    """The JSON object in ``path``.
-
-    Raises:
-        ConfigError: the file cannot be read, is not JSON, or holds no object; ``what`` names the file's role
-            and ``fix`` says how to make a good one.
-    """
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {str(path)!r}: {e.strerror}; {fix}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{what} {str(path)!r} is not valid JSON ({e}); {fix}") from e
-    require(isinstance(data, dict), f"{what} {str(path)!r} must hold a JSON object; {fix}")
-    return data
 
 
 def describe_layers(layers: list[str] | tuple[str, ...]) -> str:
@@ -78,7 +60,7 @@ def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
         ConfigError: unreadable file, not a plan, or a plan for another model (or layer count).
     """
     fix = "pass a file written by `recompute plan -o plan.json`"
-    data = load_json(path, "plan file", fix)
+    data = read_json(path, "plan file", fix)
     require(data.get("format") == "recompute.plan/1", f"{str(path)!r} is not a recompute plan file; {fix}")
     _check_model(data.get("model"), spec, "plan file", path)
     policy = Policy.from_dict(data)
@@ -119,68 +101,29 @@ def _chosen(data: dict[str, Any], peak: float, overhead: float) -> dict[str, flo
     return {"peak": float(predicted.get("peak", peak)), "overhead": float(predicted.get("overhead", overhead))}
 
 
-PEAK_KEYS = ("peak_bytes", "peak", "max_memory_allocated")
-"""Keys a bench row may give its measured peak (bytes) under, first found wins."""
-
-
-def _measured_peak(row: dict[str, Any]) -> float | None:
-    value = next((row[k] for k in PEAK_KEYS if row.get(k) is not None), None)
-    return None if value is None else float(value)
-
-
 def bench_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
-    """Measured peak memory and step time per policy from a ``recompute bench`` result, with the predictions.
-
-    Reads ``{"model", "workload", "device", "results": [{"policy", "step_time_s", "peak_bytes"}, ...]}``
-    (``rows`` is accepted for ``results``). The predictions are the analytic ``estimate`` under the bench's own
-    workload; the measured overhead is each policy's step time over the ``none`` step time, minus one.
+    """Measured peak memory and step time per policy from a ``recompute bench --json`` result (``read_bench``),
+    next to what the bench predicted for the same workload. The measured overhead is each policy's step time
+    over the ``none`` step time, minus one.
 
     Raises:
-        ConfigError: unreadable file, no results, no workload, or results for another model.
+        ConfigError: unreadable file, not a bench result, or results for another model.
     """
-    fix = "pass a file written by `recompute bench --json`"
-    data = load_json(path, "bench results", fix)
-    if data.get("model") is not None:
-        _check_model(data["model"], spec, "bench results", path)
-    rows = data.get("results", data.get("rows"))
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "policy" in r for r in rows):
-        raise ConfigError(f"bench results {str(path)!r} hold no results with a policy; {fix}")
-    raw = data.get("workload")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"bench results {str(path)!r} have no workload; {fix}")
-    wl = build_workload(**raw)
-    times = {str(r["policy"]): _step_time(r) for r in rows}
-    base = times.get("none")
-    out = []
-    for row in rows:
-        t = _step_time(row)
-        predicted = _predicted(spec, wl, row)
-        out.append(
-            {
-                "policy": str(row["policy"]),
-                "measured_peak": _measured_peak(row),
-                "predicted_peak": predicted[0],
-                "step_time_s": t,
-                "measured_overhead": t / base - 1 if t is not None and base else None,
-                "predicted_overhead": predicted[1],
-            }
-        )
-    device = str(data.get("device", ""))
-    return {"file": str(path), "model": spec.name, "device": device, "workload": wl.to_dict(), "rows": out}
-
-
-def _step_time(row: dict[str, Any]) -> float | None:
-    """Seconds per step: ``step_s`` as ``recompute bench --json`` writes it (``step_time_s`` also read)."""
-    t = row.get("step_s", row.get("step_time_s"))
-    return None if t is None else float(t)
-
-
-def _predicted(spec: ModelSpec, wl: Workload, row: dict[str, Any]) -> tuple[float, float]:
-    """(peak, overhead) the bench predicted for the row, else the estimate of its policy name."""
-    if row.get("predicted_peak") is not None and row.get("predicted_overhead") is not None:
-        return float(row["predicted_peak"]), float(row["predicted_overhead"])
-    est = estimate(spec, wl, str(row["policy"]))
-    return est.peak, est.overhead
+    result = read_bench(path, model=spec.name)
+    base = result.step_times().get("none")
+    rows = [
+        {
+            "policy": row.policy,
+            "measured_peak": float(row.peak),
+            "predicted_peak": row.predicted_peak,
+            "step_time_s": row.step_s,
+            "measured_overhead": row.step_s / base - 1 if base else None,
+            "predicted_overhead": row.predicted_overhead,
+        }
+        for row in result.rows
+    ]
+    wl = build_workload(**result.workload)
+    return {"file": str(path), "model": spec.name, "device": result.device, "workload": wl.to_dict(), "rows": rows}
 
 
 TRACE_COMPONENTS = {
@@ -244,18 +187,22 @@ def _traced_parts(result: Any) -> dict[str, float]:
 
 
 def trace_section(
-    spec: ModelSpec, wl: Workload, *, policies: tuple[str, ...] = tuple(POLICIES), layers: int | None = 2
+    spec: ModelSpec,
+    wl: Workload,
+    *,
+    trace: Callable[..., Any],
+    policies: tuple[str, ...] = tuple(POLICIES),
+    layers: int | None = 2,
 ) -> dict[str, Any]:
     """Trace one step of ``spec`` per policy (``recompute.trace``, fake tensors) next to the analytic bytes.
 
-    ``layers`` traced layers (and one more) are scaled to the model's; ``None`` traces them all. Imports torch.
+    ``trace`` is ``recompute.trace.trace`` (the caller loads torch). ``layers`` traced layers (and one more) are
+    scaled to the model's; ``None`` traces them all.
 
     Raises:
         ConfigError: the trace cannot run this model or workload.
     """
     import torch
-
-    from recompute.trace import trace
 
     twl = trace_workload(wl, cuda=torch.cuda.is_available())
     scaled = layers if layers is not None and layers < spec.n_layers - 1 else None

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recompute.errors import ConfigError
+from recompute.core.errors import ConfigError
 from recompute.report.data import Report
 
 if TYPE_CHECKING:

@@ -12,8 +12,18 @@ Example:
     {'checkpoint': 1572864}
 """
 
+from recompute.trace._ranks import saved_bytes_per_layer
 from recompute.trace._render import render_trace
 from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
 from recompute.trace._run import trace, trace_layer, trace_module
 
-__all__ = ["COMPONENTS", "PartTrace", "TraceResult", "render_trace", "trace", "trace_layer", "trace_module"]
+__all__ = [
+    "COMPONENTS",
+    "PartTrace",
+    "TraceResult",
+    "render_trace",
+    "saved_bytes_per_layer",
+    "trace",
+    "trace_layer",
+    "trace_module",
+]

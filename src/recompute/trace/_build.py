@@ -8,18 +8,16 @@ object).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from recompute.errors import ConfigError
-from recompute.spec import ModelSpec
+from recompute.core.errors import ConfigError
+from recompute.core.spec import ModelSpec
+from recompute.models import build_model
+from recompute.models.hf import build_hf_model
 
-__all__ = ["DTYPES", "build_meta", "fakeify", "hf_loss"]
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+__all__ = ["build_meta", "fakeify"]
 
 
 def fakeify(model: nn.Module, mode: FakeTensorMode, device: str = "cpu") -> nn.Module:
@@ -51,11 +49,7 @@ def build_meta(spec: ModelSpec, *, attention: str, dtype: torch.dtype, hf: bool 
     """
     try:
         if hf:
-            from recompute.models.hf import build_hf_model
-
             return build_hf_model(spec, attention=attention, dtype=dtype, device="meta")
-        from recompute.models import build_model
-
         return build_model(spec, attention=attention, dtype=dtype, device="meta")
     except ConfigError:
         raise
@@ -67,9 +61,3 @@ def build_meta(spec: ModelSpec, *, attention: str, dtype: torch.dtype, hf: bool 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
-
-
-def hf_loss(model: nn.Module, idx: Tensor, targets: Tensor) -> tuple[Any, Tensor]:
-    """Loss of a Hugging Face causal LM: ``model(input_ids, labels)``; keeps the whole output alive."""
-    out = model(input_ids=idx, labels=targets)
-    return out, out.loss

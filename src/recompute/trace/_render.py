@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from recompute.render import render_table
+from recompute.core.table import render_table, size
 from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
 
 __all__ = ["render_trace"]
-
-
-def size(n: float) -> str:
-    """Bytes with four significant digits in B, KiB, MiB or GiB; ``-`` for zero."""
-    if n == 0:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.4g} {unit}" if n / scale < 1000 else f"{n / scale:,.0f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _groups(r: TraceResult) -> list[tuple[str, str, PartTrace]]:

@@ -17,14 +17,20 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from recompute.errors import ConfigError, positive_int, require
-from recompute.policy import Policy
-from recompute.spec import ModelSpec
-from recompute.trace._build import DTYPES, build_meta, fakeify, hf_loss
+from recompute.checkpointing import applied_policy, apply, find_layers
+from recompute.core.errors import ConfigError, positive_int, require
+from recompute.core.policy import Policy
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
+from recompute.models import model_class
+from recompute.models.hf import hf_class_name
+from recompute.models.loss import LossFn, lm_loss, loss_fn_for
+from recompute.parallel import parallelize
+from recompute.runtime import TORCH_DTYPES, random_batch, resolve_device
+from recompute.trace._build import build_meta, fakeify
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
 from recompute.trace._scale import scale_record
-from recompute.trace._step import LossFn, StepRecord, lm_loss, prime_optimizer, record_saved, run_step
-from recompute.workload import Workload
+from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
 
 __all__ = ["trace", "trace_layer", "trace_module"]
 
@@ -57,7 +63,7 @@ def trace(
     _check_traceable(spec, wl, hf)
     pol = Policy.parse(policy)
     per_layer = pol.per_layer(spec.n_layers)
-    device = _device(wl)
+    device = resolve_device(wl.device)
     start = time.perf_counter()
     if layers is None or layers >= spec.n_layers - 1:
         counts: tuple[int, ...] = (spec.n_layers,)
@@ -97,15 +103,6 @@ def _check_traceable(spec: ModelSpec, wl: Workload, hf: bool) -> None:
     )
 
 
-def _device(wl: Workload) -> str:
-    if wl.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "--device cuda needs a CUDA build of PyTorch and a GPU, and this machine has none; "
-            "use --device cpu (a CPU step keeps its dropout masks in the activation dtype)"
-        )
-    return wl.device
-
-
 def _trace_layers(
     spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool, keep_grads: bool
 ) -> StepRecord:
@@ -125,9 +122,8 @@ def _step(spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf
     with mode:
         optimizer = torch.optim.AdamW(model.parameters())
         prime_optimizer(model, optimizer)
-        batch = _batch(spec, wl, device)
-        loss_fn = hf_loss if hf else lm_loss
-        return run_step(model, batch, optimizer, stack, loss_fn=loss_fn, keep_grads=keep_grads)
+        batch = random_batch(spec.vocab, wl.micro_batch, wl.seq_len, device=device)
+        return run_step(model, batch, optimizer, stack, loss_fn=loss_fn_for(hf), keep_grads=keep_grads)
 
 
 @contextlib.contextmanager
@@ -159,16 +155,12 @@ def _fake_model(
     spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool
 ) -> tuple[nn.Module, nn.ModuleList, FakeTensorMode]:
     """``spec`` cut to ``n`` layers, built with fake parameters, in training mode, with ``pol`` applied."""
-    from recompute.checkpointing import apply, find_layers
-
     small = dataclasses.replace(spec, n_layers=n) if n != spec.n_layers else spec
-    model = build_meta(small, attention=wl.attention, dtype=DTYPES[wl.dtype], hf=hf)
+    model = build_meta(small, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], hf=hf)
     mode = FakeTensorMode()
     fakeify(model, mode, device)
     if wl.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
-
-        from recompute.parallel import parallelize
 
         mesh = init_device_mesh(device, (wl.tp,), mesh_dim_names=("tp",))  # outside the fake mode
         with mode:
@@ -190,20 +182,17 @@ def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *,
     _check_traceable(spec, wl, hf)
     pol = Policy.parse(policy)
     require(pol.is_uniform, f"trace_layer needs one policy for every layer, got {pol.describe()}")
-    device = _device(wl)
+    device = resolve_device(wl.device)
     with _fake_group(wl.tp):
         model, stack, mode = _fake_model(spec, wl, pol, 2, device=device, hf=hf)
         with mode:
-            saved = record_saved(model, _batch(spec, wl, device), stack, loss_fn=hf_loss if hf else lm_loss)
+            saved = record_saved(
+                model,
+                random_batch(spec.vocab, wl.micro_batch, wl.seq_len, device=device),
+                stack,
+                loss_fn=loss_fn_for(hf),
+            )
     return part_trace("layer 1", [r for r in saved if r.layer == 1])
-
-
-def _batch(spec: ModelSpec, wl: Workload, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (wl.micro_batch, wl.seq_len)
-    return (
-        torch.randint(0, spec.vocab, shape, device=device),
-        torch.randint(0, spec.vocab, shape, device=device),
-    )
 
 
 def trace_module(
@@ -220,8 +209,6 @@ def trace_module(
     ``batch`` is (token ids, targets); ``loss_fn(model, idx, targets) -> (kept outputs, loss)``. Creates an
     AdamW optimizer when none is given, and primes it (see ``_step``'s note on the steady state).
     """
-    from recompute.checkpointing import applied_policy, find_layers
-
     stack = find_layers(model)
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
@@ -246,10 +233,14 @@ def _workload_dict(wl: Workload) -> dict[str, Any]:
     return {k: getattr(wl, k) for k in keys}
 
 
+def _class_name(spec: ModelSpec, hf: bool) -> str:
+    return f"transformers.{hf_class_name(spec)}" if hf else f"recompute.models.{model_class(spec).__name__}"
+
+
 def _notes(spec: ModelSpec, wl: Workload, counts: tuple[int, ...], hf: bool, keep_grads: bool) -> tuple[str, ...]:
     notes = [
-        f"traced {'the transformers' if hf else 'recompute’s reference'} model of {spec.name} on fake "
-        f"{wl.device} tensors: exact sizes, nothing allocated",
+        f"traced {_class_name(spec, hf)} built from the {spec.name} spec on fake {wl.device} tensors: "
+        "exact sizes, nothing allocated",
         "steady-state step: AdamW state exists, gradients "
         + ("stay allocated (zero_grad(set_to_none=False))" if keep_grads else "start as None")
         + f"; parameters, gradients and AdamW state in {wl.dtype}",

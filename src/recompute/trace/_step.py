@@ -12,19 +12,17 @@ The logits stay alive until the backward ends, as in a training loop that keeps 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from recompute.models.loss import LossFn, lm_loss
 from recompute.trace._tracker import Phase, SavedRecord, StepTracker
 
-__all__ = ["LossFn", "StepRecord", "prime_optimizer", "record_saved", "run_step"]
-
-LossFn = Callable[[nn.Module, Tensor, Tensor], tuple[Any, Tensor]]
-"""``(model, idx, targets) -> (outputs to keep alive, loss)``."""
+__all__ = ["StepRecord", "prime_optimizer", "record_saved", "run_step"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +44,6 @@ class StepRecord:
         """(bytes, phase) of the largest total of the step."""
         phase, (value, _) = max(self.phase_peaks.items(), key=lambda kv: (kv[1][0], [-x for x in kv[0].order()]))
         return value, phase
-
-
-def lm_loss(model: nn.Module, idx: Tensor, targets: Tensor) -> tuple[Any, Tensor]:
-    """Loss of recompute's reference models: ``model(idx, targets) -> (logits, loss)``."""
-    logits, loss = model(idx, targets)
-    return logits, loss
 
 
 def prime_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recompute.errors import ConfigError
+from recompute.core.errors import ConfigError
 from recompute.train.config import RESUME_MUST_MATCH, TrainConfig
 
 __all__ = ["checkpoints", "load_latest", "save_checkpoint"]

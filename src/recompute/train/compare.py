@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from recompute.render import gib, render_table
+from recompute.core.table import gib, render_table
 from recompute.train.config import TrainConfig
 from recompute.train.loop import RunResult, train
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from recompute.errors import one_of, positive_int, require
+from recompute.core.errors import one_of, positive_int, require
 
 __all__ = ["RESUME_MUST_MATCH", "TrainConfig"]
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from recompute.errors import ConfigError, require
+from recompute.core.errors import ConfigError, require
 from recompute.train.corpus import generate_stories
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "TokenStream", "Tokenizer", "load_text", "make_tokenizer"]

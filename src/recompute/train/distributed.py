@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from recompute.errors import require
-from recompute.spec import ModelSpec
+from recompute.core.errors import require
+from recompute.core.spec import ModelSpec
+from recompute.parallel import check_parallel, init_from_env
 from recompute.train.config import TrainConfig
 
 __all__ = ["Ranks", "start"]
@@ -81,8 +82,6 @@ def start(config: TrainConfig, spec: ModelSpec) -> Ranks:
     """
     if not config.parallel:
         return Ranks()
-    from recompute.parallel import check_parallel, init_from_env
-
     if config.tp > 1:
         check_parallel(spec, tp=config.tp, seq_len=config.seq_len, sp=config.sp)
     require(

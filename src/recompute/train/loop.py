@@ -29,8 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from recompute.errors import require
-from recompute.spec import ModelSpec
+from recompute.checkpointing import apply
+from recompute.core.errors import require
+from recompute.core.spec import ModelSpec
+from recompute.models import build_model
+from recompute.parallel import parallelize
 from recompute.train.checkpoint import load_latest, save_checkpoint
 from recompute.train.config import TrainConfig
 from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
@@ -82,18 +85,9 @@ class RunResult:
 
 def build_spec(config: TrainConfig, vocab: int) -> ModelSpec:
     """The preset with the size overrides and the tokenizer's vocabulary."""
-    overrides: dict[str, float | None] = {
-        k: v for k, v in (("n_layers", config.n_layers), ("hidden", config.hidden), ("n_heads", config.n_heads)) if v
-    }
-    if config.dropout is not None:
-        overrides["dropout"] = config.dropout
-    preset = ModelSpec.from_name(config.model)
-    if "hidden" in overrides:  # the preset's d_ff belongs to its own width: derive it from the new one
-        overrides["d_ff"] = None
-    heads = config.n_heads or preset.n_heads
-    if heads % preset.kv_heads:  # keep grouped-query attention where the new head count allows it
-        overrides["n_kv_heads"] = None
-    spec = ModelSpec.from_name(config.model, **overrides, vocab=vocab)
+    dropout = {} if config.dropout is None else {"dropout": config.dropout}
+    preset = ModelSpec.from_name(config.model, **dropout)
+    spec = preset.resized(n_layers=config.n_layers, hidden=config.hidden, n_heads=config.n_heads, vocab=vocab)
     require(
         config.seq_len <= spec.max_positions,
         f"--seq-len {config.seq_len} exceeds the model's {spec.max_positions} positions",
@@ -220,9 +214,6 @@ def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, 
             checkpoint (never a silent restart from scratch); with --tp/--dp, not under torchrun with t * d
             processes, or t not dividing the heads (and the sequence, with --sp).
     """
-    from recompute.checkpointing import apply
-    from recompute.models import build_model
-
     device = _device(config)
     text = load_text(config.data, config.dataset, seed=config.seed)
     tok = make_tokenizer(config.tokenizer, text)
@@ -232,8 +223,6 @@ def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, 
     torch.manual_seed(config.seed)  # the same weights, and dropout generator, on every rank
     model = build_model(spec, attention=config.attention, device=device)
     if ranks.mesh is not None:
-        from recompute.parallel import parallelize
-
         parallelize(model, ranks.mesh, sp=config.sp)
     apply(model, config.policy)
     opt = _optimizer(model, config)

@@ -1,0 +1,239 @@
+"""``recompute bench``: real training steps under each policy: peak memory, step time, tokens/s, overhead.
+
+Every policy gets its own copy of the model (same seed, same weights) and the same batch. After warm-up,
+the timed steps go round the policies in turn (policy A step 1, policy B step 1, A step 2, ...) so that a
+machine whose speed drifts (a shared CPU) slows every policy alike. Times are medians, split into forward,
+backward and optimizer step. Memory comes from one more step per policy: on the CPU under MemTracker (via
+``recompute.trace.trace_module``), on a GPU from ``torch.cuda.max_memory_allocated`` as well.
+
+The measured overhead (step time over the first policy's, minus one) is shown next to the analytic
+prediction (recomputed FLOPs over the step's model FLOPs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from recompute.checkpointing import apply
+from recompute.core.analytic import estimate
+from recompute.core.errors import require
+from recompute.core.policy import Policy
+from recompute.core.progress import Progress, no_progress
+from recompute.core.results import BenchResult, BenchRow
+from recompute.core.spec import ModelSpec
+from recompute.core.table import gib, render_table
+from recompute.core.workload import Workload
+from recompute.models import build_model
+from recompute.models.hf import build_hf_model
+from recompute.models.loss import LossFn, loss_fn_for
+from recompute.runtime import TORCH_DTYPES, device_name, random_batch, resolve_device, sync
+from recompute.trace import trace_module
+from recompute.verification import verify_spec
+
+__all__ = ["CPU_GPT2", "BenchResult", "BenchRow", "bench", "bench_spec", "render_bench"]
+
+CPU_GPT2 = {"n_layers": 6, "hidden": 384, "n_heads": 6}
+"""The default model: GPT-2 (vocabulary, context, LayerNorm, GELU, dropout) at a width and depth a CPU runs."""
+
+
+def bench_spec(model: str | None, **overrides: int | None) -> tuple[ModelSpec, bool]:
+    """The spec to benchmark and whether it is the Hugging Face model (``hf:`` prefix).
+
+    ``model=None`` is GPT-2 shrunk to ``CPU_GPT2`` (overrides still apply). Models over a billion parameters
+    are refused (``recompute.verify.verify_spec``): this runs real steps.
+    """
+    if model is None:
+        model, overrides = "gpt2", {**CPU_GPT2, **{k: v for k, v in overrides.items() if v is not None}}
+    return verify_spec(model, **overrides)
+
+
+@dataclass
+class _Run:
+    """One policy's model, optimizer and timings."""
+
+    policy: Policy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    times: list[tuple[float, float, float]]
+
+
+def bench(
+    spec: ModelSpec,
+    wl: Workload,
+    policies: Sequence[str | Policy] = ("none", "block"),
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+    hf: bool = False,
+    keep_grads: bool = False,
+    progress: Progress = no_progress,
+) -> BenchResult:
+    """Time and measure real training steps of ``spec`` under each policy (see the module docstring).
+
+    ``hf=True`` runs the ``transformers`` model of ``spec`` instead of recompute's reference model.
+    ``keep_grads=True`` measures the memory step with gradients kept allocated between steps (DDP's and
+    Megatron's persistent buffers, what ``estimate`` assumes) instead of set to None.
+
+    Raises:
+        ConfigError: no policies, a bad policy, a sequence beyond the model's positions, or CUDA asked
+            for without CUDA.
+    """
+    wl.check(spec)
+    require(len(policies) > 0, "give at least one policy, e.g. --policies none,block")
+    require(steps > 0 and warmup >= 0, f"--steps must be > 0 and --warmup >= 0, got {steps} and {warmup}")
+    require(
+        wl.tp == wl.pp == wl.dp == 1 and not wl.sp,
+        "bench runs one process without parallelism; drop --tp/--pp/--dp/--sp (estimate models them)",
+    )
+    device = resolve_device(wl.device)
+    pols = [Policy.parse(p) for p in policies]
+    batch = random_batch(spec.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed)
+    runs = []
+    for pol in pols:
+        torch.manual_seed(seed)
+        build = build_hf_model if hf else build_model
+        model = build(spec, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device).train()
+        apply(model, pol)
+        runs.append(_Run(pol, model, torch.optim.AdamW(model.parameters()), loss_fn_for(hf), []))
+    total, done = len(runs) * (warmup + 1 + steps), 0
+    for run in runs:
+        for i in range(warmup):
+            progress(f"{run.policy.describe()}: warm-up {i + 1}/{warmup}", done, total)
+            _timed_step(run, batch, device)
+            done += 1
+    memory = []
+    for run in runs:
+        progress(f"{run.policy.describe()}: memory step", done, total)
+        memory.append(_memory(run, batch, device, keep_grads))
+        done += 1
+    for i in range(steps):
+        for run in runs:
+            progress(f"{run.policy.describe()}: step {i + 1}/{steps}", done, total)
+            run.times.append(_timed_step(run, batch, device))
+            done += 1
+    progress("done", total, total)
+    rows = tuple(_row(spec, wl, run, mem) for run, mem in zip(runs, memory))
+    return BenchResult(
+        model=spec.name,
+        spec=spec.to_dict(),
+        workload=wl.to_dict(),
+        steps=steps,
+        warmup=warmup,
+        device=device_name(device),
+        rows=rows,
+    )
+
+
+def _timed_step(run: _Run, batch: tuple[Tensor, Tensor], device: str) -> tuple[float, float, float]:
+    """(forward, backward, optimizer) seconds of one training step."""
+    sync(device)
+    t0 = time.perf_counter()
+    _, loss = run.loss_fn(run.model, *batch)
+    sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    sync(device)
+    t2 = time.perf_counter()
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def _memory(run: _Run, batch: tuple[Tensor, Tensor], device: str, keep_grads: bool = False) -> tuple[int, int, int]:
+    """(device peak, traced peak, saved activation bytes) of one step of ``run``."""
+    traced = trace_module(run.model, batch, optimizer=run.optimizer, loss_fn=run.loss_fn, keep_grads=keep_grads)
+    if device != "cuda":
+        return traced.peak, traced.peak, traced.activations
+    own = _resident_bytes(run)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _timed_step(run, batch, device)
+    peak = own + torch.cuda.max_memory_allocated() - base  # other policies' models stay resident: leave them out
+    return peak, traced.peak, traced.activations
+
+
+def _resident_bytes(run: _Run) -> int:
+    """Bytes of ``run``'s parameters and optimizer state (what it holds between steps)."""
+    tensors = list(run.model.parameters()) + [
+        v for state in run.optimizer.state.values() for v in state.values() if isinstance(v, Tensor)
+    ]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    return sum(storages.values())
+
+
+def _row(spec: ModelSpec, wl: Workload, run: _Run, memory: tuple[int, int, int]) -> BenchRow:
+    fwd, bwd, opt = (statistics.median(t[i] for t in run.times) for i in range(3))
+    steps = tuple(sum(t) for t in run.times)
+    step = statistics.median(steps)
+    # What runs here is plain training in one dtype: AdamW's state is in the parameters' dtype.
+    precision = "fp32" if wl.dtype == "fp32" else "bf16"
+    predicted = estimate(spec, dataclasses.replace(wl, precision=precision), run.policy)
+    return BenchRow(
+        policy=run.policy.describe(),
+        peak=memory[0],
+        traced_peak=memory[1],
+        activations=memory[2],
+        step_s=step,
+        forward_s=fwd,
+        backward_s=bwd,
+        optimizer_s=opt,
+        tokens_per_s=wl.tokens / step,
+        predicted_overhead=predicted.overhead,
+        predicted_peak=predicted.peak,
+        step_times=steps,
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def render_bench(r: BenchResult) -> str:
+    """The policy table, then the headline pair (peak drop, step-time increase) of each policy."""
+    ref = r.reference
+    rows = [
+        [
+            row.policy,
+            gib(row.peak),
+            "ref" if row is ref else _pct(-r.peak_drop(row)),
+            gib(row.activations),
+            f"{row.step_s * 1e3:,.0f}",
+            f"{row.forward_s * 1e3:,.0f} / {row.backward_s * 1e3:,.0f} / {row.optimizer_s * 1e3:,.0f}",
+            f"{row.tokens_per_s:,.0f}",
+            "ref" if row is ref else _pct(r.overhead(row)),
+            "ref" if row is ref else _pct(row.predicted_overhead - ref.predicted_overhead),
+            gib(row.predicted_peak),
+        ]
+        for row in r.rows
+    ]
+    headers = [
+        "policy", "peak", "vs ref", "activations", "step ms", "fwd / bwd / opt ms", "tokens/s",
+        "overhead", "predicted", "predicted peak",
+    ]  # fmt: skip
+    w, sp = r.workload, r.spec
+    lines = [
+        f"{r.model} ({sp['n_layers']} layers, h={sp['hidden']}, {sp['n_heads']} heads, vocab {sp['vocab']}): "
+        f"b={w['micro_batch']} s={w['seq_len']} {w['dtype']}, {w['attention']} attention, on {r.device}; "
+        f"median of {r.steps} steps after {r.warmup} warm-up",
+        "",
+        render_table(headers, rows),
+        "",
+    ]
+    for row in r.rows[1:]:
+        lines.append(
+            f"{row.policy} vs {ref.policy}: peak memory {100 * r.peak_drop(row):.1f}% lower, "
+            f"step time {100 * r.overhead(row):.1f}% higher (predicted from FLOPs: "
+            f"{100 * (row.predicted_overhead - ref.predicted_overhead):.1f}%)"
+        )
+    return "\n".join(lines)

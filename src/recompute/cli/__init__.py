@@ -1,0 +1,119 @@
+"""The ``recompute`` command line: a thin layer over the library's typed functions.
+
+Each command lives in its own module here with ``add_args(parser)`` and ``run(args) -> exit code``; only the
+command asked for is imported, so ``recompute estimate`` and ``plan`` never import torch. Bad input prints one
+line (what was expected and how to fix it; the library's field names turned into the options' flags) and
+exits with code 2; nothing here prints a traceback for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple, NoReturn
+
+from recompute.cli._common import Parser
+from recompute.core.errors import ConfigError
+
+__all__ = ["COMMANDS", "build_parser", "main", "main_exit"]
+
+
+class Command(NamedTuple):
+    module: str
+    """``recompute.cli.<module>``, which defines the command's ``add_args`` and ``run`` functions."""
+    help: str
+    add_args: str = "add_args"
+    run: str = "run"
+
+
+COMMANDS: dict[str, Command] = {
+    "estimate": Command(
+        "estimate", "memory (by component) and FLOPs of a training step for every policy, from the analytic model"
+    ),
+    "trace": Command(
+        "trace", "every byte of a real training step on fake tensors (no memory used): states, layers, ops, peak"
+    ),
+    "validate": Command(
+        "validate", "the analytic model against the trace for every preset, policy and attention: per-layer error"
+    ),
+    "plan": Command(
+        "plan", "the cheapest per-layer recomputation whose predicted peak fits a memory budget, and the frontier"
+    ),
+    "verify": Command(
+        "verify", "run a training step with and without a policy; compare loss and gradients (--model hf:NAME for HF)"
+    ),
+    "bench": Command(
+        "bench",
+        "real training steps under each policy: peak memory, step time, tokens/s, measured vs predicted overhead",
+    ),
+    "train": Command(
+        "train",
+        "train a reference GPT-2 or Llama with a recompute policy (the blog's run)",
+        "add_train_args",
+        "run_train",
+    ),
+    "compare-train": Command(
+        "train",
+        "the same training run under several policies: losses, peak memory and step time side by side",
+        "add_compare_args",
+        "run_compare",
+    ),
+    "report": Command(
+        "report",
+        "the workshop page from recompute's own numbers: one self-contained HTML file (plotly), PNGs with --png",
+    ),
+}
+"""The commands in the order ``recompute --help`` lists them: the questions of the README, in turn."""
+
+
+def _load(name: str) -> object:
+    return importlib.import_module(f"recompute.cli.{COMMANDS[name].module}")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s options are built (and its module imported); ``None`` builds them all."""
+    parser = Parser(
+        prog="recompute",
+        description="Know what activation recomputation saves and costs, plan it, apply it, check it.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if command is None or name == command:
+            getattr(_load(name), cmd.add_args)(p)
+    return parser
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    return next((a for a in argv if a in COMMANDS), None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (2 for bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_command_in(argv)).parse_args(argv)
+    args.argv = argv  # to repeat in messages (the torchrun command)
+    cmd = COMMANDS[args.command]
+    try:
+        return int(getattr(_load(args.command), cmd.run)(args))
+    except ConfigError as e:
+        print(f"recompute {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def main_exit() -> NoReturn:
+    """Console-script entry point."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # output piped into `head` and friends: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main_exit()

@@ -1,0 +1,82 @@
+"""``recompute bench``: real training steps under each policy; ``--tp/--dp`` under torchrun, per rank."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from recompute.bench import bench, bench_parallel, bench_spec, render_bench, render_parallel_bench
+from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
+from recompute.cli.progress import progress_bar
+from recompute.core.errors import ConfigError
+from recompute.core.policy import Policy
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
+from recompute.parallel import end_process_group
+
+__all__ = ["SIZE_FLAGS", "add_args", "add_size_args", "run", "size_overrides"]
+
+SIZE_FLAGS = (("--layers", "n_layers"), ("--hidden", "hidden"), ("--heads", "n_heads"), ("--kv-heads", "n_kv_heads"))
+"""Options that shrink a preset to fit this machine (``bench`` and ``verify``)."""
+
+
+def add_size_args(p: argparse.ArgumentParser) -> None:
+    """``--layers/--hidden/--heads/--kv-heads/--vocab``: override the model's size."""
+    for flag, field in (*SIZE_FLAGS, ("--vocab", "vocab")):
+        p.add_argument(flag, dest=field, type=int, metavar="N", help=f"override the model's {field} (to fit here)")
+
+
+def size_overrides(args: argparse.Namespace) -> dict[str, int | None]:
+    return {field: getattr(args, field) for _, field in (*SIZE_FLAGS, ("--vocab", "vocab"))}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="preset or hf:NAME (default: GPT-2 at 6 layers, h 384, 6 heads: CPU-sized)")
+    add_size_args(p)
+    add_workload_args(p, seq_len=256, micro_batch=4, dtype="fp32", device=None)
+    p.add_argument("--policies", default="none,block", help="comma-separated; the first is the reference")
+    p.add_argument("--plan", help="a plan JSON file (recompute plan -o), benched after --policies")
+    p.add_argument("--keep-grads", action="store_true", help="keep gradients allocated between steps (as estimate)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per policy, after warm-up (default: 3)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per policy (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default: 0)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, hf = bench_spec(args.model, **size_overrides(args))
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    policies = csv(args.policies) + ([args.plan] if args.plan else [])
+    for name in policies:
+        Policy.parse(name)
+    wl = workload_from(args, spec)
+    if wl.tp > 1 or wl.dp > 1:
+        return _run_parallel(args, spec, wl, policies, hf)
+    runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
+    with progress_bar("bench") as progress:
+        result = bench(spec, wl, policies, **runs, hf=hf, keep_grads=args.keep_grads, progress=progress)
+    emit_json(result.to_dict()) if args.json else print(render_bench(result))
+    return 0
+
+
+def _run_parallel(args: argparse.Namespace, spec: ModelSpec, wl: Workload, policies: list[str], hf: bool) -> int:
+    """``bench --tp/--dp`` under torchrun: every rank measures, rank 0 prints."""
+    if hf:
+        raise ConfigError("--tp/--dp bench recompute's reference GPT/Llama (recompute.parallel); drop the hf: model")
+    runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
+    with progress_bar("bench", enabled=_rank() == 0) as progress:
+        result = bench_parallel(spec, wl, policies, **runs, argv=args.argv, progress=progress)
+    if dist.get_rank() == 0:
+        emit_json(result.to_dict()) if args.json else print(render_parallel_bench(result))
+        sys.stdout.flush()
+    end_process_group()  # Note: [ending together]
+    return 0
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (before the process group exists), else 0."""
+    return int(os.environ.get("RANK", "0"))

@@ -1,0 +1,57 @@
+"""Progress for the long commands (trace, validate, bench, train): a rich bar on a terminal, plain lines in a log.
+
+On a terminal (stderr is a TTY) the bar redraws in place; otherwise a line goes to stderr at most every
+``PLAIN_EVERY_S`` seconds and at the end, so that a log holds no carriage returns and no flood.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+
+from recompute.core.progress import Progress, no_progress
+
+__all__ = ["PLAIN_EVERY_S", "progress_bar"]
+
+PLAIN_EVERY_S = 5.0
+
+
+@contextlib.contextmanager
+def progress_bar(name: str, *, enabled: bool = True) -> Iterator[Progress]:
+    """A ``Progress`` callback for the duration of the block; silent when not ``enabled`` (e.g. ``--json``)."""
+    if not enabled:
+        yield no_progress
+    elif sys.stderr.isatty():
+        with _rich_bar(name) as show:
+            yield show
+    else:
+        yield _plain_lines(name)
+
+
+@contextlib.contextmanager
+def _rich_bar(name: str) -> Iterator[Progress]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(f"{name}: {{task.description}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("", total=None)
+
+        def show(label: str, done: int, total: int) -> None:
+            bar.update(task, description=label, completed=done, total=total)
+
+        yield show
+
+
+def _plain_lines(name: str) -> Progress:
+    last = [0.0]
+
+    def show(label: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PLAIN_EVERY_S or done >= total:
+            last[0] = now
+            print(f"{name}: {done}/{total} {label}", file=sys.stderr, flush=True)
+
+    return show

@@ -1,0 +1,131 @@
+"""Estimates and plans as text (no heavy imports, so ``recompute estimate`` and ``plan`` start fast)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from recompute.core.analytic.estimate import Estimate
+from recompute.core.plan import FrontierPoint, Plan
+from recompute.core.spec import ModelSpec
+from recompute.core.table import gib, render_table
+from recompute.core.workload import Workload
+
+__all__ = ["describe_workload", "layer_runs", "render_estimate", "render_plan"]
+
+
+def describe_workload(spec: ModelSpec, wl: Workload) -> str:
+    """One line naming the model and the step's shape."""
+    parallel = f"t={wl.tp}{' +sp' if wl.sp else ''} p={wl.pp}" + (f" m={wl.interleave}" if wl.interleave > 1 else "")
+    return (
+        f"{spec.name}: b={wl.micro_batch} s={wl.seq_len} {wl.dtype} on {wl.device}, {wl.attention} attention, "
+        f"{parallel} d={wl.dp}, {wl.precision} precision"
+    )
+
+
+def _saved_per_pct(base: Estimate, e: Estimate) -> str:
+    if e.overhead <= 0:
+        return "-"
+    return gib((base.activation_bytes - e.activation_bytes) / (100 * e.overhead))
+
+
+def render_estimate(spec: ModelSpec, wl: Workload, rows: Sequence[Estimate], chosen: Estimate) -> str:
+    """The policy table, then the breakdown of ``chosen``."""
+    base = next((e for e in rows if e.policy == "none"), rows[0])
+    table = render_table(
+        ["policy", "activations", "total", "peak", "overhead", "saved per 1% overhead"],
+        [
+            [
+                e.policy,
+                gib(e.activation_bytes),
+                gib(e.total),
+                gib(e.peak),
+                f"{100 * e.overhead:.1f}%",
+                _saved_per_pct(base, e),
+            ]
+            for e in rows
+        ],
+    )
+    st = chosen.states
+    lines = [
+        describe_workload(spec, wl),
+        f"model states: {gib(st.total)} for {st.params / 1e9:.3g}B parameters on this rank "
+        f"(parameters {gib(st.parameters)}, gradients {gib(st.gradients)}, optimizer {gib(st.optimizer)})",
+        "",
+        table,
+        "",
+        f"breakdown of {chosen.policy} (per rank, first pipeline stage):",
+        render_table(
+            ["component", "bytes"],
+            [[k, gib(v)] for k, v in chosen.activations.items() if v]
+            + [
+                ["activations", gib(chosen.activation_bytes)],
+                ["model states", gib(st.total)],
+                [f"peak ({chosen.peak_phase})", gib(chosen.peak)],
+            ],
+        ),
+        "",
+        f"FLOPs per micro-batch: model {chosen.model_flops:.3e}, recomputed {chosen.recompute_flops:.3e} "
+        f"(+{100 * chosen.overhead:.1f}%)",
+        *(f"note: {n}" for n in chosen.notes),
+    ]
+    return "\n".join(lines)
+
+
+def layer_runs(layers: Sequence[str]) -> str:
+    """``block x10 (layers 0-9), none x2 (10-11)``: a per-layer policy in runs."""
+    runs: list[tuple[str, int, int]] = []
+    for i, name in enumerate(layers):
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1], i)
+        else:
+            runs.append((name, i, i))
+    return ", ".join(f"{n} (layer{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''})" for n, a, b in runs)
+
+
+def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) -> str:
+    """The chosen plan, its breakdown, a sample of the frontier and the uniform policies."""
+    est = plan.estimate
+    chosen = next(p for p in plan.frontier if p.cost == plan.cost and p.peak <= plan.budget)
+    sample = sorted({*_sample(plan.frontier, points), chosen}, key=lambda p: p.peak)
+    frontier = render_table(
+        ["", "peak", "overhead", "plan (first pipeline stage)"],
+        [["*" if p is chosen else "", gib(p.peak), f"{100 * p.overhead:.1f}%", _counts(p.layers)] for p in sample],
+    )
+    uniform = render_table(
+        ["uniform policy", "peak", "overhead", "fits"],
+        [
+            [n, gib(p.peak), f"{100 * p.overhead:.1f}%", "yes" if p.peak <= plan.budget else "no"]
+            for n, p in plan.uniform.items()
+        ],
+    )
+    return "\n".join(
+        [
+            describe_workload(spec, wl),
+            f"budget {gib(plan.budget)}; cost in {plan.cost_kind}",
+            "",
+            f"plan: {layer_runs(plan.policy.per_layer(spec.n_layers))}",
+            f"predicted peak {gib(est.peak)} ({est.peak_phase}), recompute overhead {100 * plan.overhead:.1f}%"
+            + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else ""),
+            render_table(
+                ["component", "bytes"],
+                [[k, gib(v)] for k, v in est.activations.items() if v] + [["model states", gib(est.states.total)]],
+            ),
+            "",
+            f"frontier ({len(plan.frontier)} Pareto-optimal plans; {len(sample)} shown, * = chosen):",
+            frontier,
+            "",
+            uniform,
+        ]
+    )
+
+
+def _counts(layers: Sequence[str]) -> str:
+    return ", ".join(f"{n} x{layers.count(n)}" for n in dict.fromkeys(layers))
+
+
+def _sample(points: Sequence[FrontierPoint], n: int) -> list[FrontierPoint]:
+    """Up to ``n`` points spread evenly along the frontier, always with both ends."""
+    if len(points) <= n:
+        return list(points)
+    step = (len(points) - 1) / (n - 1)
+    return [points[round(i * step)] for i in range(n)]

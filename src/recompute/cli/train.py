@@ -1,0 +1,73 @@
+"""``recompute train`` and ``recompute compare-train``: the blog's run, under one policy or several."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from recompute.cli._common import add_field_args, csv, emit_json
+from recompute.core.errors import ConfigError
+from recompute.core.policy import Policy
+from recompute.train import compare_train, plot_losses, render_compare, train
+from recompute.train.config import TrainConfig
+
+__all__ = ["add_compare_args", "add_train_args", "run_compare", "run_train"]
+
+
+def _fields(*skip: str) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(TrainConfig) if f.name not in skip]
+
+
+def _config(args: argparse.Namespace, *skip: str) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in _fields(*skip)})
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    add_field_args(p, _fields())
+    p.add_argument("--plan", help="a plan JSON file to apply instead of --policy")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    if args.plan:
+        args.policy = args.plan
+    result = train(_config(args))
+    if result.rank != 0:
+        return 0  # under torchrun, rank 0 reports
+    last = result.metrics[-1]
+    print(
+        f"trained {result.spec.name} ({args.policy}) for {last.step + 1} steps: final loss {last.loss:.4f}, "
+        f"{result.config.micro_batch * result.config.seq_len / result.median_step_time:,.0f} tokens/s; "
+        f"metrics, checkpoints and sample in {args.out}"
+    )
+    print(f"sample: {result.sample[:200]!r}")
+    return 0
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    add_field_args(p, _fields("policy", "resume"), out="runs/compare")
+    p.add_argument(
+        "--policies",
+        default="none,block,attn+mlp",
+        help="comma-separated policies (names or plan files); the first is the reference",
+    )
+    p.add_argument("--png", help="where to write the loss-curve PNG (default: OUT/loss.png)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    policies = csv(args.policies)
+    for p in policies:
+        Policy.parse(p)  # fail fast on a bad name, before any training
+    if args.tp > 1 or args.dp > 1 or args.sp:
+        raise ConfigError("compare-train runs one process; drop --tp/--sp/--dp (recompute train takes them)")
+    rows, runs = compare_train(_config(args, "policy", "resume"), policies, quiet=args.json)
+    png = Path(args.png or Path(args.out) / "loss.png")
+    plot_losses(runs, png)
+    if args.json:
+        emit_json({"rows": [dataclasses.asdict(r) for r in rows], "png": str(png)})
+    else:
+        print(render_compare(rows))
+        print(f"\nloss curves: {png}")
+    return 0

@@ -1,0 +1,46 @@
+"""``recompute validate``: the analytic model against the trace for every preset, policy and attention."""
+
+from __future__ import annotations
+
+import argparse
+
+from recompute.cli._common import csv, emit_json
+from recompute.cli.progress import progress_bar
+from recompute.core.policy import POLICIES, Policy
+from recompute.core.presets import PRESETS
+from recompute.core.spec import resolve_model
+from recompute.validate import render_validation, validate
+
+__all__ = ["add_args", "run"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default=",".join(PRESETS), help="comma-separated presets (default: all)")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies (default: all)")
+    p.add_argument("--attention", default="eager,flash", help="comma-separated: eager, flash (default: both)")
+    p.add_argument("--seq-lens", help="comma-separated lengths (default: each model's context, max 8192, and half)")
+    p.add_argument("--micro-batch", type=int, default=1, help="b (default: 1)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="activation dtype (default: bf16)")
+    p.add_argument("--components", action="store_true", help="also show the error of every component")
+    p.add_argument("--peaks", action="store_true", help="also compare the step's peak with estimate (slower)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in csv(args.models):
+        resolve_model(name)
+    for name in csv(args.policies):
+        Policy.parse(name)
+    with progress_bar("validate", enabled=not args.json) as progress:
+        result = validate(
+            csv(args.models),
+            policies=csv(args.policies),
+            attentions=csv(args.attention),
+            lengths=[int(s) for s in csv(args.seq_lens)] if args.seq_lens else None,
+            micro_batch=args.micro_batch,
+            dtype=args.dtype,
+            peaks=args.peaks,
+            progress=progress,
+        )
+    emit_json(result.to_dict()) if args.json else print(render_validation(result, components=args.components))
+    return 0 if result.passed else 1

@@ -1,0 +1,46 @@
+"""``recompute verify``: a training step with and without a policy; loss and gradients compared."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+from recompute.cli._common import add_model_args, add_policy_args, emit_json, policy_from
+from recompute.cli.bench import add_size_args, size_overrides
+from recompute.models import build_model
+from recompute.models.hf import build_hf_model
+from recompute.runtime import resolve_device
+from recompute.verification import render_verify, verify, verify_spec
+
+__all__ = ["add_args", "run"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    add_policy_args(p)
+    add_size_args(p)
+    p.add_argument("--seq-len", type=int, default=64, metavar="S", help="s: tokens per sequence (default: 64)")
+    p.add_argument("--micro-batch", type=int, default=2, metavar="B", help="b: sequences per batch (default: 2)")
+    p.add_argument("--attention", choices=("eager", "flash"), default="eager", help="eager math or SDPA")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the batch and the dropout masks")
+    p.add_argument("--device", default="cpu", help="where to run: cpu or cuda (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 when the policy changes nothing, 1 when it does."""
+    model, name = _build(args)
+    pol = policy_from(args)
+    result = verify(model, pol, micro_batch=args.micro_batch, seq_len=args.seq_len, seed=args.seed, name=name)
+    emit_json(result.to_dict()) if args.json else print(render_verify(result))
+    return 0 if result.passed else 1
+
+
+def _build(args: argparse.Namespace) -> tuple[nn.Module, str]:
+    spec, hf = verify_spec(args.model, **size_overrides(args))
+    build = build_hf_model if hf else build_model
+    torch.manual_seed(args.seed)  # the same weights in every invocation with this seed
+    model = build(spec, attention=args.attention, device=resolve_device(args.device))
+    return model, f"{args.model} ({spec.n_layers} layers, h={spec.hidden})"

@@ -1,0 +1,187 @@
+"""The analytic estimate of one training step: memory by component, peak, FLOPs and overhead.
+
+Pure standard library: ``recompute estimate`` answers without importing torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from recompute.core.analytic.flops import layer_flops, model_flops, recompute_flops
+from recompute.core.analytic.memory import PART_GROUP, LayerActivations, layer_activations, outer_activations
+from recompute.core.analytic.params import ModelStates, model_states
+from recompute.core.policy import POLICIES, Policy
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
+
+__all__ = ["Estimate", "estimate", "estimate_policies", "in_flight", "layer_overheads"]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted memory (bytes, per rank, first pipeline stage) and FLOPs of one step under one policy."""
+
+    model: str
+    policy: str
+    """The policy in words (``Policy.describe``)."""
+    per_layer: tuple[str, ...]
+    """The policy name of every layer of the model."""
+    states: ModelStates
+    activations: dict[str, float]
+    """Stored activation bytes at the end of the forward by component, all micro-batches in flight."""
+    peak: float
+    """Predicted peak: model states + stored activations + the larger of the loss and recompute transients."""
+    peak_phase: str
+    """Where the peak happens: ``loss`` (start of the backward) or ``backward of layer j``."""
+    model_flops: float
+    """FLOPs of forward + backward for one micro-batch (independent of the policy)."""
+    recompute_flops: float
+    """FLOPs replayed in the backward for one micro-batch."""
+    notes: tuple[str, ...] = field(default=())
+    """Which terms the estimate uses or leaves out."""
+
+    @property
+    def activation_bytes(self) -> float:
+        return sum(self.activations.values())
+
+    @property
+    def total(self) -> float:
+        """Model states plus stored activations (no transients)."""
+        return self.states.total + self.activation_bytes
+
+    @property
+    def hardware_flops(self) -> float:
+        return self.model_flops + self.recompute_flops
+
+    @property
+    def overhead(self) -> float:
+        """Recompute FLOPs as a fraction of the model FLOPs of the step."""
+        return self.recompute_flops / self.model_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            activation_bytes=self.activation_bytes,
+            total=self.total,
+            hardware_flops=self.hardware_flops,
+            overhead=self.overhead,
+            states=dict(asdict(self.states), total=self.states.total),
+        )
+        return out
+
+
+def in_flight(wl: Workload) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at once (Korthikanti Section 4.2).
+
+    1F1B keeps p in flight on stage 0 (fewer if the step has fewer micro-batches); the interleaved schedule
+    multiplies by 1 + (p - 1)/(p m).
+    """
+    p, m = wl.pp, wl.interleave
+    if m > 1:
+        return p * (1 + (p - 1) / (p * m))
+    return float(min(p, wl.microbatches))
+
+
+def _stage_layers(spec: ModelSpec, wl: Workload, per_layer: tuple[str, ...]) -> tuple[str, ...]:
+    return per_layer[: -(-spec.n_layers // wl.pp)]
+
+
+def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Estimate:
+    """Predict memory and FLOPs of one training step of ``spec`` under ``wl`` with ``policy``.
+
+    Raises:
+        ConfigError: the workload does not fit the model, or the policy is unknown.
+    """
+    wl.check(spec)
+    pol = Policy.parse(policy)
+    per_layer = pol.per_layer(spec.n_layers)
+    stage = _stage_layers(spec, wl, per_layer)
+    la = layer_activations(spec, wl)
+    outer = outer_activations(spec, wl, last_stage=wl.pp == 1)
+    k = in_flight(wl)
+
+    activations: dict[str, float] = {}
+    for name, count in Counter(stage).items():
+        for part, value in la.stored_by_component(name).items():
+            group = PART_GROUP.get(part, part)
+            activations[group] = activations.get(group, 0.0) + k * count * value
+    activations.update(embedding=k * outer.embedding, head=outer.head, logits=outer.logits)
+
+    peak_act, phase = _peak_activations(
+        la, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits
+    )
+    states = model_states(spec, wl)
+    return Estimate(
+        model=spec.name,
+        policy=pol.describe(),
+        per_layer=per_layer,
+        states=states,
+        activations=activations,
+        peak=states.total + peak_act,
+        peak_phase=phase,
+        model_flops=model_flops(spec, wl),
+        recompute_flops=recompute_flops(spec, wl, per_layer),
+        notes=_notes(spec, wl, pol),
+    )
+
+
+def _peak_activations(
+    la: LayerActivations,
+    stage: tuple[str, ...],
+    k: float,
+    embedding: float,
+    head: float,
+    loss: float,
+    kept_logits: float,
+) -> tuple[float, str]:
+    """Largest activation footprint over the backward of a chain of layers.
+
+    At the loss: every stored byte plus the logits and loss gradients. Then layer j (top down): the layers
+    below j still stored, other micro-batches in flight, layer j's recompute transient and workspace, and
+    the logits the training loop still holds.
+    """
+    by_policy = {name: la.stored(name) for name in set(stage)}
+    stored = [by_policy[name] for name in stage]
+    others = (k - 1) * sum(stored)
+    best, phase = others + sum(stored) + embedding + head + loss, "loss"
+    below = 0.0
+    for j, name in enumerate(stage):
+        below += stored[j]
+        value = others + below + la.transient(name) + la.workspace + embedding + kept_logits
+        if value > best:
+            best, phase = value, f"backward of layer {j}"
+    return best, phase
+
+
+def _notes(spec: ModelSpec, wl: Workload, pol: Policy) -> tuple[str, ...]:
+    notes = [
+        f"attention {wl.attention}: "
+        + ("the s^2 softmax is stored" if wl.attention == "eager" else "no s^2 term; fp32 log-sum-exp per row"),
+        "dropout masks: " + _mask_note(spec, wl),
+        f"model states: {wl.precision} precision",
+    ]
+    if wl.pp > 1:
+        layers = -(-spec.n_layers // wl.pp)
+        notes.append(f"first pipeline stage: {layers} layers x {in_flight(wl):g} micro-batches in flight")
+    if pol.save_ops or pol.offload:
+        notes.append("op-level save lists and CPU offload are not modelled analytically; use `recompute trace`")
+    return tuple(notes)
+
+
+def _mask_note(spec: ModelSpec, wl: Workload) -> str:
+    if spec.dropout == 0:
+        return "none (dropout 0)"
+    return f"{1 if wl.device == 'cuda' else wl.element_bytes} B/element"
+
+
+def estimate_policies(spec: ModelSpec, wl: Workload) -> list[Estimate]:
+    """One uniform estimate per policy of DESIGN.md, in the order ``none`` ... ``block``."""
+    return [estimate(spec, wl, name) for name in POLICIES]
+
+
+def layer_overheads(spec: ModelSpec, wl: Workload) -> dict[str, float]:
+    """The workshop's per-layer overhead F_recomputed / 3F for each policy (logits excluded)."""
+    lf = layer_flops(spec, wl)
+    return {name: lf.overhead(name) for name in POLICIES}

@@ -1,0 +1,244 @@
+"""Activation bytes per transformer layer, by component and by policy (Korthikanti et al. 2022, Section 4).
+
+Symbols as in the paper: s sequence, b micro-batch, h hidden, a heads, t tensor-parallel size. With 16-bit
+activations, 1-byte dropout masks, d_ff = 4h, multi-head attention and no parallelism, the components add up
+to the paper's Eq. 1, sbh(34 + 5as/h), plus the LayerNorm statistics the paper leaves out (see
+``LayerActivations.norm_stats``). The model is architecture-aware:
+
+- ``e`` bytes per element (2 for bf16/fp16, 4 for fp32); dropout masks take 1 byte on CUDA (``native_dropout``
+  keeps a bool mask) and ``e`` bytes on the CPU (ATen's CPU dropout keeps a float mask); no masks when the
+  model's dropout is 0;
+- grouped-query attention stores K and V at n_kv_heads * head_dim, not h;
+- SwiGLU stores four d_ff-wide tensors (gate, up, silu(gate), their product) where GELU stores two;
+- ``eager`` attention stores the softmax (and, with dropout, its mask and output): the s^2 terms;
+  ``flash`` (SDPA / FlashAttention) stores only the output and a per-row fp32 log-sum-exp, except on the CPU
+  with dropout, where SDPA falls back to its math path (fp32 Q/K/V, softmax, mask and dropout output);
+- LayerNorm keeps its input and mean and rstd (fp32 on CUDA, the input dtype on the CPU); RMSNorm on the CPU
+  (a composite of ATen ops that upcasts to fp32) keeps the fp32 input, the fp32 normalised output and an fp32
+  rstd, and on CUDA (the fused kernel) its input and an fp32 rstd.
+
+Tensor parallelism divides the head- and d_ff-sharded tensors by t; without sequence parallelism the norm
+inputs, the inputs of the first linears and the residual dropout masks stay whole on every rank (the paper's
+10sbh), with it they are split along the sequence too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
+
+__all__ = ["LayerActivations", "OuterActivations", "layer_activations", "outer_activations", "paper_layer_bytes"]
+
+ATTENTION = ("attn_in", "qkv", "scores", "attn_out", "attn_drop")
+MLP = ("mlp_in", "mlp_hidden", "mlp_drop")
+NORMS = ("norms", "norm_stats")
+GROUPS = {"attention": ATTENTION, "mlp": MLP, "norms": NORMS}
+PART_GROUP = {part: group for group, parts in GROUPS.items() for part in parts}
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes one layer saves for backward with nothing recomputed, by component (per rank, one micro-batch)."""
+
+    attn_in: float
+    """Input of the Q/K/V projections (the first norm's output): the paper's 2sbh."""
+    qkv: float
+    """Q and K for QK^T, V for attention over V: 6sbh (GQA: K and V at kv_dim)."""
+    scores: float
+    """eager: softmax output, its dropout mask and dropout output (5as^2b); flash: the fp32 log-sum-exp (with
+    dropout on the CPU, SDPA's math path: fp32 softmax, mask, dropout output and q/k/v copies, less q/k/v)."""
+    attn_out: float
+    """Input of the attention output projection (the attention result): 2sbh."""
+    attn_drop: float
+    """Dropout mask after the attention output projection: sbh."""
+    mlp_in: float
+    """Input of the first MLP linear(s) (the second norm's output): 2sbh."""
+    mlp_hidden: float
+    """GELU: its input and output (16sbh at d_ff = 4h); SwiGLU: gate, up, silu(gate) and the product."""
+    mlp_drop: float
+    """Dropout mask after the MLP: sbh."""
+    norms: float
+    """The two norms' saved inputs (and RMSNorm's normalised output on the CPU, both in fp32): 4sbh."""
+    norm_stats: float
+    """The norms' per-token statistics (mean/rstd), which the paper leaves out: 16sb for LayerNorm on CUDA."""
+    layer_in: float
+    """The layer input, the one tensor full recomputation keeps (it is the first norm's saved input)."""
+    workspace: float
+    """Largest scratch the layer's backward allocates at once (gradients of its widest tensors)."""
+
+    def group(self, name: str) -> float:
+        """Bytes of one component group: ``attention``, ``mlp`` or ``norms``."""
+        return float(sum(getattr(self, c) for c in GROUPS[name]))
+
+    @property
+    def total(self) -> float:
+        """Everything stored with policy ``none``."""
+        return sum(self.group(g) for g in GROUPS)
+
+    def stored(self, policy: str) -> float:
+        """Bytes kept from the forward until the backward of this layer under ``policy``.
+
+        A recomputed region keeps only its input; the inputs of the sub-blocks are tensors the layer keeps
+        anyway (``attn_in``, ``mlp_in``), and the layer input is the first norm's saved input.
+        """
+        return sum(self.stored_by_component(policy).values())
+
+    def stored_by_component(self, policy: str) -> dict[str, float]:
+        """``stored`` split into components; ``checkpoint`` is a recomputed region's kept input."""
+        parts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layer_in", "workspace")}
+        if policy == "core_attn":
+            parts["scores"] = 0.0  # Q, K, V (its inputs) stay stored; only the s^2 / lse terms go
+        if policy in ("attn", "attn+mlp"):
+            parts.update({c: 0.0 for c in ATTENTION}, checkpoint=self.attn_in)
+        if policy in ("mlp", "attn+mlp"):
+            parts.update({c: 0.0 for c in MLP})
+            parts["checkpoint"] = parts.get("checkpoint", 0.0) + self.mlp_in
+        if policy == "block":
+            parts = {c: 0.0 for c in parts}
+            parts["checkpoint"] = self.layer_in
+        return parts
+
+    def transient(self, policy: str) -> float:
+        """Bytes that exist again while this layer's recomputed part is replayed in the backward.
+
+        Note: [why peak includes the recompute transient] the recomputed activations are freed as the
+        layer's backward consumes them, but for a moment all of them are back; the peak of a step with
+        recomputation is the stored bytes of the layers below plus this transient.
+        """
+        return self.total - self.stored(policy)
+
+
+def _mask_bytes(spec: ModelSpec, wl: Workload) -> int:
+    if spec.dropout == 0:
+        return 0
+    return 1 if wl.device == "cuda" else wl.element_bytes
+
+
+def _norm_bytes(spec: ModelSpec, wl: Workload, sbh: float) -> tuple[float, float]:
+    """(saved tensor bytes, statistics bytes) of one norm over an (s, b, h) input (checked by the trace)."""
+    sb = sbh / spec.hidden
+    if spec.norm == "layernorm":
+        stats = 4 if wl.device == "cuda" else wl.element_bytes  # the CPU kernel keeps mean and rstd in the input dtype
+        return wl.element_bytes * sbh, 2 * stats * sb  # input; mean and rstd
+    if wl.device == "cpu":
+        return 2 * 4 * sbh, 4 * sb  # the composite upcasts: fp32 input and normalised output; fp32 rstd
+    return wl.element_bytes * sbh, 4 * sb  # fused kernel: input; fp32 rstd
+
+
+def _sdpa_math_on_cpu(spec: ModelSpec, wl: Workload) -> bool:
+    """Whether SDPA runs its math path: on the CPU no fused kernel takes dropout."""
+    return wl.attention == "flash" and wl.device == "cpu" and spec.dropout > 0
+
+
+def layer_activations(spec: ModelSpec, wl: Workload) -> LayerActivations:
+    """Activation bytes of one layer, per tensor-parallel rank, for one micro-batch (Korthikanti Table 2)."""
+    s, b, h, a, t, e = wl.seq_len, wl.micro_batch, spec.hidden, spec.n_heads, wl.tp, wl.element_bytes
+    f, r = spec.d_ff, (t if wl.sp else 1)  # r divides what sequence parallelism splits and TP alone does not
+    sbh, sb = s * b * h, s * b
+    m = _mask_bytes(spec, wl)
+    qkv = e * sb * (spec.q_dim + 2 * spec.kv_dim) / t
+    if wl.attention == "eager":
+        scores = (e + (m + e if m else 0)) * a * s * s * b / t  # softmax out (+ dropout mask and output)
+        attn_grad = 2 * e * a * s * s * b / t  # dP and dS of the (b, a, s, s) scores in backward
+    elif _sdpa_math_on_cpu(spec, wl):
+        # Note: [SDPA with dropout on the CPU] the math path upcasts to fp32 and repeats K/V to all heads; it
+        # keeps fp32 copies of q, k, v (not q, k, v themselves) and the fp32 softmax, mask and dropout output.
+        # ``scores`` is what the core keeps beyond its inputs, so core_attn (which keeps q, k, v) still drops it.
+        scores = (3 * 4 * a * s * s * b + 4 * sb * 3 * spec.q_dim) / t - qkv
+        attn_grad = 2 * 4 * a * s * s * b / t
+    else:
+        scores = 4 * a * s * b / t  # fp32 log-sum-exp per row: (b, a, s)
+        attn_grad = 0.0
+    hidden_tensors = 4 if spec.mlp == "swiglu" else 2
+    norm_saved, norm_stats = _norm_bytes(spec, wl, sbh)
+    return LayerActivations(
+        attn_in=e * sbh / r,
+        qkv=qkv,
+        scores=scores,
+        attn_out=e * sb * spec.q_dim / t,
+        attn_drop=m * sbh / r,
+        mlp_in=e * sbh / r,
+        mlp_hidden=hidden_tensors * e * sb * f / t,
+        mlp_drop=m * sbh / r,
+        norms=2 * norm_saved / r,
+        norm_stats=2 * norm_stats / r,
+        layer_in=e * sbh / r,
+        workspace=max(attn_grad, 2 * e * sb * f / t, 2 * e * sbh),
+    )
+
+
+@dataclass(frozen=True)
+class OuterActivations:
+    """Activation bytes outside the transformer layers, per rank and micro-batch (Korthikanti Section 4.3)."""
+
+    embedding: float
+    """Token ids kept by the embedding backward (int64) and the embedding dropout mask (the paper's sbhp/t)."""
+    head: float
+    """Final norm's saved input and statistics, and the output layer's input: 4sbh/t in the paper."""
+    logits: float
+    """fp32 log-probabilities kept by cross-entropy: 4sbv/t."""
+    loss_transient: float
+    """Logits and the loss gradients alive at once at the start of the backward: (e + 8)sbv/t; with t > 1
+    the vocabulary-parallel loss turns its fp32 copy into the kept softmax in place: (e + 4)sbv/t (esbv/t
+    in fp32)."""
+    kept_logits: float = 0.0
+    """The logits the training loop holds until the backward ends (``logits, loss = model(x, y)``): esbv/t."""
+
+    @property
+    def stored(self) -> float:
+        return self.embedding + self.head + self.logits
+
+
+def outer_activations(spec: ModelSpec, wl: Workload, *, last_stage: bool) -> OuterActivations:
+    """Embedding, head and loss activations; the head and loss live only on the last pipeline stage."""
+    s, b, h, v, t, e = wl.seq_len, wl.micro_batch, spec.hidden, spec.vocab, wl.tp, wl.element_bytes
+    r = t if wl.sp else 1
+    sbh = s * b * h
+    embedding = 8 * s * b + _mask_bytes(spec, wl) * sbh / r
+    if not last_stage:
+        return OuterActivations(embedding=embedding, head=0.0, logits=0.0, loss_transient=0.0)
+    norm_saved, norm_stats = _norm_bytes(spec, wl, sbh)
+    return OuterActivations(
+        embedding=embedding,
+        head=(norm_saved + norm_stats + e * sbh) / r,
+        logits=4 * s * b * v / t,
+        loss_transient=_loss_transient(wl) * s * b * v / t,
+        kept_logits=e * s * b * v / t,
+    )
+
+
+def _loss_transient(wl: Workload) -> int:
+    """Bytes per logit alive at the loss beyond the kept fp32 softmax (checked by the trace).
+
+    PyTorch's cross-entropy (t = 1): the logits, their fp32 copy (or an fp32 intermediate) and the gradient,
+    e + 8. Megatron's vocabulary-parallel cross-entropy (``recompute.parallel``, t > 1): the logits and
+    their fp32 copy, which becomes the kept softmax in place (no copy when the logits are already fp32).
+    """
+    if wl.tp == 1:
+        return wl.element_bytes + 8
+    return wl.element_bytes + (4 if wl.element_bytes != 4 else 0)
+
+
+def paper_layer_bytes(spec: ModelSpec, wl: Workload, policy: str) -> float | None:
+    """Korthikanti et al. 2022 (Table 2) for one layer per tensor-parallel rank, where the paper applies.
+
+    sbh(10 + 24/t + 5as/(ht)) with tensor parallelism, sbh(34/t + 5as/(ht)) with sequence parallelism too;
+    selective recomputation (``core_attn``) drops the 5as/(ht) term and full recomputation (``block``) keeps
+    2sbh (2sbh/t with sequence parallelism). fp16 activations and 1-byte dropout masks, whatever ``wl``
+    says; ``None`` for policies and models outside the paper (no dropout, SwiGLU, GQA). ``layer_activations``
+    in the paper's setting differs only by the LayerNorm statistics, which the paper leaves out.
+    """
+    if spec.mlp != "gelu" or spec.dropout == 0 or spec.n_kv_heads != spec.n_heads or policy not in PAPER_POLICIES:
+        return None
+    s, b, h, a, t = wl.seq_len, wl.micro_batch, spec.hidden, spec.n_heads, wl.tp
+    sbh = s * b * h
+    if policy == "block":
+        return 2 * sbh / (t if wl.sp else 1)
+    scores = 0.0 if policy == "core_attn" else 5 * a * s / (h * t)
+    return sbh * ((34 / t if wl.sp else 10 + 24 / t) + scores)
+
+
+PAPER_POLICIES = ("none", "core_attn", "block")
+"""The policies the paper's Table 2 covers: no recomputation, selective, full."""

@@ -1,0 +1,385 @@
+"""Plan: the cheapest per-layer recomputation whose predicted peak fits a memory budget, and the frontier.
+
+The layers of a model form a chain, and the analytic peak of a chain (``analytic.estimate``) is the larger of
+
+- the loss phase: k * S + E + H + loss, with S the bytes stored by the first stage's layers for one
+  micro-batch, k the micro-batches in flight, E the embedding, H the head and logits;
+- the backward of the top layer of the stage: (k - 1) * S + (S - s_top) + A + W + E, because whatever a
+  layer's policy, all of its activations exist while its backward runs (stored ones plus the recomputed
+  transient add up to A, what ``none`` stores), and this phase only grows towards the top of the chain.
+
+So the peak depends only on S and on the top layer's stored bytes s_top. The planner tries each policy for the
+top layer and, for the other layers, builds the exact Pareto set of (stored bytes, recompute cost) over the
+chain by dynamic programming (a multiple-choice knapsack with no discretisation), then keeps the cheapest
+combination that fits. With pipeline parallelism the plan is made for the first stage, the most loaded one,
+and repeated on every stage. Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from recompute.core.analytic.estimate import Estimate, estimate, in_flight
+from recompute.core.analytic.flops import layer_flops, model_flops
+from recompute.core.analytic.memory import layer_activations, outer_activations
+from recompute.core.analytic.params import model_states
+from recompute.core.errors import ConfigError, require
+from recompute.core.policy import POLICIES, Policy
+from recompute.core.results import read_bench
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
+
+__all__ = ["FrontierPoint", "Plan", "best_uniform", "frontier", "parse_budget", "plan", "policy_costs"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_budget(text: str | float) -> float:
+    """Bytes from ``70GiB``, ``80 GB``, ``7.5e10`` or a number.
+
+    Raises:
+        ConfigError: not a positive size.
+    """
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else ""
+        require(m is not None and unit in _UNITS, f"--budget {text!r} is not a size; write e.g. 70GiB or 80GB")
+        value = float(m.group(1)) * _UNITS[unit]  # type: ignore[union-attr]
+    require(value > 0, f"--budget must be positive, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One Pareto-optimal plan: nothing else is both cheaper and smaller."""
+
+    peak: float
+    """Predicted peak bytes per rank."""
+    cost: float
+    """Recompute cost of the step (FLOPs, or seconds with measured costs)."""
+    overhead: float
+    """Recompute cost over the step's model cost."""
+    layers: tuple[str, ...]
+    """The policy of each layer of the first pipeline stage (repeated on every stage)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen plan, its prediction, the frontier and the uniform policies for comparison."""
+
+    model: str
+    workload: dict[str, Any]
+    budget: float
+    policy: Policy
+    estimate: Estimate
+    cost: float
+    overhead: float
+    cost_kind: str
+    frontier: tuple[FrontierPoint, ...]
+    uniform: dict[str, FrontierPoint] = field(default_factory=dict)
+    traced_peak: float | None = None
+    """The chosen plan's peak by ``recompute.trace`` (``plan(..., traced=True)``), else ``None``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file: ``Policy.from_dict`` reads its ``policy`` entry, so ``apply`` takes the file as is."""
+
+        def point(p: FrontierPoint) -> dict[str, Any]:
+            return {"peak": p.peak, "cost": p.cost, "overhead": p.overhead, "layers": list(p.layers)}
+
+        return {
+            "format": "recompute.plan/1",
+            "model": self.model,
+            "workload": self.workload,
+            "budget": self.budget,
+            "cost_kind": self.cost_kind,
+            "policy": self.policy.to_dict(),
+            "predicted": {
+                "peak": self.estimate.peak,
+                "peak_phase": self.estimate.peak_phase,
+                "activations": self.estimate.activations,
+                "overhead": self.overhead,
+                "cost": self.cost,
+                "traced_peak": self.traced_peak,
+            },
+            "frontier": [point(p) for p in self.frontier],
+            "uniform": {name: point(p) for name, p in self.uniform.items()},
+        }
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """Everything the peak of the first stage depends on, per micro-batch."""
+
+    stored: dict[str, float]
+    cost: dict[str, float]
+    n: int
+    """Layers in the first stage."""
+    stages: int
+    k: float
+    states: float
+    loss_extra: float
+    """E + H + logits + loss transient: added to k * S at the loss."""
+    top_extra: float
+    """A + W + E + kept logits: added to k * S - s_top in the backward of the top layer."""
+    model_cost: float
+
+    def peak(self, S: float, s_top: float) -> float:
+        return self.states + max(self.k * S + self.loss_extra, self.k * S - s_top + self.top_extra)
+
+
+def policy_costs(spec: ModelSpec, wl: Workload, measured: str | Path | None = None) -> tuple[dict[str, float], float]:
+    """Per-layer recompute cost of each policy and the model cost of a step, in FLOPs or measured seconds.
+
+    A measured file is a ``recompute bench --json`` result: its per-policy step times give each policy's
+    per-layer cost as (t_policy - t_none) / L.
+    """
+    if measured is None:
+        lf = layer_flops(spec, wl)
+        return {p: lf.recomputed(p) for p in POLICIES}, model_flops(spec, wl)
+    times = read_bench(measured, model=spec.name).step_times()
+    missing = [p for p in POLICIES if p not in times]
+    require(not missing, f"{measured}: no measured step time for {', '.join(missing)}; bench every policy")
+    base = times["none"]
+    return {p: max(0.0, (times[p] - base) / spec.n_layers) for p in POLICIES}, base
+
+
+def _chain(spec: ModelSpec, wl: Workload, cost: dict[str, float], model_cost: float) -> _Chain:
+    la = layer_activations(spec, wl)
+    outer = outer_activations(spec, wl, last_stage=wl.pp == 1)
+    k = in_flight(wl)
+    embedding = k * outer.embedding
+    return _Chain(
+        stored={p: la.stored(p) for p in POLICIES},
+        cost=cost,
+        n=-(-spec.n_layers // wl.pp),
+        stages=wl.pp,
+        k=k,
+        states=model_states(spec, wl).total,
+        loss_extra=embedding + outer.head + outer.logits + outer.loss_transient,
+        top_extra=la.total + la.workspace + embedding + outer.kept_logits,
+        model_cost=model_cost,
+    )
+
+
+def _chain_front(chain: _Chain, n: int) -> list[tuple[float, float, tuple[int, ...]]]:
+    """Exact Pareto set of (stored bytes, cost, layers per policy) over ``n`` alike layers.
+
+    Dynamic programming one layer at a time over whole Pareto sets (no memory discretisation, so exact):
+    front_n = pareto(front_{n-1} + each option), with back-pointers to recover the counts.
+    """
+    import numpy as np
+
+    names = list(POLICIES)
+    om = np.array([chain.stored[p] for p in names])
+    oc = np.array([chain.cost[p] for p in names])
+    mem, cost = np.zeros(1), np.zeros(1)
+    steps: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: (parent index, option index) of each point
+    for _ in range(n):
+        m_all, c_all = (mem[:, None] + om[None, :]).ravel(), (cost[:, None] + oc[None, :]).ravel()
+        order = np.lexsort((c_all, m_all))  # by memory, then cost
+        best_before = np.concatenate(([np.inf], np.minimum.accumulate(c_all[order])[:-1]))
+        keep = order[c_all[order] < best_before]
+        steps.append((keep // len(names), keep % len(names)))
+        mem, cost = m_all[keep], c_all[keep]
+    counts, index = np.zeros((len(mem), len(names)), dtype=int), np.arange(len(mem))
+    for parents, options in reversed(steps):  # walk every point's back-pointers at once
+        counts[np.arange(len(mem)), options[index]] += 1
+        index = parents[index]
+    return [(float(m), float(c), tuple(int(x) for x in row)) for m, c, row in zip(mem, cost, counts)]
+
+
+def _layers(counts: tuple[int, ...], top: str) -> tuple[str, ...]:
+    """Layers from counts: the most recomputing policies first (as Megatron's block method), then ``top``."""
+    order = reversed(list(enumerate(POLICIES)))
+    return (*(name for i, name in order for _ in range(counts[i])), top)
+
+
+def _candidates(chain: _Chain) -> list[FrontierPoint]:
+    """Every plan on the Pareto frontier of (peak, cost), over all choices of the top layer.
+
+    The cost of a plan is p times that of the first stage, whose pattern every stage repeats.
+    """
+    rest = _chain_front(chain, chain.n - 1)
+    points = []
+    for top in POLICIES:
+        for S_rest, cost_rest, counts in rest:
+            S = S_rest + chain.stored[top]
+            cost = chain.stages * (cost_rest + chain.cost[top])
+            points.append((chain.peak(S, chain.stored[top]), cost, counts, top))
+    points.sort(key=lambda p: (p[0], p[1]))
+    best: list[FrontierPoint] = []
+    for m, c, counts, top in points:
+        if not best or c < best[-1].cost:
+            best.append(FrontierPoint(peak=m, cost=c, overhead=c / chain.model_cost, layers=_layers(counts, top)))
+    return best
+
+
+def frontier(spec: ModelSpec, wl: Workload, *, measured: str | Path | None = None) -> list[FrontierPoint]:
+    """The Pareto frontier of predicted peak vs recompute cost, smallest peak first."""
+    wl.check(spec)
+    return _candidates(_chain(spec, wl, *policy_costs(spec, wl, measured)))
+
+
+def _fitting(points: Sequence[FrontierPoint], budget: float) -> FrontierPoint | None:
+    fits = [p for p in points if p.peak <= budget]
+    return min(fits, key=lambda p: (p.cost, p.peak)) if fits else None
+
+
+def best_uniform(
+    spec: ModelSpec, wl: Workload, budget: float, *, names: Sequence[str] = ("block",)
+) -> tuple[Policy, Estimate] | None:
+    """The cheapest 'recompute every k-th layer' setting that fits, or None.
+
+    With the default ``names=("block",)`` this is what HF (``every_n_layers``) and torchtitan's former
+    selective-layer option offer; pass ``POLICIES`` to search every policy on every k-th layer.
+    """
+    best: tuple[Policy, Estimate] | None = None
+    for name in names:
+        for every in range(1, spec.n_layers + 1):
+            pol = Policy(name, every=every)
+            est = estimate(spec, wl, pol)
+            if est.peak <= budget and (best is None or est.recompute_flops < best[1].recompute_flops):
+                best = (pol, est)
+    return best
+
+
+def plan(
+    spec: ModelSpec,
+    wl: Workload,
+    budget: float,
+    *,
+    measured: str | Path | None = None,
+    traced_peak: Callable[[Policy], float] | None = None,
+) -> Plan:
+    """The least-cost per-layer policy whose predicted peak is at most ``budget`` bytes.
+
+    Args:
+        measured: a ``recompute bench --json`` result of this model: plan on its measured step times.
+        traced_peak: the peak of a policy's real step, e.g. ``recompute.trace``'s on fake tensors (the CLI's
+            ``plan --trace``); while the chosen plan's is over the budget, re-plan against a budget lowered by
+            the overshoot. The analytic peak is within 0.7 % of the trace
+            (``recompute validate --peaks``) but may fall on either side; with ``traced`` the plan fits by
+            the arbiter's count. Needs torch; one full-size trace takes seconds to a minute.
+
+    Raises:
+        ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
+    """
+    wl.check(spec)
+    chain = _chain(spec, wl, *policy_costs(spec, wl, measured))
+    points = _candidates(chain)
+    chosen = _fitting(points, budget)
+    if chosen is None:
+        raise ConfigError(_nothing_fits(spec, wl, budget, points[0].peak))
+    peak_of_trace = None
+    if traced_peak is not None:
+        chosen, peak_of_trace = _fit_traced(spec, wl, points, chosen, budget, traced_peak)
+    policy = _policy(spec, wl, chosen)
+    uniform = {}
+    for name in POLICIES:
+        cost = chain.stages * chain.n * chain.cost[name]
+        peak = estimate(spec, wl, name).peak
+        uniform[name] = FrontierPoint(peak=peak, cost=cost, overhead=cost / chain.model_cost, layers=(name,) * chain.n)
+    return Plan(
+        model=spec.name,
+        workload=wl.to_dict(),
+        budget=budget,
+        policy=policy,
+        estimate=estimate(spec, wl, policy),
+        cost=chosen.cost,
+        overhead=chosen.overhead,
+        cost_kind="measured seconds" if measured else "FLOPs",
+        frontier=tuple(points),
+        uniform=uniform,
+        traced_peak=peak_of_trace,
+    )
+
+
+def _policy(spec: ModelSpec, wl: Workload, point: FrontierPoint) -> Policy:
+    """The whole model's policy for a frontier point of the first pipeline stage."""
+    return Policy(layers=(point.layers * wl.pp)[: spec.n_layers], model=spec.name)
+
+
+def _fit_traced(
+    spec: ModelSpec,
+    wl: Workload,
+    points: Sequence[FrontierPoint],
+    chosen: FrontierPoint,
+    budget: float,
+    traced_peak: Callable[[Policy], float],
+) -> tuple[FrontierPoint, float]:
+    """The cheapest frontier point whose traced peak fits ``budget``, and that peak.
+
+    Each round traces the candidate; an overshoot lowers the analytic target by that much (the analytic
+    error is nearly the same for neighbouring plans), and the next candidate is traced in turn.
+    """
+    target = budget
+    for _ in range(len(points)):
+        peak = float(traced_peak(_policy(spec, wl, chosen)))
+        if peak <= budget:
+            return chosen, peak
+        target -= max(peak - budget, 1.0)
+        lower = _fitting(points, target)
+        if lower is None:
+            break
+        chosen = lower
+    raise ConfigError(
+        f"no plan's traced peak fits {budget / 2**30:.2f} GiB (the smallest predicted peak is "
+        f"{points[0].peak / 2**30:.2f} GiB); raise the budget or see the fixes without --trace"
+    )
+
+
+def _nothing_fits(spec: ModelSpec, wl: Workload, budget: float, smallest: float) -> str:
+    gib = 2**30
+    fits = []
+    for label, change in _alternatives(spec, wl):
+        try:
+            best = frontier(spec, change)[0].peak
+        except ConfigError:
+            continue
+        if best <= budget:
+            fits.append(f"{label} ({best / gib:.1f} GiB)")
+            break  # the first, least invasive change that fits
+    fix = f"; would fit: {fits[0]}" if fits else "; use a smaller micro-batch or sequence, or more GPUs"
+    return (
+        f"no plan fits {budget / gib:.1f} GiB: the smallest achievable peak of {spec.name} at "
+        f"b={wl.micro_batch} s={wl.seq_len} is {smallest / gib:.1f} GiB{fix}"
+    )
+
+
+def _alternatives(spec: ModelSpec, wl: Workload) -> list[tuple[str, Workload]]:
+    """Changes that lower the peak, one at a time and then cumulatively, least invasive first."""
+    steps: list[tuple[str, dict[str, Any]]] = []
+    if wl.attention == "eager":
+        steps.append(("--attention flash", {"attention": "flash"}))
+    if wl.micro_batch > 1:
+        steps.append((f"--micro-batch {wl.micro_batch // 2}", {"micro_batch": wl.micro_batch // 2}))
+    if wl.precision != "distributed":
+        steps.append(("--precision distributed --dp 8", {"precision": "distributed", "dp": max(wl.dp, 8)}))
+    t = wl.tp * 2
+    if spec.n_heads % t == 0 and spec.n_kv_heads % t == 0 and wl.seq_len % t == 0:
+        steps.append((f"--tp {t} --sp", {"tp": t, "sp": True}))
+    out = [(label, replace(wl, **change)) for label, change in steps]
+    labels, merged = [], {}
+    for label, change in steps:
+        labels.append(label)
+        merged.update(change)
+        if len(labels) > 1:
+            out.append((" ".join(labels), replace(wl, **merged)))
+    return out

@@ -1,0 +1,170 @@
+"""Recomputation policies: what each transformer layer recomputes, as data that serialises to JSON.
+
+A policy is one of the names below for every layer, chosen uniformly, for every k-th layer, for the first n
+layers (Megatron's ``block`` method), or given layer by layer (what ``plan`` emits). Op-level selective
+checkpointing (a save-list of ops) and offloading the kept checkpoints to CPU memory are options on top.
+This module imports no torch: the analytic model and the CLI read policies too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recompute.core.errors import ConfigError, positive_int, require
+
+__all__ = ["POLICIES", "Policy"]
+
+POLICIES: dict[str, str] = {
+    "none": "store everything; recompute nothing",
+    "core_attn": "recompute QK^T, softmax, dropout and attention over V (Megatron 'selective')",
+    "attn": "recompute the attention sub-block from its input (workshop strategy A)",
+    "mlp": "recompute the MLP sub-block from its input (workshop strategy B)",
+    "attn+mlp": "recompute both sub-blocks; keep the norms and the two sub-block inputs (workshop strategy C)",
+    "block": "recompute the whole layer from its input (full recomputation)",
+}
+
+FORMAT = "recompute.policy/1"
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a policy name, else raise ConfigError listing them."""
+    if name not in POLICIES:
+        raise ConfigError(f"{name!r} is not a policy; choose one of: {', '.join(POLICIES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What to recompute in each transformer layer.
+
+    Exactly one of ``every``, ``first`` and ``layers`` may be set; with none, ``name`` applies to all layers.
+
+    Example:
+        >>> Policy("block", every=2).per_layer(4)
+        ('block', 'none', 'block', 'none')
+    """
+
+    name: str = "block"
+    """The policy for the selected layers (ignored when ``layers`` is given)."""
+    every: int | None = None
+    """Apply ``name`` to every k-th layer (layers 0, k, 2k, ...), ``none`` elsewhere."""
+    first: int | None = None
+    """Apply ``name`` to the first n layers, ``none`` to the rest (Megatron's ``block`` method)."""
+    layers: tuple[str, ...] | None = None
+    """One policy name per layer, as a plan emits."""
+    save_ops: tuple[str, ...] | None = None
+    """Op-level selective checkpointing inside the recomputed region: aten ops (e.g. ``aten.mm``) to save."""
+    offload: bool = False
+    """Keep the checkpointed tensors in CPU memory instead of on the device."""
+    model: str | None = field(default=None, compare=False)
+    """The model a plan was made for, checked when the plan is applied."""
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        chosen = [k for k in ("every", "first", "layers") if getattr(self, k) is not None]
+        require(len(chosen) <= 1, f"give at most one of every, first, layers; got {', '.join(chosen)}")
+        if self.every is not None:
+            positive_int("every", self.every)
+        if self.first is not None:
+            require(
+                isinstance(self.first, int) and not isinstance(self.first, bool) and self.first >= 0,
+                f"first must be a non-negative integer, got {self.first!r}",
+            )
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(check_name(n) for n in self.layers))
+            require(len(self.layers) > 0, "layers must name a policy for at least one layer")
+        if self.save_ops is not None:
+            object.__setattr__(self, "save_ops", tuple(self.save_ops))
+
+    def per_layer(self, n_layers: int) -> tuple[str, ...]:
+        """The policy name of each of ``n_layers`` layers.
+
+        Raises:
+            ConfigError: a per-layer list whose length is not ``n_layers``.
+        """
+        if self.layers is not None:
+            require(
+                len(self.layers) == n_layers,
+                f"the policy lists {len(self.layers)} layers but the model has {n_layers}; "
+                "make the plan for this model",
+            )
+            return self.layers
+        if self.every is not None:
+            return tuple(self.name if i % self.every == 0 else "none" for i in range(n_layers))
+        if self.first is not None:
+            return tuple(self.name if i < self.first else "none" for i in range(n_layers))
+        return (self.name,) * n_layers
+
+    @property
+    def is_uniform(self) -> bool:
+        """True when every layer gets ``name``."""
+        return self.every is None and self.first is None and self.layers is None
+
+    def describe(self) -> str:
+        """A short human label, e.g. ``block every 2nd layer``."""
+        if self.layers is not None:
+            counts = {n: self.layers.count(n) for n in POLICIES if n in self.layers}
+            text = "per-layer " + ", ".join(f"{n} x{c}" for n, c in counts.items())
+        elif self.every is not None:
+            text = f"{self.name} every {self.every} layers" if self.every > 1 else self.name
+        elif self.first is not None:
+            text = f"{self.name} on the first {self.first} layers"
+        else:
+            text = self.name
+        extras = [f"saving {', '.join(self.save_ops)}"] if self.save_ops else []
+        extras += ["offloaded to CPU"] if self.offload else []
+        return text + (f" ({'; '.join(extras)})" if extras else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The policy as JSON-ready data, with a format tag."""
+        out: dict[str, Any] = {"format": FORMAT}
+        for key in ("name", "every", "first", "layers", "save_ops", "offload", "model"):
+            value = getattr(self, key)
+            if value not in (None, False):
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Policy:
+        """Inverse of ``to_dict``; also accepts a plan file's dict (its ``policy`` entry)."""
+        data = data.get("policy", data) if isinstance(data.get("policy"), dict) else data
+        fmt = data.get("format", FORMAT)
+        require(fmt == FORMAT, f"unknown policy format {fmt!r}; expected {FORMAT!r}")
+        known = {"name", "every", "first", "layers", "save_ops", "offload", "model"}
+        unknown = sorted(set(data) - known - {"format"})
+        require(not unknown, f"unknown policy keys {unknown}; expected some of {sorted(known)}")
+        kwargs = {k: v for k, v in data.items() if k in known}
+        for key in ("layers", "save_ops"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = tuple(kwargs[key])
+        return cls(**kwargs)
+
+    def save(self, path: str | Path) -> None:
+        """Write the policy as JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Policy:
+        """Read a policy or plan JSON file."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read policy file {str(path)!r}: {e.strerror}") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"policy file {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})") from e
+        require(isinstance(data, dict), f"policy file {str(path)!r} must hold a JSON object")
+        return cls.from_dict(data)
+
+    @classmethod
+    def parse(cls, value: str | Policy) -> Policy:
+        """A Policy from a Policy, a policy name, or a path to a JSON policy/plan file."""
+        if isinstance(value, Policy):
+            return value
+        if value in POLICIES:
+            return cls(value)
+        if value.endswith(".json") or Path(value).is_file():
+            return cls.load(value)
+        raise ConfigError(f"{value!r} is not a policy or a policy file; choose one of: {', '.join(POLICIES)}")

@@ -1,0 +1,150 @@
+"""``Workload``: how a model is trained (batch, sequence, precision, parallelism), declared once.
+
+Each field carries its CLI flag and help text in its metadata, so the command line is generated from this
+class and no option is written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from recompute.core.errors import ConfigError, one_of, positive_int, require
+from recompute.core.spec import ModelSpec
+
+__all__ = ["DTYPE_BYTES", "PRECISIONS", "Workload"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+PRECISIONS = {
+    "fp32": "fp32 weights, fp32 gradients, fp32 Adam m and v: 4 + 4 + 8 = 16 B/param (the workshop's figure)",
+    "mixed": "16-bit weights, fp32 gradients, fp32 master weights, Adam: 2 + 4 + 4 + 8 = 18 B/param (Megatron)",
+    "distributed": "mixed precision with the optimizer sharded over d data-parallel ranks (ZeRO-1): 6 + 12/d",
+    "bf16": "bf16 weights, gradients and Adam states: 2 + 2 + 4 = 8 B/param",
+}
+
+
+def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
+    return {"flag": flag, "help": help, **extra}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step's shape: micro-batch, sequence, precision and parallelism."""
+
+    micro_batch: int = field(default=1, metadata=_opt("--micro-batch", "b: sequences per micro-batch"))
+    seq_len: int = field(default=2048, metadata=_opt("--seq-len", "s: tokens per sequence"))
+    dtype: str = field(default="bf16", metadata=_opt("--dtype", "activation dtype", choices=tuple(DTYPE_BYTES)))
+    tp: int = field(default=1, metadata=_opt("--tp", "t: tensor-parallel size"))
+    sp: bool = field(default=False, metadata=_opt("--sp", "sequence parallelism (needs t > 1 to matter)"))
+    pp: int = field(default=1, metadata=_opt("--pp", "p: pipeline-parallel size"))
+    interleave: int = field(
+        default=1, metadata=_opt("--interleave", "m: model chunks per pipeline rank (interleaved schedule)")
+    )
+    n_microbatches: int | None = field(
+        default=None, metadata=_opt("--microbatches", "micro-batches per step (default: p, a full pipeline)")
+    )
+    dp: int = field(default=1, metadata=_opt("--dp", "d: data-parallel size (shards the distributed optimizer)"))
+    precision: str | None = field(
+        default=None,
+        metadata=_opt(
+            "--precision",
+            "parameter/gradient/optimizer mode (default: fp32 for --dtype fp32, else mixed)",
+            choices=tuple(PRECISIONS),
+        ),
+    )
+    attention: str = field(
+        default="eager",
+        metadata=_opt(
+            "--attention",
+            "eager stores the s^2 softmax; flash (SDPA/FlashAttention) stores only a per-row log-sum-exp",
+            choices=("eager", "flash"),
+        ),
+    )
+    device: str = field(
+        default="cuda",
+        metadata=_opt(
+            "--device",
+            "where the step runs: cuda keeps 1-byte dropout masks, cpu keeps them in the activation dtype",
+            choices=("cuda", "cpu"),
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "tp", "pp", "interleave", "dp"):
+            positive_int(_flag(name), getattr(self, name))
+        if self.n_microbatches is not None:
+            positive_int("--microbatches", self.n_microbatches)
+        one_of("--dtype", self.dtype, tuple(DTYPE_BYTES))
+        one_of("--attention", self.attention, ("eager", "flash"))
+        one_of("--device", self.device, ("cuda", "cpu"))
+        if self.precision is None:
+            object.__setattr__(self, "precision", "fp32" if self.dtype == "fp32" else "mixed")
+        one_of("--precision", self.precision, tuple(PRECISIONS))
+        require(
+            self.interleave == 1 or self.pp > 1,
+            f"--interleave {self.interleave} needs pipeline parallelism; set --pp > 1 or drop --interleave",
+        )
+        if self.sp:
+            require(
+                self.seq_len % self.tp == 0,
+                f"with --sp the sequence length ({self.seq_len}) must be divisible by --tp ({self.tp}); "
+                f"use a multiple of {self.tp}",
+            )
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes per activation element (the paper's 2 for 16-bit activations)."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step, resolved."""
+        return self.n_microbatches if self.n_microbatches is not None else self.pp
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch, b * s."""
+        return self.micro_batch * self.seq_len
+
+    def check(self, spec: ModelSpec) -> None:
+        """Raise ConfigError if this workload cannot run ``spec`` (divisibility, positions, pipeline depth)."""
+        t, p, m, L = self.tp, self.pp, self.interleave, spec.n_layers
+        require(
+            self.seq_len <= spec.max_positions,
+            f"--seq-len {self.seq_len} exceeds {spec.name}'s {spec.max_positions} positions; "
+            f"use --seq-len <= {spec.max_positions}",
+        )
+        require(spec.n_heads % t == 0, f"--tp {t} must divide the {spec.n_heads} attention heads of {spec.name}")
+        require(
+            spec.n_kv_heads % t == 0,
+            f"--tp {t} must divide the {spec.n_kv_heads} key/value heads of {spec.name}; use --tp <= {spec.n_kv_heads}",
+        )
+        require(p <= L, f"--pp {p} is larger than the {L} layers of {spec.name}; use --pp <= {L}")
+        require(
+            m == 1 or L % (p * m) == 0,
+            f"--interleave {m} needs the {L} layers to split into p*m = {p * m} equal chunks",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as plain JSON-ready values."""
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return str(next(f.metadata["flag"] for f in dataclasses.fields(Workload) if f.name == name))
+
+
+def workload_fields() -> tuple[dataclasses.Field[Any], ...]:
+    """The fields of ``Workload`` with their CLI metadata (used to build the command line)."""
+    return dataclasses.fields(Workload)
+
+
+def build_workload(**values: Any) -> Workload:
+    """Build a Workload, turning a TypeError from unknown keys into a ConfigError."""
+    known = {f.name for f in dataclasses.fields(Workload)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown workload fields {unknown}; known: {sorted(known)}")
+    return Workload(**values)
