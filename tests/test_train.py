@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import recompute
 from recompute.cli import main
 from recompute.core.errors import ConfigError
-from recompute.train import TrainConfig, compare_train, train
+from recompute.train import TrainConfig, compare_train, read_metrics, train
 from recompute.train.checkpoint import checkpoints
 from recompute.train.corpus import generate_stories
 from recompute.train.data import BPETokenizer, load_text
@@ -46,11 +51,98 @@ def test_resume_after_a_kill_continues_exactly(tmp_path: Path) -> None:
     config = tiny(tmp_path / "b", steps=8, checkpoint_every=4)
     with pytest.raises(Killed):
         train(config, on_step=kill_after_step_5, quiet=True)
+    metrics = Path(config.out) / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 6, "lo')  # torn by the kill, mid-append
+    assert [m["step"] for m in read_metrics(metrics)] == list(range(6))  # the torn line is dropped
     resumed = train(config.replace(resume=True), quiet=True)
     assert resumed.resumed_from == 4
     assert resumed.losses == whole.losses  # bit-exact: same data order, same RNG state, same weights
-    metrics = (Path(config.out) / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in metrics] == list(range(8))
+    lines = metrics.read_text().splitlines()  # rewritten from the checkpoint's metrics, then appended to
+    assert [json.loads(line)["step"] for line in lines] == list(range(8))
+
+
+def test_metrics_reader_drops_only_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"st')
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}]
+    path.write_text('{"step": 0}\n{"st\n{"step": 2}\n')
+    with pytest.raises(ConfigError, match="line 2 is not JSON"):
+        read_metrics(path)
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny(tmp_path, steps=4, checkpoint_every=2)
+    save = torch.save
+
+    def crash_writing_step_4(obj: dict[str, object], f: object) -> None:
+        if obj["step"] == 4:
+            f.write(b"PK\x03\x04 half a zip")  # type: ignore[attr-defined]
+            raise Killed
+        save(obj, f)
+
+    monkeypatch.setattr(torch, "save", crash_writing_step_4)
+    with pytest.raises(Killed):
+        train(config, quiet=True)
+    folder = Path(config.out) / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step_0000002.pt", "step_0000004.pt.tmp"]
+    monkeypatch.undo()
+    assert train(config.replace(resume=True), quiet=True).resumed_from == 2
+    assert sorted(p.name for p in folder.iterdir()) == ["step_0000002.pt", "step_0000004.pt"]
+
+
+def flip_bit(path: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit in the middle of ``tensor``'s bytes where they lie in the file ``path`` (found by content)."""
+    raw, data = bytearray(path.read_bytes()), tensor.contiguous().numpy().tobytes()
+    at = raw.find(data)
+    assert at >= 0 and raw.find(data, at + 1) == -1, "the tensor's bytes are not in the file exactly once"
+    raw[at + len(data) // 2] ^= 0x04
+    path.write_bytes(raw)
+
+
+def test_resume_passes_over_a_checkpoint_with_a_flipped_bit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tiny(tmp_path, steps=6, checkpoint_every=3)
+    whole = train(config, quiet=True)
+    newest = checkpoints(Path(config.out))[-1]
+    flip_bit(newest, torch.load(newest, weights_only=True)["model"]["layers.0.mlp.c_fc.weight"])
+    capsys.readouterr()
+    resumed = train(config.replace(resume=True), quiet=True)
+    assert resumed.resumed_from == 3 and resumed.losses == whole.losses  # from the older checkpoint, exactly
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "step_0000006.pt' is damaged: tensor 'model.layers.0.mlp.c_fc.weight' does not match" in err[0]
+    assert "resuming from the older " in err[0] and err[0].endswith("step_0000003.pt' instead")
+
+
+def test_resume_refuses_a_flipped_bit_when_no_checkpoint_verifies(tmp_path: Path) -> None:
+    config = tiny(tmp_path, steps=2)
+    train(config, quiet=True)
+    path = checkpoints(Path(config.out))[-1]
+    state = torch.load(path, weights_only=True)
+    state["model"]["layers.1.attn.c_attn.weight"].view(torch.int32)[3, 5] ^= 1 << 20  # one bit of one weight
+    torch.save(state, path)  # the stored checksums stay those of the tensors as trained
+    message = (
+        r"step_0000002.pt' is damaged: tensor 'model.layers.1.attn.c_attn.weight' does not match its stored "
+        r"CRC-32, and it is the only checkpoint; start over with --overwrite instead of --resume$"
+    )
+    with pytest.raises(ConfigError, match=message):
+        train(config.replace(resume=True), quiet=True)
+
+
+def test_training_outlives_a_closed_pipe(tmp_path: Path) -> None:
+    """``recompute train ... 2>&1 | head -1``: the progress lines that find the pipe closed are dropped."""
+    config = tiny(tmp_path, steps=12)
+    src = str(Path(recompute.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "recompute", *config.command_line()]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does after its line
+    assert proc.wait(timeout=300) == 0, first
+    out = Path(config.out)
+    assert [p.name for p in checkpoints(out)] == ["step_0000012.pt"]
+    assert len(read_metrics(out / "metrics.jsonl")) == 12 and (out / "sample.txt").exists()
 
 
 def test_resume_refuses_missing_corrupt_and_foreign_checkpoints(tmp_path: Path) -> None:
@@ -64,6 +156,35 @@ def test_resume_refuses_missing_corrupt_and_foreign_checkpoints(tmp_path: Path) 
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a crash mid-copy
     with pytest.raises(ConfigError, match="unreadable"):
         train(config.replace(resume=True), quiet=True)
+
+
+def test_a_second_run_into_a_run_is_refused_until_resume_or_overwrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import recompute.train.loop as loop
+
+    first = tiny(tmp_path, steps=3)
+    assert main(first.command_line()) == 0
+    out = Path(first.out)
+    before = (out / "metrics.jsonl").read_text()
+    load_text = loop.load_text
+    monkeypatch.setattr(loop, "load_text", lambda *a, **k: pytest.fail("the refused run started"))
+    again = first.command_line()
+    refused = {
+        "already holds a run (metrics.jsonl, sample.txt, 1 checkpoint); add --resume to continue it, "
+        "or --overwrite to delete it and start over": again,
+        "--resume continues the run in --out and --overwrite deletes it": [*again, "--resume", "--overwrite"],
+    }
+    for message, argv in refused.items():
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert (out / "metrics.jsonl").read_text() == before
+    monkeypatch.setattr(loop, "load_text", load_text)
+    assert main([*tiny(tmp_path, steps=2).command_line(), "--overwrite"]) == 0
+    assert [p.name for p in checkpoints(out)] == ["step_0000002.pt"]  # step 3's went with the old run
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [0, 1]
 
 
 def test_checkpoints_are_kept_to_the_newest_few(tmp_path: Path) -> None:
@@ -136,6 +257,11 @@ def test_compare_train_cli_writes_table_and_png(tmp_path: Path, capsys: pytest.C
     out = capsys.readouterr().out
     assert "max |loss diff|" in out and "block" in out
     assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert main(argv) == 2  # the out holds the runs: refused before any training
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not empty (block, loss.png, none)" in err[0] and "--overwrite" in err[0], err
+    assert main([*argv, "--policies", "none", "--overwrite"]) == 0
+    assert not (tmp_path / "block" / "metrics.jsonl").exists()  # the earlier comparison's runs are gone
 
 
 BAD = {

@@ -33,8 +33,9 @@ pytestmark = pytest.mark.skipif(
 WORKER = Path(__file__).parent / "dist" / "train_worker.py"
 STEPS, KILL_AFTER = 6, 4  # checkpoints after steps 3 and 6; the worker stops one run after step 5 (index 4)
 RESUME_DROPOUT = 0.1  # the stopped and resumed run has dropout on: each rank's RNG state must come back too
-# The shared tiny GPT-2 (tests/tiny.py), at dropout 0, checkpointing every 3 steps and keeping only the newest.
-TINY = {**TRAIN, "steps": STEPS, "dropout": 0.0, "checkpoint_every": 3, "keep": 1}
+FLIP = "model.layers.0.attn.c_attn.weight"  # column-parallel: rank 1's shard is its own, in __1_0.distcp
+# The shared tiny GPT-2 (tests/tiny.py), at dropout 0, checkpointing every 3 steps (both kept).
+TINY = {**TRAIN, "steps": STEPS, "dropout": 0.0, "checkpoint_every": 3, "keep": 2}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = root / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
     cmd += ["--config", json.dumps(TINY), "--kill-after", str(KILL_AFTER), "--resume-dropout", str(RESUME_DROPOUT)]
+    cmd += ["--flip", FLIP]
     cmd += ["--dir", str(root), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -87,10 +89,34 @@ def test_resume_under_tp_continues_exactly(runs: dict[str, Any]) -> None:
 
 
 def test_sharded_checkpoints_are_whole_folders_kept_to_the_newest(runs: dict[str, Any]) -> None:
+    each = [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums_rank0.json", "checksums_rank1.json", "run.json"]
     for name in ("whole", "dropout", "resumed", "dp"):
         files = runs["files"][name]
-        assert files["checkpoints"] == ["step_0000006"] and not files["leftovers"], name
-        assert files["checkpoint_files"]["step_0000006"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "run.json"]
+        assert files["checkpoints"] == ["step_0000003", "step_0000006"] and not files["leftovers"], name
+        assert files["checkpoint_files"] == {"step_0000003": each, "step_0000006": each}
+
+
+def test_resume_passes_over_a_shard_with_a_flipped_bit(runs: dict[str, Any]) -> None:
+    """Rank 1 alone finds the flipped bit; every rank passes over the checkpoint, rank 0 says so."""
+    whole = per_rank(runs, "dropout")[0]["run"]["losses"]
+    for rank, r in enumerate(per_rank(runs, "fallback")):
+        assert r["code"] == 0 and r["run"]["resumed_from"] == 3 and r["run"]["losses"] == whole
+        notes = [line for line in r["stderr"].splitlines() if not line.startswith("step ")]  # not progress
+        assert len(notes) == (1 if rank == 0 else 0), notes
+    expected = (
+        f"step_0000006' is damaged: tensor '{FLIP}' (rank 1's shard) does not match its stored CRC-32; "
+        "resuming from the older '"
+    )
+    assert expected in per_rank(runs, "fallback")[0]["stderr"]
+    assert runs["files"]["dropout"]["metric_losses"] == whole  # rewritten from step 3's checkpoint, then appended
+
+
+def test_resume_refuses_when_no_sharded_checkpoint_verifies(runs: dict[str, Any]) -> None:
+    for r in per_rank(runs, "refused"):
+        lines = r["stderr"].strip().splitlines()
+        assert r["code"] == 2 and len(lines) == 1, lines
+        assert f"step_0000006' is damaged: tensor '{FLIP}' (rank 1's shard)" in lines[0]
+        assert lines[0].endswith("no older one verifies either (1); start over with --overwrite instead of --resume")
 
 
 def test_rank_0_alone_writes_metrics_and_sample(runs: dict[str, Any], reference: RunResult) -> None:

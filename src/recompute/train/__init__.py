@@ -17,6 +17,7 @@ __all__ = [
     "TrainConfig",
     "compare_train",
     "plot_losses",
+    "read_metrics",
     "render_compare",
     "train",
 ]
@@ -29,6 +30,7 @@ _LAZY = {
     "RunResult": "loop",
     "StepMetrics": "loop",
     "train": "loop",
+    "read_metrics": "run_files",
 }
 
 

@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from recompute.core.errors import ConfigError
 from recompute.core.table import gib, render_table
 from recompute.train.config import TrainConfig
 from recompute.train.loop import RunResult, train
+from recompute.train.run_files import clear_run, holds_run
 
 __all__ = ["CompareRow", "compare_train", "plot_losses", "render_compare"]
 
@@ -36,11 +38,15 @@ class CompareRow:
 def compare_train(
     config: TrainConfig, policies: Sequence[str], *, quiet: bool = False
 ) -> tuple[list[CompareRow], list[RunResult]]:
-    """Train once per policy (same seed, data and options), each in ``out/<policy>``; compare to the first."""
-    runs = [
-        train(config.replace(policy=p, out=str(Path(config.out) / _dirname(p)), resume=False), quiet=quiet)
-        for p in policies
-    ]
+    """Train once per policy (same seed, data and options), each in ``out/<policy>``; compare to the first.
+
+    Raises:
+        ConfigError: ``out`` is not empty and ``config.overwrite`` is off (checked before any training), or
+            two policies would share a folder.
+    """
+    out = Path(config.out)
+    _check_out(out, policies, overwrite=config.overwrite)
+    runs = [train(config.replace(policy=p, out=str(out / _dirname(p)), resume=False), quiet=quiet) for p in policies]
     ref = runs[0]
     rows = []
     for policy, run in zip(policies, runs):
@@ -58,6 +64,23 @@ def compare_train(
             )
         )
     return rows, runs
+
+
+def _check_out(out: Path, policies: Sequence[str], *, overwrite: bool) -> None:
+    """Refuse a non-empty ``out`` unless ``overwrite``, which deletes the runs in it (other files stay)."""
+    names = [_dirname(p) for p in policies]
+    if twins := sorted({n for n in names if names.count(n) > 1}):
+        raise ConfigError(f"--policies would write two runs into {str(out / twins[0])!r}; give each policy once")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not overwrite:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ConfigError(
+            f"--out {str(out)!r} is not empty ({shown}); compare-train writes a run per policy there: "
+            "give an empty --out, or --overwrite to delete the runs in it and start over"
+        )
+    for sub in out.iterdir() if entries else []:
+        if sub.is_dir() and holds_run(sub):
+            clear_run(sub)
 
 
 def _dirname(policy: str) -> str:

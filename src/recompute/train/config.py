@@ -53,6 +53,10 @@ class TrainConfig:
     )
     keep: int = field(default=2, metadata=_opt("--keep", "checkpoints to keep"))
     resume: bool = field(default=False, metadata=_opt("--resume", "continue from the newest checkpoint in --out"))
+    overwrite: bool = field(
+        default=False,
+        metadata=_opt("--overwrite", "delete the run already in --out (metrics, checkpoints, sample) and start over"),
+    )
     sample_tokens: int = field(default=200, metadata=_opt("--sample-tokens", "tokens to generate at the end"))
     device: str = field(default="auto", metadata=_opt("--device", "cpu, cuda or auto", choices=("auto", "cpu", "cuda")))
     tp: int = field(default=1, metadata=_opt("--tp", "tensor-parallel ranks (launch with torchrun)"))
@@ -71,6 +75,10 @@ class TrainConfig:
         one_of("--device", self.device, ("auto", "cpu", "cuda"))
         if self.dropout is not None:
             require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
+        require(
+            not (self.resume and self.overwrite),
+            "--resume continues the run in --out and --overwrite deletes it; give one of them",
+        )
         require(self.tp > 1 or not self.sp, "--sp splits the sequence over the --tp ranks; give --tp > 1 or drop --sp")
         require(
             self.micro_batch % self.dp == 0,

@@ -15,8 +15,8 @@ shards.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +38,7 @@ from recompute.train.checkpoint import load_latest, save_checkpoint
 from recompute.train.config import TrainConfig
 from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
 from recompute.train.distributed import Ranks, start
+from recompute.train.run_files import METRICS, SAMPLE, append_metrics, atomic_write, check_out, clear_run, write_metrics
 
 __all__ = ["RunResult", "StepMetrics", "build_spec", "lr_at", "train"]
 
@@ -194,13 +195,21 @@ def _progress(step: int, config: TrainConfig, m: StepMetrics) -> None:
     peak = f" peak {m.peak_bytes / 2**20:.0f} MiB" if m.peak_bytes else ""
     line = f"step {step + 1}/{config.steps} loss {m.loss:.4f} {m.tokens_per_s:,.0f} tok/s{peak}"
     if sys.stderr.isatty():
-        print("\r" + line.ljust(72), end="", file=sys.stderr, flush=True)
+        _say("\r" + line.ljust(72), end="")
     elif step == 0 or (step + 1) % max(1, config.steps // 10) == 0:
-        print(line, file=sys.stderr, flush=True)
+        _say(line)
 
 
-def _write_metrics(path: Path, metrics: list[StepMetrics]) -> None:
-    path.write_text("".join(json.dumps(m.__dict__) + "\n" for m in metrics))
+def _say(text: str, end: str = "\n") -> None:
+    """Print ``text`` on stderr; when the reader has gone (``2>&1 | head``), drop it and train on.
+
+    A closed pipe must not end the run before its last checkpoint: the descriptor is pointed at /dev/null (as
+    ``cli.main_exit`` does for stdout), so this line, later ones and the flush at exit go nowhere.
+    """
+    try:
+        print(text, end=end, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
 def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, quiet: bool = False) -> RunResult:
@@ -210,16 +219,20 @@ def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, 
     unless one is running (``distributed.start``), and every rank returns the same losses.
 
     Raises:
-        ConfigError: bad data, a sequence longer than the model's positions, or a --resume without a usable
-            checkpoint (never a silent restart from scratch); with --tp/--dp, not under torchrun with t * d
+        ConfigError: an ``--out`` that holds a run, without --resume or --overwrite (before any work); bad
+            data, a sequence longer than the model's positions, or a --resume without a checkpoint that
+            verifies (never a silent restart from scratch); with --tp/--dp, not under torchrun with t * d
             processes, or t not dividing the heads (and the sequence, with --sp).
     """
+    check_out(config)  # before any work: never mix this run's files with an earlier run's
     device = _device(config)
     text = load_text(config.data, config.dataset, seed=config.seed)
     tok = make_tokenizer(config.tokenizer, text)
     stream = TokenStream(torch.tensor(tok.encode(text), dtype=torch.long))
     spec = build_spec(config, tok.vocab_size)
     ranks = start(config, spec)
+    if config.overwrite and ranks.main:
+        clear_run(Path(config.out))
     torch.manual_seed(config.seed)  # the same weights, and dropout generator, on every rank
     model = build_model(spec, attention=config.attention, device=device)
     if ranks.mesh is not None:
@@ -230,7 +243,7 @@ def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, 
     _run(model, opt, stream, config, result, ranks, device, on_step=on_step, quiet=quiet or not ranks.main)
     result.sample = sample(model, tok, config, device)
     if ranks.main:
-        (Path(config.out) / "sample.txt").write_text(result.sample + "\n")
+        atomic_write(Path(config.out) / SAMPLE, lambda f: f.write((result.sample + "\n").encode()))
     ranks.wait_for_all()
     return result
 
@@ -251,8 +264,7 @@ def _run(
     out = Path(config.out)
     first = 0
     if config.resume:
-        first, metrics = load_latest(out, config, model, opt)
-        result.metrics, result.resumed_from = [StepMetrics(**m) for m in metrics], first
+        first = _resume(out, config, model, opt, result, ranks)
     out.mkdir(parents=True, exist_ok=True)
     model.train()
     for step in range(first, config.steps):
@@ -265,7 +277,7 @@ def _run(
         require(math.isfinite(loss), f"the loss became {loss} at step {step}; lower --lr")
         result.metrics.append(m)
         if ranks.main:
-            _write_metrics(out / "metrics.jsonl", result.metrics)
+            append_metrics(out / METRICS, m.__dict__)
         if not quiet:
             _progress(step, config, m)
         done = step + 1
@@ -274,7 +286,20 @@ def _run(
         if on_step is not None:
             on_step(step)
     if not quiet and sys.stderr.isatty():
-        print(file=sys.stderr)
+        _say("")
+
+
+def _resume(
+    out: Path, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, result: RunResult, ranks: Ranks
+) -> int:
+    """Restore the newest checkpoint that verifies; returns its step. Says on stderr which ones it passed over."""
+    resumed = load_latest(out, config, model, opt)
+    result.metrics, result.resumed_from = [StepMetrics(**m) for m in resumed.metrics], resumed.step
+    if ranks.main:
+        for line in resumed.passed_over:
+            _say(f"recompute train: {line}; resuming from the older {str(resumed.path)!r} instead")
+        write_metrics(out / METRICS, resumed.metrics)  # Note: [appending metrics] in run_files
+    return resumed.step
 
 
 @torch.no_grad()
