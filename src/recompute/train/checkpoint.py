@@ -2,23 +2,15 @@
 
 A checkpoint holds the model and optimizer state, the step, the RNG state (so dropout continues as if the
 run had not stopped), the config (a resumed run must match it), the metrics so far and a CRC-32 of every
-tensor (Note: [checksums]).
-
-One process writes one file, ``checkpoints/step_{step}.pt`` (``torch.save`` into a temporary file, then
-renamed). A torchrun run (``--tp``/``--dp``) writes one folder, ``checkpoints/step_{step}/``, with
-torch.distributed.checkpoint (DCP): every rank saves its shards of the model and optimizer (``get_state_dict``:
-DTensor- and FSDP2-aware), its own RNG state and ``checksums_rank{r}.json`` (the CRC-32 of each of its local
-shards), and rank 0 adds ``run.json`` (format, step, config, metrics). The folder is written as
-``step_{step}.tmp`` and renamed by rank 0 once every rank is done, so a run killed mid-write leaves the
-previous checkpoint whole. Every rank must see ``--out`` (one node, or a shared file system).
-
-Note: [checksums] ``torch.load`` does not check the CRC-32s in the zip that ``torch.save`` writes (a flipped
-bit in weight data loads silently; tested), and DCP stores none. So a checkpoint stores the CRC-32 of each
-tensor's bytes as saved (model, optimizer, RNG; a rank's local shards under DCP), and ``--resume`` computes
-them again from the tensors it loaded before it trains on them. A checkpoint that is unreadable or fails the
-check is passed over for the newest older one that verifies (``Resumed.passed_over`` says which and why); when
-none does, ``--resume`` stops with one line. CRC-32, not SHA-256: it guards against damage (it catches every
-error burst of up to 32 bits), not against an adversary, and runs at twice the speed (3 against 1.4 GB/s here).
+tensor (Note: [checksums] ``torch.load`` does not check the CRC-32s in the zip that ``torch.save`` writes (a bit flipped
+in a weight's bytes in the file loads silently: ``tests/test_train.py`` does it), and DCP stores none. So a
+checkpoint stores the CRC-32 of each tensor's bytes as saved (model, optimizer, RNG; a rank's local shards under
+DCP), and ``--resume`` computes them again from the tensors it loaded before it trains on them. A checkpoint
+that is unreadable or fails the check is passed over for the newest older one that verifies
+(``Resumed.passed_over`` says which and why); when none does, ``--resume`` stops with one line. CRC-32, not
+SHA-256: it guards against damage (it catches every error burst of up to 32 bits), not against an adversary,
+and is about twice as fast (``zlib.crc32`` against ``hashlib.sha256`` over a 256 MiB tensor on the 2-core
+development machine: 3.2 against 1.4 GB/s).
 """
 
 from __future__ import annotations

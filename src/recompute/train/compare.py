@@ -72,13 +72,15 @@ def _check_out(out: Path, policies: Sequence[str], *, overwrite: bool) -> None:
     if twins := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"--policies would write two runs into {str(out / twins[0])!r}; give each policy once")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if entries and not overwrite:
+    if not entries:
+        return
+    if not overwrite:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise ConfigError(
             f"--out {str(out)!r} is not empty ({shown}); compare-train writes a run per policy there: "
             "give an empty --out, or --overwrite to delete the runs in it and start over"
         )
-    for sub in out.iterdir() if entries else []:
+    for sub in out.iterdir():
         if sub.is_dir() and holds_run(sub):
             clear_run(sub)
 
