@@ -200,6 +200,7 @@ def main() -> None:
         device="cpu",
         precision="fp32",
         attention="eager",
+        keep_grads=True,  # the step the recorded results measured: gradients kept between steps
     )
     none = estimate(spec, wl, "none")
     act = none.peak - none.states.total
@@ -207,15 +208,13 @@ def main() -> None:
     measured = None
     if args.cost == "measured":
         print("benching every uniform policy for the planner's measured costs")
-        costs = bench(spec, wl, list(POLICIES), steps=args.steps, warmup=1, keep_grads=True)
+        costs = bench(spec, wl, list(POLICIES), steps=args.steps, warmup=1)
         measured = Path(__file__).parent / "results" / "plan_vs_uniform_costs.json"
         measured.write_text(json.dumps(costs.to_dict(), indent=2) + "\n")
     plans = {}
     for f, b in budgets.items():
         try:
-            plans[f] = plan(
-                spec, wl, b, measured=measured, traced_peak=lambda pol: trace(spec, wl, pol, keep_grads=True).peak
-            )
+            plans[f] = plan(spec, wl, b, measured=measured, traced_peak=lambda pol: trace(spec, wl, pol).peak)
         except ConfigError as e:
             print(f"  {f:.0%} budget left out: {e}")
     uniforms = {f: best_uniform(spec, wl, b) for f, b in budgets.items()}
@@ -227,7 +226,7 @@ def main() -> None:
             policies[f"uniform {f:.0%}"] = u[0]
     distinct = list({p.describe(): p for p in policies.values()}.values())
     print(f"benching {len(distinct)} distinct policies, {args.steps} steps each, interleaved")
-    result = bench(spec, wl, distinct, steps=args.steps, warmup=1, keep_grads=True, progress=None)
+    result = bench(spec, wl, distinct, steps=args.steps, warmup=1)
     rows = {r.policy: r for r in result.rows}
     base_times = rows[Policy("none").describe()].step_times
     spread = {r.policy: (max(r.step_times) - min(r.step_times)) / r.step_s for r in result.rows}

@@ -39,7 +39,7 @@ PAPER_CONFIGS = {
 def _paper(case: str, **extra: object) -> tuple[ModelSpec, Workload, float, float, float, int]:
     name, b, s, t = PAPER_CONFIGS[case]
     spec = ModelSpec.from_name(name)
-    wl = Workload(**{"micro_batch": b, "seq_len": s, "tp": t, **extra})  # type: ignore[arg-type]
+    wl = Workload(**{"micro_batch": b, "seq_len": s, "tp": t, "attention": "eager", **extra})  # type: ignore[arg-type]
     return spec, wl, s * b * spec.hidden, spec.n_heads * s / spec.hidden, spec.n_heads, wl.tp
 
 
@@ -103,7 +103,7 @@ def test_sub_block_policies_store_what_the_workshop_says() -> None:
 
 
 def test_policies_are_ordered_by_memory() -> None:
-    la = layer_activations(ModelSpec.from_name("gpt2"), Workload(seq_len=1024))
+    la = layer_activations(ModelSpec.from_name("gpt2"), Workload(attention="eager", seq_len=1024))
     stored = {p: la.stored(p) for p in POLICIES}
     assert stored["none"] > stored["mlp"] > stored["core_attn"] > stored["attn"] > stored["attn+mlp"]
     assert stored["attn+mlp"] > stored["block"]
@@ -114,7 +114,7 @@ def test_llama_gqa_swiglu_rmsnorm_no_dropout() -> None:
     spec = ModelSpec.from_name("llama3.1-8b")
     s, b, a = 4096, 1, 32
     sbh, sb = s * b * spec.hidden, s * b
-    la = layer_activations(spec, Workload(seq_len=s))
+    la = layer_activations(spec, Workload(attention="eager", seq_len=s))
     # 2 (norm out) + 3 (Q 2, K and V 0.5 each at 8/32 heads) + 2 (out-proj input) + 2 (MLP in)
     # + 4 tensors * 2 bytes * 3.5 (d_ff/h) + 4 (two fused RMSNorm inputs), no masks.
     assert la.total - la.norm_stats - la.scores == pytest.approx(41 * sbh, **EXACT)
@@ -123,14 +123,14 @@ def test_llama_gqa_swiglu_rmsnorm_no_dropout() -> None:
     assert la.attn_drop == la.mlp_drop == 0
     flash = layer_activations(spec, Workload(seq_len=s, attention="flash"))
     assert flash.scores == 4 * a * s * b  # fp32 log-sum-exp per row instead of the s^2 softmax
-    cpu = layer_activations(spec, Workload(seq_len=s, device="cpu"))
+    cpu = layer_activations(spec, Workload(attention="eager", seq_len=s, device="cpu"))
     assert cpu.norms == 2 * 2 * 4 * sbh  # the CPU composite keeps fp32 copies of the input and normalised output
 
 
 def test_cpu_dropout_masks_take_the_activation_dtype() -> None:
     spec = ModelSpec.from_name("gpt2")
-    cuda = layer_activations(spec, Workload(seq_len=1024, dtype="fp32"))
-    cpu = layer_activations(spec, Workload(seq_len=1024, dtype="fp32", device="cpu"))
+    cuda = layer_activations(spec, Workload(attention="eager", seq_len=1024, dtype="fp32"))
+    cpu = layer_activations(spec, Workload(attention="eager", seq_len=1024, dtype="fp32", device="cpu"))
     assert cpu.attn_drop == 4 * cuda.attn_drop
     assert cpu.scores == pytest.approx(3 * 4 * 12 * 1024 * 1024, **EXACT)  # softmax, mask, dropout output
 
@@ -138,7 +138,7 @@ def test_cpu_dropout_masks_take_the_activation_dtype() -> None:
 @pytest.mark.parametrize(("p", "m", "factor"), [(4, 1, 4), (8, 3, 8 * (1 + 7 / 24))], ids=["1f1b", "interleaved"])
 def test_pipeline_first_stage_holds_L_layers_worth(p: int, m: int, factor: float) -> None:
     spec = ModelSpec.from_name("175b")
-    wl = Workload(seq_len=2048, tp=8, sp=True, pp=p, interleave=m)
+    wl = Workload(attention="eager", seq_len=2048, tp=8, sp=True, pp=p, interleave=m)
     assert in_flight(wl) == pytest.approx(factor)
     est = estimate(spec, wl, "core_attn")
     per_layer = layer_activations(spec, wl).stored("core_attn")
@@ -149,13 +149,13 @@ def test_pipeline_first_stage_holds_L_layers_worth(p: int, m: int, factor: float
 
 
 def test_fewer_microbatches_than_stages_holds_fewer() -> None:
-    wl = Workload(seq_len=2048, tp=8, pp=8, n_microbatches=2)
+    wl = Workload(attention="eager", seq_len=2048, tp=8, pp=8, n_microbatches=2)
     assert in_flight(wl) == 2
 
 
 def test_per_layer_mix_sums_its_layers() -> None:
     spec = ModelSpec.from_name("gpt2")
-    wl = Workload(seq_len=1024)
+    wl = Workload(attention="eager", seq_len=1024)
     la = layer_activations(spec, wl)
     mix = ("block",) * 6 + ("none",) * 6
     est = estimate(spec, wl, __import__("recompute").Policy(layers=mix))
@@ -165,7 +165,7 @@ def test_per_layer_mix_sums_its_layers() -> None:
 
 def test_peak_includes_the_recompute_transient() -> None:
     spec = ModelSpec.from_name("gpt2")
-    wl = Workload(seq_len=1024, micro_batch=4)
+    wl = Workload(attention="eager", seq_len=1024, micro_batch=4)
     la = layer_activations(spec, wl)
     est = estimate(spec, wl, "block")
     assert est.peak >= est.states.total + spec.n_layers * la.stored("block") + la.transient("block")
@@ -199,20 +199,20 @@ def test_paper_hfu_over_mfu_for_gpt3_is_1_027() -> None:
 
 
 def test_early_stop_skips_the_last_matmul_of_a_region_without_dropout() -> None:
-    spec, wl = ModelSpec.from_name("llama3.1-8b"), Workload(seq_len=4096)
+    spec, wl = ModelSpec.from_name("llama3.1-8b"), Workload(attention="eager", seq_len=4096)
     lf = layer_flops(spec, wl)
     assert lf.recomputed("mlp") == lf.mlp - 2 * 4096 * 4096 * 14336  # down projection skipped
     assert lf.recomputed("attn") == lf.attn_proj + lf.attn_core - 2 * 4096 * 4096 * 4096  # output projection
     assert lf.recomputed("block") == lf.forward - 2 * 4096 * 4096 * 14336
     flash = layer_flops(spec, Workload(seq_len=4096, attention="flash"))
     assert flash.recomputed("core_attn") == flash.attn_core  # one fused op replays whole
-    gpt = layer_flops(ModelSpec.from_name("gpt2"), Workload(seq_len=1024))
+    gpt = layer_flops(ModelSpec.from_name("gpt2"), Workload(attention="eager", seq_len=1024))
     assert gpt.recomputed("block") == gpt.forward and gpt.recomputed("core_attn") == gpt.attn_core / 2
 
 
 def test_gqa_and_swiglu_flops() -> None:
     spec = ModelSpec.from_name("llama3.1-8b")
-    wl = Workload(seq_len=4096)
+    wl = Workload(attention="eager", seq_len=4096)
     lf = layer_flops(spec, wl)
     bs, h = 4096, 4096
     assert lf.attn_proj == 2 * bs * h * (2 * h + 2 * 1024)  # Q and O full, K and V at 8 of 32 heads
@@ -221,7 +221,7 @@ def test_gqa_and_swiglu_flops() -> None:
 
 
 def _gpt_layer(h: int, s: int) -> tuple[ModelSpec, Workload]:
-    return ModelSpec(hidden=h, n_heads=32, max_positions=max(s, 1)), Workload(seq_len=s)
+    return ModelSpec(hidden=h, n_heads=32, max_positions=max(s, 1)), Workload(attention="eager", seq_len=s)
 
 
 def test_workshop_overheads_short_sequences() -> None:
@@ -241,7 +241,7 @@ def test_workshop_worked_example() -> None:
 
 
 def test_step_overhead_of_block_is_below_a_third_because_logits_are_not_recomputed() -> None:
-    spec, wl = ModelSpec.from_name("gpt2"), Workload(seq_len=1024)
+    spec, wl = ModelSpec.from_name("gpt2"), Workload(attention="eager", seq_len=1024)
     est = estimate(spec, wl, "block")
     layers = spec.n_layers * layer_flops(spec, wl).forward
     assert est.overhead == pytest.approx(layers / (3 * (layers + logits_flops(spec, wl))), **EXACT)
@@ -256,6 +256,6 @@ def test_mfu() -> None:
 
 @pytest.mark.parametrize("name", ["gpt2", "llama3.1-8b", "175b"])
 def test_estimate_rows_cover_every_policy(name: str) -> None:
-    rows = estimate_policies(ModelSpec.from_name(name), Workload(seq_len=1024))
+    rows = estimate_policies(ModelSpec.from_name(name), Workload(attention="eager", seq_len=1024))
     assert [r.policy for r in rows] == list(POLICIES)
     assert rows[0].overhead == 0 and rows[-1].activation_bytes < rows[0].activation_bytes

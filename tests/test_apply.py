@@ -32,16 +32,16 @@ from tiny import tiny_gpt, tiny_llama
 GPT = tiny_gpt(n_layers=2)
 LLAMA = tiny_llama(n_layers=2)
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "gpt-eager": lambda: build_model(GPT),
+    "gpt-eager": lambda: build_model(GPT, attention="eager"),
     "gpt-flash": lambda: build_model(GPT, attention="flash"),
-    "llama-eager": lambda: build_model(LLAMA),
+    "llama-eager": lambda: build_model(LLAMA, attention="eager"),
     "llama-flash": lambda: build_model(LLAMA, attention="flash"),
-    "llama-eager-dropout": lambda: build_model(dataclasses.replace(LLAMA, dropout=0.1)),
-    "hf-gpt2-eager": lambda: build_hf_model(GPT),
+    "llama-eager-dropout": lambda: build_model(dataclasses.replace(LLAMA, dropout=0.1), attention="eager"),
+    "hf-gpt2-eager": lambda: build_hf_model(GPT, attention="eager"),
     "hf-gpt2-sdpa": lambda: build_hf_model(GPT, attention="flash"),
-    "hf-llama-eager": lambda: build_hf_model(LLAMA),
+    "hf-llama-eager": lambda: build_hf_model(LLAMA, attention="eager"),
     "hf-llama-sdpa": lambda: build_hf_model(LLAMA, attention="flash"),
-    "hf-llama-eager-dropout": lambda: build_hf_model(dataclasses.replace(LLAMA, dropout=0.1)),
+    "hf-llama-eager-dropout": lambda: build_hf_model(dataclasses.replace(LLAMA, dropout=0.1), attention="eager"),
 }
 B, S = 2, 32
 
@@ -118,7 +118,7 @@ def wrapped_policies(model: nn.Module) -> list[str]:
 def test_layer_selections_and_options(arch: str, selection: str) -> None:
     spec = GPT if arch == "gpt" else LLAMA
     torch.manual_seed(0)
-    model = build_model(ModelSpec(**{**spec.to_dict(), "n_layers": 4})).train()
+    model = build_model(ModelSpec(**{**spec.to_dict(), "n_layers": 4}), attention="eager").train()
     ref = step(model)
     policy, expected = SELECTIONS[selection]
     apply(model, policy)
@@ -345,10 +345,10 @@ def test_recomputed_flops_equal_the_analytic_model(policy: str, spec: ModelSpec)
     Note: [early stop] non-reentrant checkpoint stops replaying once every tensor the backward needs is back:
     core_attn replays only QK^T, and without dropout a region's last projection is skipped.
     """
-    model = build_model(spec)
+    model = build_model(spec, attention="eager")
     base = backward_flops(model)
     apply(model, policy)
-    lf = layer_flops(spec, Workload(micro_batch=B, seq_len=S, dtype="fp32", device="cpu"))
+    lf = layer_flops(spec, Workload(attention="eager", micro_batch=B, seq_len=S, dtype="fp32", device="cpu"))
     assert backward_flops(model) - base == spec.n_layers * lf.recomputed(policy)
 
 
@@ -365,7 +365,7 @@ def test_save_list_keeps_the_named_ops(save_ops: tuple[str, ...], recomputed: in
     model = make("gpt-eager")
     base = backward_flops(model)
     apply(model, Policy("block", save_ops=save_ops))
-    lf = layer_flops(GPT, Workload(micro_batch=B, seq_len=S, dtype="fp32", device="cpu"))
+    lf = layer_flops(GPT, Workload(attention="eager", micro_batch=B, seq_len=S, dtype="fp32", device="cpu"))
     per_layer = {0: 0, "attn_core": lf.attn_core, "projections": lf.attn_proj + lf.mlp}[recomputed]
     assert backward_flops(model) - base == GPT.n_layers * per_layer
 

@@ -70,7 +70,7 @@ def analytic(spec: ModelSpec, attention: str = "eager") -> LayerActivations:
 @pytest.fixture(scope="module")
 def gpt_eager() -> nn.Module:
     torch.manual_seed(0)
-    return build_model(GPT).train()
+    return build_model(GPT, attention="eager").train()
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

@@ -16,7 +16,7 @@ from recompute.core.errors import ConfigError
 from recompute.trace import trace
 
 SPEC = ModelSpec(hidden=64, n_layers=3, n_heads=4, vocab=256, max_positions=64, name="tiny-gpt")
-WL = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
+WL = Workload(attention="eager", micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_cli_json_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     data = json.loads(out)
     assert [r["policy"] for r in data["rows"]] == ["none", "block"] and data["steps"] == 1
-    assert err.strip().splitlines()[-1] == "bench: 6/6 done"  # plain progress lines: stderr is no terminal
+    assert err.strip().splitlines()[-1] == "bench: 4/4 done"  # plain progress lines: stderr is no terminal
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_bad_input_is_one_line_and_exit_code_2(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_is_refused() -> None:
     with pytest.raises(ConfigError, match="device cuda needs a CUDA build of PyTorch"):
-        bench(SPEC, Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cuda"))
+        bench(SPEC, Workload(attention="eager", micro_batch=2, seq_len=64, dtype="fp32", device="cuda"))
 
 
 def test_bench_takes_a_plan_file_and_keeps_gradients_on_request(tmp_path, capsys) -> None:

@@ -23,7 +23,7 @@ SPECS = {"gpt": GPT_SPEC, "llama": LLAMA_SPEC}
 @pytest.mark.parametrize("name", SPECS)
 def test_forward_shapes_and_initial_loss(name: str) -> None:
     torch.manual_seed(0)
-    model = build_model(SPECS[name])
+    model = build_model(SPECS[name], attention="eager")
     idx, targets = torch.randint(128, (2, 16)), torch.randint(128, (2, 16))
     logits, loss = model(idx, targets)
     assert logits.shape == (2, 16, 128)
@@ -32,15 +32,15 @@ def test_forward_shapes_and_initial_loss(name: str) -> None:
 
 
 def test_build_model_picks_the_architecture() -> None:
-    assert isinstance(build_model(GPT_SPEC), GPT)
-    assert isinstance(build_model(LLAMA_SPEC), Llama)
-    model = build_model(LLAMA_SPEC, dtype=torch.bfloat16)
+    assert isinstance(build_model(GPT_SPEC, attention="eager"), GPT)
+    assert isinstance(build_model(LLAMA_SPEC, attention="eager"), Llama)
+    model = build_model(LLAMA_SPEC, dtype=torch.bfloat16, attention="eager")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("name", SPECS)
 def test_every_layer_has_the_named_sub_blocks(name: str) -> None:
-    model = build_model(SPECS[name])
+    model = build_model(SPECS[name], attention="eager")
     assert isinstance(model.layers, torch.nn.ModuleList) and len(model.layers) == 2
     for block in model.layers:
         assert {n for n, _ in block.named_children()} == {"norm1", "attn", "norm2", "mlp"}
@@ -49,9 +49,12 @@ def test_every_layer_has_the_named_sub_blocks(name: str) -> None:
 
 
 def test_tied_embeddings_share_one_tensor() -> None:
-    model = build_model(GPT_SPEC)
+    model = build_model(GPT_SPEC, attention="eager")
     assert model.lm_head.weight is model.tok_emb.weight
-    assert build_model(LLAMA_SPEC).lm_head.weight is not build_model(LLAMA_SPEC).tok_emb.weight
+    assert (
+        build_model(LLAMA_SPEC, attention="eager").lm_head.weight
+        is not build_model(LLAMA_SPEC, attention="eager").tok_emb.weight
+    )
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -95,7 +98,7 @@ def test_eager_gqa_saves_unexpanded_kv() -> None:
 
 def test_dropout_is_active_in_training_only() -> None:
     torch.manual_seed(0)
-    model = build_model(GPT_SPEC)
+    model = build_model(GPT_SPEC, attention="eager")
     idx = torch.randint(128, (2, 16))
     model.eval()
     torch.testing.assert_close(model(idx)[0], model(idx)[0], rtol=0, atol=0)
@@ -105,12 +108,12 @@ def test_dropout_is_active_in_training_only() -> None:
 
 def test_too_long_sequences_are_refused() -> None:
     with pytest.raises(ValueError, match="64"):
-        build_model(GPT_SPEC)(torch.zeros(1, 65, dtype=torch.long))
+        build_model(GPT_SPEC, attention="eager")(torch.zeros(1, 65, dtype=torch.long))
 
 
 def test_build_model_rejects_mismatched_spec_and_attention() -> None:
     with pytest.raises(ConfigError, match="position='learned'"):
-        build_model(ModelSpec(hidden=64, n_heads=4, n_layers=1, position="rotary"))
+        build_model(ModelSpec(hidden=64, n_heads=4, n_layers=1, position="rotary"), attention="eager")
     with pytest.raises(ConfigError, match="attention"):
         build_model(GPT_SPEC, attention="flex")
 
@@ -120,13 +123,13 @@ def test_build_model_rejects_mismatched_spec_and_attention() -> None:
 )
 def test_hf_twin_has_the_spec_shape(name: str, cls: type) -> None:
     spec = SPECS[name]
-    model = build_hf_model(spec)
+    model = build_hf_model(spec, attention="eager")
     assert isinstance(model, cls)
     assert model.config._attn_implementation == "eager"
-    ours = sum(p.numel() for p in build_model(spec).parameters())
+    ours = sum(p.numel() for p in build_model(spec, attention="eager").parameters())
     assert sum(p.numel() for p in model.parameters()) == ours
 
 
 def test_hf_twin_refuses_other_shapes() -> None:
     with pytest.raises(ConfigError, match="Llama shaped"):
-        build_hf_model(ModelSpec(hidden=64, n_heads=4, n_layers=1, mlp="swiglu", norm="layernorm"))
+        build_hf_model(ModelSpec(hidden=64, n_heads=4, n_layers=1, mlp="swiglu", norm="layernorm"), attention="eager")

@@ -117,7 +117,7 @@ def test_fake_rank_saves_what_the_analytic_model_says(fake_group: int, name: str
     with mode:
         parallelize(model, mesh, sp=sp)
         idx = torch.zeros(2, 32, dtype=torch.long)
-        wl = Workload(micro_batch=2, seq_len=32, dtype="fp32", device="cpu", tp=t, sp=sp)
+        wl = Workload(attention="eager", micro_batch=2, seq_len=32, dtype="fp32", device="cpu", tp=t, sp=sp)
         for policy in ("none", "core_attn", "block"):
             apply(model, policy)
             measured = [sum(m.values()) for m in saved_bytes_per_layer(model, (idx, idx))]
@@ -133,10 +133,10 @@ def test_parallelize_refuses_other_models_and_meshes(fake_group: int) -> None:
     from recompute.models import build_model
 
     with pytest.raises(ConfigError, match=r"2-D mesh with dims \('dp', 'tp'\), got 2-D dims \('pp', 'tp'\)"):
-        parallelize(build_model(tiny_llama()), mesh)
-    with pytest.raises(ConfigError, match="--tp 4 must divide the 2 key/value heads"):
-        parallelize(build_model(tiny_llama()), init_device_mesh("cpu", (4,)))
-    model = parallelize(build_model(tiny_gpt()), init_device_mesh("cpu", (4,)))
+        parallelize(build_model(tiny_llama(), attention="eager"), mesh)
+    with pytest.raises(ConfigError, match="tp 4 must divide the 2 key/value heads"):
+        parallelize(build_model(tiny_llama(), attention="eager"), init_device_mesh("cpu", (4,)))
+    model = parallelize(build_model(tiny_gpt(), attention="eager"), init_device_mesh("cpu", (4,)))
     with pytest.raises(ConfigError, match="parallel already"):
         parallelize(model, init_device_mesh("cpu", (4,)))
 
@@ -146,8 +146,8 @@ def test_sequence_not_divisible_by_t_is_refused_at_the_first_forward(fake_group:
 
     from recompute.models import build_model
 
-    model = parallelize(build_model(tiny_gpt(dropout=0.0)), init_device_mesh("cpu", (4,)), sp=True)
-    with pytest.raises(ConfigError, match=r"with --sp the sequence length \(30\) must be divisible by --tp \(4\)"):
+    model = parallelize(build_model(tiny_gpt(dropout=0.0), attention="eager"), init_device_mesh("cpu", (4,)), sp=True)
+    with pytest.raises(ConfigError, match=r"with sp the sequence length \(30\) must be divisible by tp \(4\)"):
         model(torch.zeros(1, 30, dtype=torch.long))
 
 
@@ -158,11 +158,11 @@ def test_check_parallel_names_the_fix() -> None:
     gpt, llama = tiny_gpt(), tiny_llama()
     check_parallel(llama, tp=2, seq_len=64, sp=True)
     check_parallel(gpt, tp=4, seq_len=30, sp=False)  # without SP the sequence is not split
-    with pytest.raises(ConfigError, match="--tp 3 must divide the 4 attention heads of custom"):
+    with pytest.raises(ConfigError, match="tp 3 must divide the 4 query heads of custom"):
         check_parallel(gpt, tp=3, seq_len=30, sp=False)
-    with pytest.raises(ConfigError, match=r"--tp 4 must divide the 2 key/value heads of custom; use --tp <= 2"):
+    with pytest.raises(ConfigError, match=r"tp 4 must divide the 2 key/value heads of custom; use tp <= 2"):
         check_parallel(llama, tp=4, seq_len=64, sp=True)
-    with pytest.raises(ConfigError, match=r"with --sp the sequence length \(30\) must be divisible by --tp \(4\)"):
+    with pytest.raises(ConfigError, match=r"with sp the sequence length \(30\) must be divisible by tp \(4\)"):
         check_parallel(gpt, tp=4, seq_len=30, sp=True)
 
 

@@ -89,13 +89,13 @@ def test_embedded_numbers_equal_the_analytic_model(
     assert mem["components"]["parameters"][i] == est.states.parameters
     assert (
         series["overhead"][policy][i]
-        == estimate(ModelSpec.from_name(model), Workload(seq_len=seq_len), policy).overhead
+        == estimate(ModelSpec.from_name(model), Workload(attention="eager", seq_len=seq_len), policy).overhead
     )
 
 
 def test_embedded_savings_table_equals_the_analytic_model(default_page: tuple[str, float]) -> None:
     rows = {r["policy"]: r for r in page_data(default_page[0])["models"]["llama3.1-8b"]["savings"]["eager"]}
-    wl = Workload(seq_len=16 * K)
+    wl = Workload(attention="eager", seq_len=16 * K)
     base = estimate(ModelSpec.from_name("llama3.1-8b"), wl, "none").activation_bytes
     for name, row in rows.items():
         est = estimate(ModelSpec.from_name("llama3.1-8b"), wl, name)
@@ -132,7 +132,7 @@ def test_plan_section_and_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def write_bench(path: Path, model: str = "gpt2", *, empty: bool = False) -> Path:
     """A `recompute bench --json` file with synthetic "measured" figures (a test input)."""
-    spec, wl = ModelSpec.from_name(model), Workload(seq_len=512)
+    spec, wl = ModelSpec.from_name(model), Workload(attention="eager", seq_len=512)
     times = {} if empty else {p: 0.2 * (1 + estimate(spec, wl, p).overhead) for p in ("none", "attn", "block")}
     return tiny.write_bench(path, spec, wl, times, peaks=dict.fromkeys(times, 1e9))
 
@@ -146,7 +146,7 @@ def test_bench_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     rows = page_data(out.read_text())["sections"]["bench"]["rows"]
     assert [r["policy"] for r in rows] == ["none", "attn", "block"]
     for row in rows:
-        est = estimate(ModelSpec.from_name("gpt2"), Workload(seq_len=512), row["policy"])
+        est = estimate(ModelSpec.from_name("gpt2"), Workload(attention="eager", seq_len=512), row["policy"])
         assert row["predicted_peak"] == est.peak and row["predicted_overhead"] == est.overhead
         assert row["measured_peak"] == 1e9
         assert row["measured_overhead"] == pytest.approx(est.overhead, rel=1e-12)
@@ -185,7 +185,7 @@ def test_trace_section(tmp_path: Path, capsys: pytest.CaptureFixture[str], monke
     code, _, err = run(capsys, "report", "--model", "gpt2", "--seq-len", "128", "--trace", "-o", str(out))
     assert code == 0, err
     section = page_data(out.read_text())["sections"]["trace"]
-    wl = Workload(seq_len=128, device="cpu", precision="bf16")
+    wl = Workload(attention="eager", seq_len=128, device="cpu", precision="bf16")
     assert section["workload"] == wl.to_dict() and list(section["policies"]) == ["none", "block"]
     result = trace(ModelSpec.from_name("gpt2"), wl, "block", layers=1)
     traced, analytic = section["policies"]["block"]["traced"], section["policies"]["block"]["analytic"]
@@ -211,7 +211,7 @@ def bad_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list
         "plan for another model": (["--plan", str(other)], "is for model 'llama3.1-70b', not 'llama3.1-8b'"),
         "missing bench": (["--bench", str(tmp / "nope.json")], "cannot read bench results"),
         "bench not json": (["--bench", str(not_json)], "is not valid JSON"),
-        "bench for another model": (["--bench", str(write_bench(tmp / "b.json"))], "is for model 'gpt2', not 'llama3"),
+        "bench for another model": (["--bench", str(write_bench(tmp / "b.json"))], "are for model 'gpt2', not 'llama3"),
         "bench without results": (
             ["--bench", str(write_bench(tmp / "e.json", "llama3.1-8b", empty=True))],
             "hold no rows",

@@ -49,15 +49,15 @@ def test_a_custom_model_stands_alone() -> None:
 
 
 def test_sequence_lengths() -> None:
-    assert sequence_lengths(LLAMA, Workload()) == tuple(2**k * K for k in range(8))  # 1K ... 128K
-    assert sequence_lengths(ModelSpec.from_name("gpt2"), Workload()) == (128, 256, 512, 1024)
-    assert sequence_lengths(ModelSpec.from_name("22b"), Workload()) == (256, 512, 1024, 2048)
-    assert sequence_lengths(LLAMA, Workload(tp=3, sp=True, seq_len=3 * K)) == ()
+    assert sequence_lengths(LLAMA, Workload(attention="eager")) == tuple(2**k * K for k in range(8))  # 1K ... 128K
+    assert sequence_lengths(ModelSpec.from_name("gpt2"), Workload(attention="eager")) == (128, 256, 512, 1024)
+    assert sequence_lengths(ModelSpec.from_name("22b"), Workload(attention="eager")) == (256, 512, 1024, 2048)
+    assert sequence_lengths(LLAMA, Workload(attention="eager", tp=3, sp=True, seq_len=3 * K)) == ()
 
 
 @pytest.fixture(scope="module")
 def report():  # type: ignore[no-untyped-def]
-    return build_report(LLAMA, Workload(seq_len=16 * K), gpu="a100-80gb")
+    return build_report(LLAMA, Workload(attention="eager", seq_len=16 * K), gpu="a100-80gb")
 
 
 @pytest.mark.parametrize("model", ["llama3.1-8b", "llama3.1-405b"])
@@ -76,8 +76,11 @@ def test_overhead_series_equal_the_estimate(report) -> None:  # type: ignore[no-
     spec = ModelSpec.from_name("llama3.1-70b")
     for i, s in enumerate(series.seq_lens):
         for policy in POLICIES:
-            assert series.overhead[policy][i] == estimate(spec, Workload(seq_len=s), policy).overhead
-            assert series.layer_overhead[policy][i] == layer_overheads(spec, Workload(seq_len=s))[policy]
+            assert series.overhead[policy][i] == estimate(spec, Workload(attention="eager", seq_len=s), policy).overhead
+            assert (
+                series.layer_overhead[policy][i]
+                == layer_overheads(spec, Workload(attention="eager", seq_len=s))[policy]
+            )
 
 
 def test_savings_table_matches_the_readme(report) -> None:  # type: ignore[no-untyped-def]
@@ -85,8 +88,8 @@ def test_savings_table_matches_the_readme(report) -> None:  # type: ignore[no-un
     rows = {r.policy: r for r in report.models["llama3.1-8b"].savings["eager"]}
     assert list(rows) == [p for p in POLICIES if p != "none"]
     assert [round(rows[p].per_percent / 2**30, 2) for p in ("core_attn", "attn", "mlp")] == [84.40, 36.23, 5.27]
-    base = estimate(LLAMA, Workload(seq_len=16 * K), "none").activation_bytes
-    mlp = estimate(LLAMA, Workload(seq_len=16 * K), "mlp")
+    base = estimate(LLAMA, Workload(attention="eager", seq_len=16 * K), "none").activation_bytes
+    mlp = estimate(LLAMA, Workload(attention="eager", seq_len=16 * K), "mlp")
     assert rows["mlp"].saved == base - mlp.activation_bytes and rows["mlp"].overhead == mlp.overhead
     assert report.models["llama3.1-8b"].activations["eager"] == base
 
@@ -105,13 +108,13 @@ def test_gpu_line_and_json(report) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_sizes_the_workload_cannot_run_are_listed_not_fatal() -> None:
-    report = build_report(ModelSpec.from_name("gpt2"), Workload(seq_len=1024, tp=4))
+    report = build_report(ModelSpec.from_name("gpt2"), Workload(attention="eager", seq_len=1024, tp=4))
     assert list(report.models) == ["gpt2", "gpt2-medium", "gpt2-large"]
-    assert report.skipped == {"gpt2-xl": "--tp 4 must divide the 25 attention heads of gpt2-xl"}
+    assert report.skipped == {"gpt2-xl": "tp 4 must divide the 25 query heads of gpt2-xl"}
 
 
 def test_the_chosen_model_must_run() -> None:
-    with pytest.raises(ConfigError, match="must divide the 25 attention heads"):
-        build_report(ModelSpec.from_name("gpt2-xl"), Workload(seq_len=1024, tp=4))
+    with pytest.raises(ConfigError, match="must divide the 25 query heads"):
+        build_report(ModelSpec.from_name("gpt2-xl"), Workload(attention="eager", seq_len=1024, tp=4))
     with pytest.raises(ConfigError, match="not a known GPU"):
-        build_report(LLAMA, Workload(), gpu="b300")
+        build_report(LLAMA, Workload(attention="eager"), gpu="b300")

@@ -183,7 +183,7 @@ def test_bad_workloads_raise_one_line_value_errors(kwargs: dict[str, object]) ->
 
 
 BAD_PAIRS = {
-    "tp does not divide heads": ("gpt2", dict(tp=5, seq_len=1024), "attention heads"),
+    "tp does not divide heads": ("gpt2", dict(tp=5, seq_len=1024), "query heads"),
     "tp does not divide kv heads": ("llama3.1-8b", dict(tp=16), "key/value heads"),
     "pipeline deeper than the model": ("gpt2", dict(pp=13, seq_len=1024), "larger than the 12 layers"),
     "sequence beyond positions": ("gpt2", dict(seq_len=2048), "exceeds"),

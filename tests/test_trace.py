@@ -62,7 +62,7 @@ def test_fake_trace_equals_the_real_step_byte_for_byte(name: str, policy: str, a
 def test_trace_peak_equals_plain_memtracker_on_real_tensors() -> None:
     """StepTracker keeps MemTracker's accounting: torch's own MemTracker sees the same peak and states."""
     torch.manual_seed(0)
-    model = build_model(GPT).train()
+    model = build_model(GPT, attention="eager").train()
     optimizer = torch.optim.AdamW(model.parameters())
     prime_optimizer(model, optimizer)
     batch = (torch.randint(GPT.vocab, (B, S)), torch.randint(GPT.vocab, (B, S)))
@@ -88,7 +88,7 @@ def test_states_and_saved_bytes_are_exact_for_gpt2() -> None:
     """bf16 parameters and gradients; AdamW's two moments and a 4-byte step counter per parameter tensor."""
     spec = ModelSpec.from_name("gpt2")
     s, h, v = 1024, 768, 50257
-    r = trace(spec, Workload(seq_len=s, device="cpu"), "block", layers=1)
+    r = trace(spec, Workload(attention="eager", seq_len=s, device="cpu"), "block", layers=1)
     tensors = 2 + 12 * 12 + 2  # token and position embeddings (the head is tied), 12 per layer, final norm
     assert r.parameters == r.gradients == 2 * n_params(spec)
     assert r.optimizer == 2 * r.parameters + 4 * tensors
@@ -131,14 +131,14 @@ def test_saved_tensors_are_read_back_by_the_backward_nodes_that_saved_them() -> 
 def test_peak_phase_is_named() -> None:
     """GPT-2's 50257-word logits and their gradient peak at the start of the backward; recomputing every layer
     of a small model moves the peak to the last layer's backward, when all gradients exist."""
-    gpt2 = trace(ModelSpec.from_name("gpt2"), Workload(seq_len=1024, device="cpu"), "none", layers=1)
+    gpt2 = trace(ModelSpec.from_name("gpt2"), Workload(attention="eager", seq_len=1024, device="cpu"), "none", layers=1)
     assert gpt2.peak_phase == "backward (head and loss)"
     assert trace(GPT, workload(), "none").peak_phase == "backward of layer 2"
     assert trace(LLAMA, workload(), "block").peak_phase == "backward of layer 0"
 
 
 def test_optimizer_priming_matches_a_real_first_step() -> None:
-    model = build_model(GPT)
+    model = build_model(GPT, attention="eager")
     for cls in (torch.optim.AdamW, torch.optim.Adam):
         primed = cls(model.parameters(), amsgrad=cls is torch.optim.Adam)
         prime_optimizer(model, primed)
@@ -162,7 +162,7 @@ def test_optimizer_priming_matches_a_real_first_step() -> None:
         (["--model", "gpt2", "--policy", "everything"], "is not a policy"),
         (["--model", "gpt2", "--policy", "block", "--every", "2", "--layers", "2"], "drop --layers"),
         (["--model", "no-such-model"], "is not a known model"),
-        (["--model", "gpt2", "--dp", "2"], "drop --pp/--dp"),
+        (["--model", "gpt2", "--dp", "2"], "drop --pp and --dp"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(
@@ -217,7 +217,7 @@ def test_hugging_face_models_trace_like_their_real_step(name: str, policy: str) 
     spec = GPT if name == "gpt" else LLAMA
     fake = trace(spec, workload(), policy, hf=True)
     torch.manual_seed(0)
-    model = build_hf_model(spec).train()
+    model = build_hf_model(spec, attention="eager").train()
     apply(model, policy)
     real = trace_module(model, (torch.randint(spec.vocab, (B, S)), torch.randint(spec.vocab, (B, S))), loss_fn=hf_loss)
     for figure in FIGURES:

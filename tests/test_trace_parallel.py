@@ -18,7 +18,7 @@ MODELS = {"gpt": tiny_gpt(4), "gpt-no-dropout": tiny_gpt(4, dropout=0.0), "llama
 @pytest.mark.parametrize("name", list(MODELS))
 def test_one_rank_saves_the_analytic_bytes(name: str, sp: bool, policy: str) -> None:
     spec = MODELS[name]
-    wl = Workload(seq_len=32, micro_batch=2, tp=2, sp=sp, dtype="fp32", device="cpu")
+    wl = Workload(attention="eager", seq_len=32, micro_batch=2, tp=2, sp=sp, dtype="fp32", device="cpu")
     assert trace_layer(spec, wl, policy).total == layer_activations(spec, wl).stored(policy)
 
 
@@ -38,20 +38,26 @@ def test_sequence_parallelism_is_the_papers_five_x_at_22b() -> None:
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_one_rank_step_peak_is_close_to_the_estimate(name: str, sp: bool) -> None:
     spec = ModelSpec.from_name({"gpt": "gpt2", "llama": "llama3.1-8b"}[name])
-    wl = Workload(seq_len=2048 if name == "llama" else 1024, tp=8 if name == "llama" else 2, sp=sp, precision="bf16")
+    wl = Workload(
+        attention="eager",
+        seq_len=2048 if name == "llama" else 1024,
+        tp=8 if name == "llama" else 2,
+        sp=sp,
+        precision="bf16",
+    )
     wl = Workload(**{**wl.to_dict(), "dtype": "bf16", "device": "cpu"})
-    traced = trace(spec, wl, "core_attn", layers=2, keep_grads=True)
+    traced = trace(spec, wl, "core_attn", layers=2)
     assert traced.peak == pytest.approx(estimate(spec, wl, "core_attn").peak, rel=0.005)
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--model", "gpt2", "--tp", "5"], "--tp 5 must divide the 12 attention heads of gpt2"),
+        (["--model", "gpt2", "--tp", "5"], "--tp 5 must divide the 12 query heads of gpt2"),
         (["--model", "llama3.1-8b", "--tp", "16"], "--tp 16 must divide the 8 key/value heads"),
         (["--model", "gpt2", "--tp", "2", "--sp", "--seq-len", "63"], "must be divisible by --tp (2)"),
         (["--model", "hf:gpt2", "--tp", "2"], "--tp 2 traces recompute's reference GPT/Llama"),
-        (["--model", "gpt2", "--pp", "2"], "drop --pp/--dp"),
+        (["--model", "gpt2", "--pp", "2"], "drop --pp and --dp"),
     ],
 )
 def test_bad_parallel_traces_are_one_line_errors(

@@ -13,7 +13,7 @@ GPT = ModelSpec(hidden=64, n_layers=6, n_heads=4, vocab=128, max_positions=64)
 LLAMA = dataclasses.replace(
     GPT, mlp="swiglu", norm="rmsnorm", position="rotary", n_kv_heads=2, d_ff=0, dropout=0.0, bias=False
 )
-WL = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
+WL = Workload(attention="eager", micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
 SAME = ("parameters", "gradients", "optimizer", "other", "layers", "embedding", "head", "peak", "peak_phase")
 SAME += ("peak_breakdown", "phases", "per_layer", "n_layers", "policy", "model", "workload")
 

@@ -139,7 +139,7 @@ BAD = {
     "tp without torchrun": (["--tp", "2"], "--tp 2 needs torchrun: torchrun --nproc-per-node 2 -m recompute train"),
     "dp without torchrun": (["--dp", "2"], "--dp 2 needs torchrun: torchrun --nproc-per-node 2"),
     "sp without tp": (["--sp"], "--sp splits the sequence over the --tp ranks"),
-    "tp not dividing heads": (["--tp", "3"], "--tp 3 must divide the 4 attention heads"),
+    "tp not dividing heads": (["--tp", "3"], "--tp 3 must divide the 4 query heads"),
     "sp not dividing seq": (["--tp", "2", "--sp", "--seq-len", "33"], r"sequence length \(33\) must be divisible"),
     "micro-batch over dp": (["--dp", "3"], "--micro-batch 4 is split over --dp 3 ranks"),
 }

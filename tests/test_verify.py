@@ -32,7 +32,7 @@ def masks_do_not_replay(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("policy", ["core_attn", "attn+mlp", Policy("block", every=2, save_ops=("aten.mm",))])
 def test_verify_passes_bit_exact_with_dropout(policy: str | Policy) -> None:
     torch.manual_seed(0)
-    result = verify(build_model(GPT), policy, seq_len=32)
+    result = verify(build_model(GPT, attention="eager"), policy, seq_len=32)
     assert result.passed and result.bit_exact and result.repeatable
     assert result.loss_diff == 0 and result.max_grad_diff == 0
     assert [g.name for g in result.groups] == [
@@ -45,7 +45,7 @@ def test_verify_passes_bit_exact_with_dropout(policy: str | Policy) -> None:
 
 def test_verify_runs_hf_models_and_leaves_the_policy_applied() -> None:
     torch.manual_seed(0)
-    model = build_hf_model(GPT)
+    model = build_hf_model(GPT, attention="eager")
     result = verify(model, "block", seq_len=32)
     assert result.passed and result.bit_exact
     assert "transformer.h.*.attn" in {g.name for g in result.groups}
@@ -56,7 +56,7 @@ def test_verify_runs_hf_models_and_leaves_the_policy_applied() -> None:
 
 def test_verify_catches_masks_that_do_not_replay(masks_do_not_replay: None) -> None:
     torch.manual_seed(0)
-    result = verify(build_model(GPT), "block", seq_len=32)
+    result = verify(build_model(GPT, attention="eager"), "block", seq_len=32)
     assert not result.passed and not result.bit_exact
     assert result.loss_diff == 0  # the forward is untouched; the backward uses other masks
     differs = {g.name for g in result.groups if not g.within_tol}

@@ -22,7 +22,7 @@ from recompute.core.presets import PRESETS
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.table import render_table
-from recompute.core.workload import Workload
+from recompute.core.workload import ATTENTIONS, Workload
 from recompute.trace import trace, trace_layer
 
 __all__ = [
@@ -108,7 +108,7 @@ class ValidationRow:
 class PeakRow:
     """The whole step's peak of one configuration: ``recompute estimate`` against a trace.
 
-    The trace keeps the gradients allocated between steps (``keep_grads``), as the estimate assumes, and
+    Both sides run the same step (gradients freed between steps unless ``keep_grads``), and the trace
     holds parameters, gradients and AdamW state in the activation dtype (``precision`` fp32 or bf16).
     """
 
@@ -173,11 +173,12 @@ def validate(
     models: Sequence[str] = tuple(PRESETS),
     *,
     policies: Sequence[str] = tuple(POLICIES),
-    attentions: Sequence[str] = ("eager", "flash"),
+    attentions: Sequence[str] = ATTENTIONS,
     lengths: Sequence[int] | None = None,
     micro_batch: int = 1,
     dtype: str = "bf16",
     peaks: bool = False,
+    keep_grads: bool = False,
     progress: Progress = no_progress,
 ) -> Validation:
     """Compare analytic and traced per-layer bytes for every combination (CPU, fake tensors).
@@ -187,6 +188,7 @@ def validate(
         lengths: sequence lengths; ``None`` means ``seq_lens(spec)`` for each model.
         peaks: also compare the whole step's peak with ``recompute estimate`` (a scaled trace per
             configuration, a few seconds each).
+        keep_grads: the step whose peak is compared keeps its gradients allocated between steps.
         progress: called before each configuration with its label and how many are done (of all).
     """
     rows, peak_rows = [], []
@@ -208,14 +210,14 @@ def validate(
             )
         )
         if peaks:
-            peak_rows.append(_peak_row(name, spec, wl, policy))
+            peak_rows.append(_peak_row(name, spec, dataclasses.replace(wl, keep_grads=keep_grads), policy))
     return Validation(rows=tuple(rows), peaks=tuple(peak_rows))
 
 
 def _peak_row(name: str, spec: ModelSpec, wl: Workload, policy: str) -> PeakRow:
     wl = dataclasses.replace(wl, precision="fp32" if wl.dtype == "fp32" else "bf16")
     predicted = estimate(spec, wl, policy)
-    traced = trace(spec, wl, policy, layers=min(2, spec.n_layers), keep_grads=True)
+    traced = trace(spec, wl, policy, layers=min(2, spec.n_layers))
     return PeakRow(
         model=name,
         family=family(spec),

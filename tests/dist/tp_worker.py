@@ -155,7 +155,7 @@ def memory(checks: Checks, mesh: DeviceMesh, table: list[dict[str, Any]]) -> Non
     for label, spec in specs.items():
         for sp in (False, True):
             torch.manual_seed(0)
-            model = parallelize(build_model(spec).train(), mesh, sp=sp)
+            model = parallelize(build_model(spec, attention="eager").train(), mesh, sp=sp)
             wl = Workload(micro_batch=B, seq_len=S, dtype="fp32", device="cpu", attention="eager", tp=t, sp=sp)
             la = layer_activations(spec, wl)
             paper_wl = dataclasses.replace(wl, dtype="fp16", device="cuda")  # the paper's accounting
@@ -188,8 +188,8 @@ def fsdp_memory(checks: Checks, mesh: DeviceMesh) -> None:
     are not activations)."""
     spec = tiny_llama()
     torch.manual_seed(0)
-    model = parallelize(build_model(spec).train(), mesh)
-    la = layer_activations(spec, Workload(micro_batch=B, seq_len=S, dtype="fp32", device="cpu"))
+    model = parallelize(build_model(spec, attention="eager").train(), mesh)
+    la = layer_activations(spec, Workload(attention="eager", micro_batch=B, seq_len=S, dtype="fp32", device="cpu"))
     for policy in ("none", "block"):
         apply(model, policy)
         measured = [sum(m.values()) for m in saved_bytes_per_layer(model, batch(spec, B))]

@@ -74,25 +74,30 @@ def bench(
     warmup: int = 1,
     seed: int = 0,
     hf: bool = False,
-    keep_grads: bool = False,
     progress: Progress = no_progress,
 ) -> BenchResult:
     """Time and measure real training steps of ``spec`` under each policy (see the module docstring).
 
     ``hf=True`` runs the ``transformers`` model of ``spec`` instead of recompute's reference model.
-    ``keep_grads=True`` measures the memory step with gradients kept allocated between steps (DDP's and
-    Megatron's persistent buffers, what ``estimate`` assumes) instead of set to None.
+    ``wl.keep_grads`` measures the memory step with gradients kept allocated between steps (DDP's and
+    Megatron's persistent buffers) instead of set to None (PyTorch's ``zero_grad()``); ``estimate`` models
+    the same step.
 
     Raises:
         ConfigError: no policies, a bad policy, a sequence beyond the model's positions, or CUDA asked
             for without CUDA.
     """
     wl.check(spec)
-    require(len(policies) > 0, "give at least one policy, e.g. --policies none,block")
-    require(steps > 0 and warmup >= 0, f"--steps must be > 0 and --warmup >= 0, got {steps} and {warmup}")
+    require(len(policies) > 0, "give at least one policy, e.g. policies none,block", fields=("policies",))
+    require(
+        steps > 0 and warmup >= 0,
+        f"steps must be > 0 and warmup >= 0, got {steps} and {warmup}",
+        fields=("steps", "warmup"),
+    )
     require(
         wl.tp == wl.pp == wl.dp == 1 and not wl.sp,
-        "bench runs one process without parallelism; drop --tp/--pp/--dp/--sp (estimate models them)",
+        "bench runs one process without parallelism; drop tp, pp, dp and sp (estimate models them)",
+        fields=("tp", "pp", "dp", "sp"),
     )
     device = resolve_device(wl.device)
     pols = [Policy.parse(p) for p in policies]
@@ -113,7 +118,7 @@ def bench(
     memory = []
     for run in runs:
         progress(f"{run.policy.describe()}: memory step", done, total)
-        memory.append(_memory(run, batch, device, keep_grads))
+        memory.append(_memory(run, batch, device, wl.keep_grads))
         done += 1
     for i in range(steps):
         for run in runs:

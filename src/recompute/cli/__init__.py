@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple, NoReturn
@@ -94,14 +95,30 @@ def _command_in(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (2 for bad input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(_command_in(argv)).parse_args(argv)
+    parser = build_parser(_command_in(argv))
+    args = parser.parse_args(argv)
     args.argv = argv  # to repeat in messages (the torchrun command)
     cmd = COMMANDS[args.command]
     try:
         return int(getattr(_load(args.command), cmd.run)(args))
     except ConfigError as e:
-        print(f"recompute {args.command}: error: {e}", file=sys.stderr)
+        print(f"recompute {args.command}: error: {as_flags(e, _subparser(parser, args.command))}", file=sys.stderr)
         return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def as_flags(error: ConfigError, parser: argparse.ArgumentParser) -> str:
+    """The error's message with each field it names (``micro_batch``) shown as the option (``--micro-batch``)."""
+    flags = {a.dest: max(a.option_strings, key=len) for a in parser._actions if a.option_strings}
+    message = str(error)
+    for name in error.fields:
+        if name in flags:
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}\b", flags[name], message)
+    return message
 
 
 def main_exit() -> NoReturn:

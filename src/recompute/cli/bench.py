@@ -40,7 +40,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, seq_len=256, micro_batch=4, dtype="fp32", device=None)
     p.add_argument("--policies", default="none,block", help="comma-separated; the first is the reference")
     p.add_argument("--plan", help="a plan JSON file (recompute plan -o), benched after --policies")
-    p.add_argument("--keep-grads", action="store_true", help="keep gradients allocated between steps (as estimate)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per policy, after warm-up (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per policy (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default: 0)")
@@ -58,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_parallel(args, spec, wl, policies, hf)
     runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
     with progress_bar("bench") as progress:
-        result = bench(spec, wl, policies, **runs, hf=hf, keep_grads=args.keep_grads, progress=progress)
+        result = bench(spec, wl, policies, **runs, hf=hf, progress=progress)
     emit_json(result.to_dict()) if args.json else print(render_bench(result))
     return 0
 

@@ -69,6 +69,6 @@ def _traced_peak(spec: ModelSpec, wl: Workload) -> Callable[[Policy], float]:
     trace = torch_floor("recompute.trace").trace
 
     def peak(policy: Policy) -> float:
-        return float(trace(spec, wl, policy, keep_grads=True).peak)
+        return float(trace(spec, wl, policy).peak)
 
     return peak

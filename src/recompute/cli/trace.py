@@ -34,17 +34,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="trace K and K+1 layers and scale to all of them (exact for identical layers; much faster)",
     )
-    p.add_argument(
-        "--keep-grads",
-        action="store_true",
-        help="gradients stay allocated between steps (zero_grad(set_to_none=False), DDP/Megatron), as estimate assumes",
-    )
     p.add_argument("--json", action="store_true", help="print the trace as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     spec, hf = built_model(args.model)
     wl, pol = workload_from(args, spec), policy_from(args)
-    result = trace(spec, wl, pol, layers=args.layers, hf=hf, keep_grads=args.keep_grads)
+    result = trace(spec, wl, pol, layers=args.layers, hf=hf)
     emit_json(result.to_dict()) if args.json else print(render_trace(result))
     return 0

@@ -23,6 +23,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="activation dtype (default: bf16)")
     p.add_argument("--components", action="store_true", help="also show the error of every component")
     p.add_argument("--peaks", action="store_true", help="also compare the step's peak with estimate (slower)")
+    p.add_argument("--keep-grads", action="store_true", help="with --peaks: gradients stay allocated between steps")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
 
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
             micro_batch=args.micro_batch,
             dtype=args.dtype,
             peaks=args.peaks,
+            keep_grads=args.keep_grads,
             progress=progress,
         )
     emit_json(result.to_dict()) if args.json else print(render_validation(result, components=args.components))

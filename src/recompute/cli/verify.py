@@ -9,6 +9,7 @@ from torch import nn
 
 from recompute.cli._common import add_model_args, add_policy_args, emit_json, policy_from
 from recompute.cli.bench import add_size_args, size_overrides
+from recompute.core.workload import ATTENTIONS
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
 from recompute.runtime import resolve_device
@@ -23,7 +24,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_size_args(p)
     p.add_argument("--seq-len", type=int, default=64, metavar="S", help="s: tokens per sequence (default: 64)")
     p.add_argument("--micro-batch", type=int, default=2, metavar="B", help="b: sequences per batch (default: 2)")
-    p.add_argument("--attention", choices=("eager", "flash"), default="eager", help="eager math or SDPA")
+    p.add_argument("--attention", choices=ATTENTIONS, default="flash", help="flash (SDPA, the default) or eager math")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the batch and the dropout masks")
     p.add_argument("--device", default="cpu", help="where to run: cpu or cuda (default: cpu)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -2,32 +2,39 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "one_of", "positive_int", "require"]
 
 
 class ConfigError(ValueError):
     """A configuration or input that recompute cannot use.
 
-    The message is one line that says what was expected, what came, and how to fix it. The CLI prints it
-    as it is and exits with code 2; Python callers can catch it as a plain ``ValueError``.
+    The message is one line that says what was expected, what came, and how to fix it. It speaks in the
+    library's field names (``micro_batch must be ...``) and lists them in ``fields``; the CLI prints it with
+    each of those names turned into its option (``--micro-batch must be ...``) and exits with code 2. Python
+    callers can catch it as a plain ``ValueError``.
     """
 
+    def __init__(self, message: str, *, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+        """The field names the message mentions, for the CLI to show as options."""
 
-def require(condition: bool, message: str) -> None:
-    """Raise ``ConfigError(message)`` unless ``condition`` holds."""
+
+def require(condition: bool, message: str, *, fields: tuple[str, ...] = ()) -> None:
+    """Raise ``ConfigError(message, fields=fields)`` unless ``condition`` holds."""
     if not condition:
-        raise ConfigError(message)
+        raise ConfigError(message, fields=fields)
 
 
 def positive_int(name: str, value: object) -> int:
-    """Return ``value`` if it is an int > 0, else raise a ConfigError naming ``name``."""
+    """Return ``value`` if it is an int > 0, else raise a ConfigError naming the field ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}", fields=(name,))
     return value
 
 
 def one_of(name: str, value: object, choices: tuple[str, ...]) -> str:
-    """Return ``value`` if it is one of ``choices``, else raise a ConfigError listing them."""
+    """Return ``value`` if it is one of ``choices``, else raise a ConfigError naming the field and the choices."""
     if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}", fields=(name,))
     return str(value)

@@ -23,7 +23,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from recompute.core.analytic.estimate import Estimate, estimate, in_flight
+from recompute.core.analytic.estimate import (
+    Estimate,
+    GradientArrival,
+    after_backward,
+    estimate,
+    gradient_arrival,
+    in_flight,
+    resident_states,
+)
 from recompute.core.analytic.flops import layer_flops, model_flops
 from recompute.core.analytic.memory import layer_activations, outer_activations
 from recompute.core.analytic.params import model_states
@@ -60,9 +68,13 @@ def parse_budget(text: str | float) -> float:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
         unit = m.group(2).lower() if m else ""
-        require(m is not None and unit in _UNITS, f"--budget {text!r} is not a size; write e.g. 70GiB or 80GB")
+        require(
+            m is not None and unit in _UNITS,
+            f"budget {text!r} is not a size; write e.g. 70GiB or 80GB",
+            fields=("budget",),
+        )
         value = float(m.group(1)) * _UNITS[unit]  # type: ignore[union-attr]
-    require(value > 0, f"--budget must be positive, got {text!r}")
+    require(value > 0, f"budget must be positive, got {text!r}", fields=("budget",))
     return value
 
 
@@ -134,14 +146,24 @@ class _Chain:
     stages: int
     k: float
     states: float
+    """Model-state bytes resident all step (``resident_states``)."""
     loss_extra: float
     """E + H + logits + loss transient: added to k * S at the loss."""
     top_extra: float
     """A + W + E + kept logits: added to k * S - s_top in the backward of the top layer."""
+    grads: GradientArrival
+    after: float
+    """The embedding's backward or the optimizer step, whichever is larger (the same for every plan)."""
     model_cost: float
 
     def peak(self, S: float, s_top: float) -> float:
-        return self.states + max(self.k * S + self.loss_extra, self.k * S - s_top + self.top_extra)
+        """Note: [endpoints suffice] in layer order (most recomputing first) a layer's backward holds the
+        stored bytes below it, the whole layer again, and the gradients made above it: stored bytes grow
+        and gradients shrink by a constant per layer going up, and stored bytes grow fastest at the top, so
+        the largest backward phase is at the top layer or at the bottom one."""
+        top = self.k * S - s_top + self.top_extra + self.grads.before(self.n - 1, self.n)
+        bottom = (self.k - 1) * S + self.top_extra + self.grads.before(0, self.n)
+        return self.states + max(self.k * S + self.loss_extra, top, bottom, self.after)
 
 
 def policy_costs(spec: ModelSpec, wl: Workload, measured: str | Path | None = None) -> tuple[dict[str, float], float]:
@@ -165,15 +187,18 @@ def _chain(spec: ModelSpec, wl: Workload, cost: dict[str, float], model_cost: fl
     outer = outer_activations(spec, wl, last_stage=wl.pp == 1)
     k = in_flight(wl)
     embedding = k * outer.embedding
+    states = model_states(spec, wl)
     return _Chain(
         stored={p: la.stored(p) for p in POLICIES},
         cost=cost,
         n=-(-spec.n_layers // wl.pp),
         stages=wl.pp,
         k=k,
-        states=model_states(spec, wl).total,
+        states=resident_states(wl, states),
         loss_extra=embedding + outer.head + outer.logits + outer.loss_transient,
         top_extra=la.total + la.workspace + embedding + outer.kept_logits,
+        grads=gradient_arrival(spec, wl, states),
+        after=after_backward(spec, wl, states, embedding + outer.kept_logits)[0],
         model_cost=model_cost,
     )
 
@@ -286,7 +311,7 @@ def plan(
     points = _candidates(chain)
     chosen = _fitting(points, budget)
     if chosen is None:
-        raise ConfigError(_nothing_fits(spec, wl, budget, points[0].peak))
+        raise ConfigError(_nothing_fits(spec, wl, budget, points[0].peak), fields=ALTERNATIVE_FIELDS)
     peak_of_trace = None
     if traced_peak is not None:
         chosen, peak_of_trace = _fit_traced(spec, wl, points, chosen, budget, traced_peak)
@@ -341,7 +366,8 @@ def _fit_traced(
         chosen = lower
     raise ConfigError(
         f"no plan's traced peak fits {budget / 2**30:.2f} GiB (the smallest predicted peak is "
-        f"{points[0].peak / 2**30:.2f} GiB); raise the budget or see the fixes without --trace"
+        f"{points[0].peak / 2**30:.2f} GiB); raise the budget or see the fixes without trace",
+        fields=("trace",),
     )
 
 
@@ -363,18 +389,22 @@ def _nothing_fits(spec: ModelSpec, wl: Workload, budget: float, smallest: float)
     )
 
 
+ALTERNATIVE_FIELDS = ("attention", "micro_batch", "precision", "dp", "tp", "sp")
+"""The workload fields ``_alternatives`` changes (the advice names them)."""
+
+
 def _alternatives(spec: ModelSpec, wl: Workload) -> list[tuple[str, Workload]]:
     """Changes that lower the peak, one at a time and then cumulatively, least invasive first."""
     steps: list[tuple[str, dict[str, Any]]] = []
     if wl.attention == "eager":
-        steps.append(("--attention flash", {"attention": "flash"}))
+        steps.append(("attention flash", {"attention": "flash"}))
     if wl.micro_batch > 1:
-        steps.append((f"--micro-batch {wl.micro_batch // 2}", {"micro_batch": wl.micro_batch // 2}))
+        steps.append((f"micro_batch {wl.micro_batch // 2}", {"micro_batch": wl.micro_batch // 2}))
     if wl.precision != "distributed":
-        steps.append(("--precision distributed --dp 8", {"precision": "distributed", "dp": max(wl.dp, 8)}))
+        steps.append(("precision distributed dp 8", {"precision": "distributed", "dp": max(wl.dp, 8)}))
     t = wl.tp * 2
     if spec.n_heads % t == 0 and spec.n_kv_heads % t == 0 and wl.seq_len % t == 0:
-        steps.append((f"--tp {t} --sp", {"tp": t, "sp": True}))
+        steps.append((f"tp {t} sp", {"tp": t, "sp": True}))
     out = [(label, replace(wl, **change)) for label, change in steps]
     labels, merged = [], {}
     for label, change in steps:

@@ -13,9 +13,21 @@ from typing import Any
 from recompute.core.errors import ConfigError, one_of, positive_int, require
 from recompute.core.spec import ModelSpec
 
-__all__ = ["DTYPE_BYTES", "PRECISIONS", "Workload"]
+__all__ = [
+    "ATTENTIONS",
+    "DTYPE_BYTES",
+    "PRECISIONS",
+    "Workload",
+    "build_workload",
+    "check_head_split",
+    "check_sequence_split",
+    "workload_fields",
+]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+ATTENTIONS = ("eager", "flash")
+"""``eager``: the attention math written out (saves the s^2 softmax); ``flash``: SDPA / FlashAttention."""
 
 PRECISIONS = {
     "fp32": "fp32 weights, fp32 gradients, fp32 Adam m and v: 4 + 4 + 8 = 16 B/param (the workshop's figure)",
@@ -55,11 +67,19 @@ class Workload:
         ),
     )
     attention: str = field(
-        default="eager",
+        default="flash",
         metadata=_opt(
             "--attention",
             "eager stores the s^2 softmax; flash (SDPA/FlashAttention) stores only a per-row log-sum-exp",
-            choices=("eager", "flash"),
+            choices=ATTENTIONS,
+        ),
+    )
+    keep_grads: bool = field(
+        default=False,
+        metadata=_opt(
+            "--keep-grads",
+            "gradients stay allocated between steps (zero_grad(set_to_none=False), DDP/Megatron buffers); "
+            "by default they are freed, as PyTorch's zero_grad() does",
         ),
     )
     device: str = field(
@@ -73,25 +93,22 @@ class Workload:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "tp", "pp", "interleave", "dp"):
-            positive_int(_flag(name), getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.n_microbatches is not None:
-            positive_int("--microbatches", self.n_microbatches)
-        one_of("--dtype", self.dtype, tuple(DTYPE_BYTES))
-        one_of("--attention", self.attention, ("eager", "flash"))
-        one_of("--device", self.device, ("cuda", "cpu"))
+            positive_int("n_microbatches", self.n_microbatches)
+        one_of("dtype", self.dtype, tuple(DTYPE_BYTES))
+        one_of("attention", self.attention, ATTENTIONS)
+        one_of("device", self.device, ("cuda", "cpu"))
         if self.precision is None:
             object.__setattr__(self, "precision", "fp32" if self.dtype == "fp32" else "mixed")
-        one_of("--precision", self.precision, tuple(PRECISIONS))
+        one_of("precision", self.precision, tuple(PRECISIONS))
         require(
             self.interleave == 1 or self.pp > 1,
-            f"--interleave {self.interleave} needs pipeline parallelism; set --pp > 1 or drop --interleave",
+            f"interleave {self.interleave} needs pipeline parallelism; set pp > 1 or drop interleave",
+            fields=("interleave", "pp"),
         )
         if self.sp:
-            require(
-                self.seq_len % self.tp == 0,
-                f"with --sp the sequence length ({self.seq_len}) must be divisible by --tp ({self.tp}); "
-                f"use a multiple of {self.tp}",
-            )
+            check_sequence_split(self.seq_len, self.tp)
 
     @property
     def element_bytes(self) -> int:
@@ -110,21 +127,19 @@ class Workload:
 
     def check(self, spec: ModelSpec) -> None:
         """Raise ConfigError if this workload cannot run ``spec`` (divisibility, positions, pipeline depth)."""
-        t, p, m, L = self.tp, self.pp, self.interleave, spec.n_layers
+        p, m, L = self.pp, self.interleave, spec.n_layers
         require(
             self.seq_len <= spec.max_positions,
-            f"--seq-len {self.seq_len} exceeds {spec.name}'s {spec.max_positions} positions; "
-            f"use --seq-len <= {spec.max_positions}",
+            f"seq_len {self.seq_len} exceeds {spec.name}'s {spec.max_positions} positions; "
+            f"use seq_len <= {spec.max_positions}",
+            fields=("seq_len",),
         )
-        require(spec.n_heads % t == 0, f"--tp {t} must divide the {spec.n_heads} attention heads of {spec.name}")
-        require(
-            spec.n_kv_heads % t == 0,
-            f"--tp {t} must divide the {spec.n_kv_heads} key/value heads of {spec.name}; use --tp <= {spec.n_kv_heads}",
-        )
-        require(p <= L, f"--pp {p} is larger than the {L} layers of {spec.name}; use --pp <= {L}")
+        check_head_split(spec, self.tp)
+        require(p <= L, f"pp {p} is larger than the {L} layers of {spec.name}; use pp <= {L}", fields=("pp",))
         require(
             m == 1 or L % (p * m) == 0,
-            f"--interleave {m} needs the {L} layers to split into p*m = {p * m} equal chunks",
+            f"interleave {m} needs the {L} layers to split into p*m = {p * m} equal chunks",
+            fields=("interleave",),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,8 +147,27 @@ class Workload:
         return dataclasses.asdict(self)
 
 
-def _flag(name: str) -> str:
-    return str(next(f.metadata["flag"] for f in dataclasses.fields(Workload) if f.name == name))
+def check_head_split(spec: ModelSpec, tp: int) -> None:
+    """Raise ConfigError unless ``tp`` divides the query and the key/value heads of ``spec``."""
+    require(
+        spec.n_heads % tp == 0,
+        f"tp {tp} must divide the {spec.n_heads} query heads of {spec.name}",
+        fields=("tp",),
+    )
+    require(
+        spec.n_kv_heads % tp == 0,
+        f"tp {tp} must divide the {spec.n_kv_heads} key/value heads of {spec.name}; use tp <= {spec.n_kv_heads}",
+        fields=("tp",),
+    )
+
+
+def check_sequence_split(seq_len: int, tp: int) -> None:
+    """Raise ConfigError unless sequence parallelism can split ``seq_len`` positions over ``tp`` ranks."""
+    require(
+        seq_len % tp == 0,
+        f"with sp the sequence length ({seq_len}) must be divisible by tp ({tp}); use a multiple of {tp}",
+        fields=("sp", "tp", "seq_len"),
+    )
 
 
 def workload_fields() -> tuple[dataclasses.Field[Any], ...]:

@@ -18,11 +18,11 @@ from torch import nn
 
 from recompute.core.errors import ConfigError, one_of
 from recompute.core.spec import ModelSpec
-from recompute.models.core import ATTENTION
+from recompute.core.workload import ATTENTIONS
 from recompute.models.gpt import GPT
 from recompute.models.llama import Llama
 
-__all__ = ["ATTENTION", "GPT", "Llama", "build_model", "model_class"]
+__all__ = ["GPT", "Llama", "build_model", "model_class"]
 
 
 def model_class(spec: ModelSpec) -> type[GPT] | type[Llama]:
@@ -33,7 +33,7 @@ def model_class(spec: ModelSpec) -> type[GPT] | type[Llama]:
 def build_model(
     spec: ModelSpec,
     *,
-    attention: str = "eager",
+    attention: str = "flash",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> nn.Module:
@@ -49,7 +49,7 @@ def build_model(
     Raises:
         ConfigError: an unknown attention, or a position kind the architecture does not have.
     """
-    one_of("attention", attention, ATTENTION)
+    one_of("attention", attention, ATTENTIONS)
     cls = model_class(spec)
     position = "learned" if cls is GPT else "rotary"
     if spec.position != position:

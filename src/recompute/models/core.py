@@ -14,10 +14,7 @@ from torch import Tensor, nn
 
 from recompute.core.spec import ModelSpec
 
-__all__ = ["ATTENTION", "Block", "causal_attention", "cross_entropy", "init_weights", "make_norm"]
-
-ATTENTION = ("eager", "flash")
-"""``eager``: the math written out, saving the s^2 softmax; ``flash``: ``F.scaled_dot_product_attention``."""
+__all__ = ["Block", "causal_attention", "cross_entropy", "init_weights", "make_norm"]
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, *, impl: str, dropout_p: float) -> Tensor:

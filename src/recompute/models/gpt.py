@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from recompute.core.errors import one_of
 from recompute.core.spec import ModelSpec
-from recompute.models.core import ATTENTION, Block, causal_attention, cross_entropy, init_weights, make_norm
+from recompute.core.workload import ATTENTIONS
+from recompute.models.core import Block, causal_attention, cross_entropy, init_weights, make_norm
 
 __all__ = ["GPT", "CausalSelfAttention", "GeluMLP"]
 
@@ -22,7 +23,7 @@ __all__ = ["GPT", "CausalSelfAttention", "GeluMLP"]
 class CausalSelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention with one fused Q/K/V projection."""
 
-    def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
+    def __init__(self, spec: ModelSpec, *, attention: str = "flash") -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
         self.split = (spec.q_dim, spec.kv_dim, spec.kv_dim)
@@ -30,7 +31,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(spec.q_dim, spec.hidden, bias=spec.bias)
         self.resid_dropout = nn.Dropout(spec.dropout)
         self.dropout = spec.dropout
-        self.attention = one_of("attention", attention, ATTENTION)
+        self.attention = one_of("attention", attention, ATTENTIONS)
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.qkv(x)
@@ -73,7 +74,7 @@ class GPT(nn.Module):
     ``norm1``, ``attn``, ``norm2``, ``mlp``.
     """
 
-    def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
+    def __init__(self, spec: ModelSpec, *, attention: str = "flash") -> None:
         super().__init__()
         self.spec = spec
         self.tok_emb = nn.Embedding(spec.vocab, spec.hidden)

@@ -20,7 +20,7 @@ HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
 """recompute's attention names and the ``attn_implementation`` they map to."""
 
 
-def hf_config(spec: ModelSpec, *, attention: str = "eager") -> Any:
+def hf_config(spec: ModelSpec, *, attention: str = "flash") -> Any:
     """A ``GPT2Config`` (GELU, LayerNorm, learned positions) or ``LlamaConfig`` (SwiGLU, RMSNorm, RoPE).
 
     Raises:
@@ -81,7 +81,7 @@ def hf_class_name(spec: ModelSpec) -> str:
 def build_hf_model(
     spec: ModelSpec,
     *,
-    attention: str = "eager",
+    attention: str = "flash",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> nn.Module:

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from recompute.core.errors import one_of
 from recompute.core.spec import ModelSpec
-from recompute.models.core import ATTENTION, Block, causal_attention, cross_entropy, init_weights, make_norm
+from recompute.core.workload import ATTENTIONS
+from recompute.models.core import Block, causal_attention, cross_entropy, init_weights, make_norm
 
 __all__ = ["GroupedQueryAttention", "Llama", "SwiGLU", "apply_rotary", "rope_tables"]
 
@@ -41,7 +42,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class GroupedQueryAttention(nn.Module):
     """Causal self-attention with n_kv_heads key/value heads shared by groups of query heads, and RoPE."""
 
-    def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
+    def __init__(self, spec: ModelSpec, *, attention: str = "flash") -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.bias)
@@ -50,7 +51,7 @@ class GroupedQueryAttention(nn.Module):
         self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=spec.bias)
         self.resid_dropout = nn.Dropout(spec.dropout)
         self.dropout = spec.dropout
-        self.attention = one_of("attention", attention, ATTENTION)
+        self.attention = one_of("attention", attention, ATTENTIONS)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q, k, v = self.qkv(x)
@@ -97,7 +98,7 @@ class Llama(nn.Module):
     ``norm1``, ``attn``, ``norm2``, ``mlp``; every block also takes the rotary tables ``(cos, sin)``.
     """
 
-    def __init__(self, spec: ModelSpec, *, attention: str = "eager") -> None:
+    def __init__(self, spec: ModelSpec, *, attention: str = "flash") -> None:
         super().__init__()
         self.spec = spec
         self.tok_emb = nn.Embedding(spec.vocab, spec.hidden)

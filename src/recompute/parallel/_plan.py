@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from recompute.core.errors import ConfigError
 from recompute.core.spec import ModelSpec
-from recompute.core.workload import Workload
+from recompute.core.workload import check_head_split, check_sequence_split
 from recompute.models.gpt import GPT
 from recompute.models.llama import Llama
 from recompute.parallel._ops import (
@@ -47,8 +47,9 @@ def check_parallel(spec: ModelSpec, *, tp: int, seq_len: int | None = None, sp: 
     t must divide the attention heads and the key/value heads; with sequence parallelism it must divide the
     sequence length as well. ``seq_len=None`` checks the heads only. The messages are ``Workload``'s.
     """
-    # A stand-in length (t divides it) when there is none to check: Workload checks the heads either way.
-    Workload(tp=tp, sp=sp, seq_len=tp if seq_len is None else seq_len).check(spec)
+    check_head_split(spec, tp)
+    if sp and seq_len is not None:
+        check_sequence_split(seq_len, tp)
 
 
 def qkv_row_order(spec: ModelSpec, tp: int) -> Tensor:

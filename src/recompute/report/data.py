@@ -17,7 +17,7 @@ from recompute.core.hardware import GPU, gpu_by_name, usable_bytes
 from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
 from recompute.core.spec import ModelSpec
-from recompute.core.workload import Workload
+from recompute.core.workload import ATTENTIONS, Workload
 
 __all__ = [
     "COMPONENTS",
@@ -51,7 +51,6 @@ COMPONENTS: dict[str, str] = {
 STRATEGIES: dict[str, str] = {"attn": "A: recompute attention", "mlp": "B: recompute MLP", "attn+mlp": "C: both"}
 """The workshop's three strategies, by policy name."""
 
-ATTENTIONS = ("eager", "flash")
 MAX_SEQ_LEN = 131072  # 128K, the longest context of the Llama 3.1 family
 MIN_POINTS = 4
 

@@ -42,7 +42,6 @@ def trace(
     *,
     layers: int | None = None,
     hf: bool = False,
-    keep_grads: bool = False,
 ) -> TraceResult:
     """Trace one training step of ``spec`` under ``wl`` with ``policy``, allocating nothing.
 
@@ -53,8 +52,6 @@ def trace(
         layers: trace this many layers (and one more) and scale to ``spec.n_layers`` (the layers are
             identical; the result says so). ``None`` traces every layer.
         hf: trace the ``transformers`` implementation of ``spec`` instead of recompute's.
-        keep_grads: gradients stay allocated between steps (``zero_grad(set_to_none=False)``, DDP/Megatron
-            buffers), as ``recompute estimate`` assumes; by default they start the step as ``None``.
 
     Raises:
         ConfigError: the sequence is longer than the model's positions, the policy does not fit the model,
@@ -67,16 +64,17 @@ def trace(
     start = time.perf_counter()
     if layers is None or layers >= spec.n_layers - 1:
         counts: tuple[int, ...] = (spec.n_layers,)
-        record = _trace_layers(spec, wl, pol, spec.n_layers, device=device, hf=hf, keep_grads=keep_grads)
+        record = _trace_layers(spec, wl, pol, spec.n_layers, device=device, hf=hf)
     else:
-        positive_int("--layers", layers)
+        positive_int("layers", layers)
         require(
             pol.is_uniform,
-            f"--layers {layers} scales identical layers, but the policy differs by layer ({pol.describe()}); "
-            "drop --layers to trace every layer",
+            f"layers {layers} scales identical layers, but the policy differs by layer ({pol.describe()}); "
+            "drop layers to trace every layer",
+            fields=("layers",),
         )
         counts = (layers, layers + 1)
-        small, big = (_trace_layers(spec, wl, pol, n, device=device, hf=hf, keep_grads=keep_grads) for n in counts)
+        small, big = (_trace_layers(spec, wl, pol, n, device=device, hf=hf) for n in counts)
         record = scale_record(small, big, spec.n_layers)
     return from_record(
         record,
@@ -85,7 +83,7 @@ def trace(
         per_layer=per_layer,
         workload=_workload_dict(wl),
         traced=counts,
-        notes=_notes(spec, wl, counts, hf, keep_grads),
+        notes=_notes(spec, wl, counts, hf),
         seconds=time.perf_counter() - start,
     )
 
@@ -94,18 +92,18 @@ def _check_traceable(spec: ModelSpec, wl: Workload, hf: bool) -> None:
     wl.check(spec)
     require(
         wl.pp == wl.dp == 1,
-        "trace runs one tensor-parallel rank of one pipeline stage's model; drop --pp/--dp "
+        "trace runs one tensor-parallel rank of one pipeline stage's model; drop pp and dp "
         "(recompute estimate models pipeline and data parallelism)",
+        fields=("pp", "dp"),
     )
     require(
         wl.tp == 1 or not hf,
-        f"--tp {wl.tp} traces recompute's reference GPT/Llama (recompute.parallel); drop --hf or --tp",
+        f"tp {wl.tp} traces recompute's reference GPT/Llama (recompute.parallel); drop tp or use a preset",
+        fields=("tp",),
     )
 
 
-def _trace_layers(
-    spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool, keep_grads: bool
-) -> StepRecord:
+def _trace_layers(spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool) -> StepRecord:
     """One fake step of ``spec`` cut to ``n`` layers (of rank 0, with ``wl.tp`` > 1)."""
     with _fake_group(wl.tp):
         if wl.tp > 1:
@@ -113,17 +111,17 @@ def _trace_layers(
             # the output by running the op on whole-size tensors, which the tracker would count as memory (2 GiB
             # in the head's backward of Llama 3.1 8B at t = 8). A one-layer step per policy fills that cache.
             for name in dict.fromkeys(pol.per_layer(n)):
-                _step(spec, wl, Policy(name), 1, device=device, hf=hf, keep_grads=keep_grads)
-        return _step(spec, wl, pol, n, device=device, hf=hf, keep_grads=keep_grads)
+                _step(spec, wl, Policy(name), 1, device=device, hf=hf)
+        return _step(spec, wl, pol, n, device=device, hf=hf)
 
 
-def _step(spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool, keep_grads: bool) -> StepRecord:
+def _step(spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool) -> StepRecord:
     model, stack, mode = _fake_model(spec, wl, pol, n, device=device, hf=hf)
     with mode:
         optimizer = torch.optim.AdamW(model.parameters())
         prime_optimizer(model, optimizer)
         batch = random_batch(spec.vocab, wl.micro_batch, wl.seq_len, device=device)
-        return run_step(model, batch, optimizer, stack, loss_fn=loss_fn_for(hf), keep_grads=keep_grads)
+        return run_step(model, batch, optimizer, stack, loss_fn=loss_fn_for(hf), keep_grads=wl.keep_grads)
 
 
 @contextlib.contextmanager
@@ -229,7 +227,7 @@ def trace_module(
 
 
 def _workload_dict(wl: Workload) -> dict[str, Any]:
-    keys = ("micro_batch", "seq_len", "dtype", "attention", "device", "tp", "sp")
+    keys = ("micro_batch", "seq_len", "dtype", "attention", "device", "tp", "sp", "keep_grads")
     return {k: getattr(wl, k) for k in keys}
 
 
@@ -237,12 +235,12 @@ def _class_name(spec: ModelSpec, hf: bool) -> str:
     return f"transformers.{hf_class_name(spec)}" if hf else f"recompute.models.{model_class(spec).__name__}"
 
 
-def _notes(spec: ModelSpec, wl: Workload, counts: tuple[int, ...], hf: bool, keep_grads: bool) -> tuple[str, ...]:
+def _notes(spec: ModelSpec, wl: Workload, counts: tuple[int, ...], hf: bool) -> tuple[str, ...]:
     notes = [
         f"traced {_class_name(spec, hf)} built from the {spec.name} spec on fake {wl.device} tensors: "
         "exact sizes, nothing allocated",
         "steady-state step: AdamW state exists, gradients "
-        + ("stay allocated (zero_grad(set_to_none=False))" if keep_grads else "start as None")
+        + ("stay allocated (zero_grad(set_to_none=False))" if wl.keep_grads else "start as None (zero_grad())")
         + f"; parameters, gradients and AdamW state in {wl.dtype}",
     ]
     if wl.tp > 1:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recompute.core.errors import one_of, positive_int, require
+from recompute.core.workload import ATTENTIONS
 
 __all__ = ["RESUME_MUST_MATCH", "TrainConfig"]
 
@@ -24,7 +25,7 @@ class TrainConfig:
     hidden: int | None = field(default=256, metadata=_opt("--hidden", "hidden size (overrides; 0 keeps it)"))
     n_heads: int | None = field(default=4, metadata=_opt("--heads", "attention heads (overrides; 0 keeps it)"))
     attention: str = field(
-        default="eager", metadata=_opt("--attention", "eager or flash (SDPA)", choices=("eager", "flash"))
+        default="flash", metadata=_opt("--attention", "flash (SDPA, the default) or eager", choices=ATTENTIONS)
     )
     dropout: float | None = field(
         default=None, metadata=_opt("--dropout", "dropout probability (overrides the preset's)")
@@ -70,7 +71,7 @@ class TrainConfig:
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, f"{flag(name)} must be >= 0, got {value!r}")
         require(self.lr > 0, f"--lr must be positive, got {self.lr}")
-        one_of("--attention", self.attention, ("eager", "flash"))
+        one_of("--attention", self.attention, ATTENTIONS)
         one_of("--tokenizer", self.tokenizer, ("byte", "bpe"))
         one_of("--device", self.device, ("auto", "cpu", "cuda"))
         if self.dropout is not None:

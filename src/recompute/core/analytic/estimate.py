@@ -11,12 +11,22 @@ from typing import Any
 
 from recompute.core.analytic.flops import layer_flops, model_flops, recompute_flops
 from recompute.core.analytic.memory import PART_GROUP, LayerActivations, layer_activations, outer_activations
-from recompute.core.analytic.params import ModelStates, model_states
+from recompute.core.analytic.params import ModelStates, head_params, layer_params, model_states
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload
 
-__all__ = ["Estimate", "estimate", "estimate_policies", "in_flight", "layer_overheads"]
+__all__ = [
+    "Estimate",
+    "GradientArrival",
+    "after_backward",
+    "estimate",
+    "estimate_policies",
+    "gradient_arrival",
+    "in_flight",
+    "layer_overheads",
+    "resident_states",
+]
 
 
 @dataclass(frozen=True)
@@ -109,17 +119,20 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
             activations[group] = activations.get(group, 0.0) + k * count * value
     activations.update(embedding=k * outer.embedding, head=outer.head, logits=outer.logits)
 
-    peak_act, phase = _peak_activations(
-        la, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits
-    )
     states = model_states(spec, wl)
+    grads = gradient_arrival(spec, wl, states)
+    peak_act, phase = _peak_activations(
+        la, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits, grads
+    )
+    resident = resident_states(wl, states)
+    peak_act, phase = max((peak_act, phase), after_backward(spec, wl, states, outer.embedding * k + outer.kept_logits))
     return Estimate(
         model=spec.name,
         policy=pol.describe(),
         per_layer=per_layer,
         states=states,
         activations=activations,
-        peak=states.total + peak_act,
+        peak=resident + peak_act,
         peak_phase=phase,
         model_flops=model_flops(spec, wl),
         recompute_flops=recompute_flops(spec, wl, per_layer),
@@ -135,12 +148,13 @@ def _peak_activations(
     head: float,
     loss: float,
     kept_logits: float,
+    grads: GradientArrival,
 ) -> tuple[float, str]:
-    """Largest activation footprint over the backward of a chain of layers.
+    """Largest activation footprint over the backward of a chain of layers (plus the gradients made so far).
 
     At the loss: every stored byte plus the logits and loss gradients. Then layer j (top down): the layers
     below j still stored, other micro-batches in flight, layer j's recompute transient and workspace, and
-    the logits the training loop still holds.
+    the logits the training loop still holds, and the gradients made so far (``GradientArrival``).
     """
     by_policy = {name: la.stored(name) for name in set(stage)}
     stored = [by_policy[name] for name in stage]
@@ -149,10 +163,87 @@ def _peak_activations(
     below = 0.0
     for j, name in enumerate(stage):
         below += stored[j]
-        value = others + below + la.transient(name) + la.workspace + embedding + kept_logits
+        made = grads.before(j, len(stage))
+        value = others + below + la.transient(name) + la.workspace + embedding + kept_logits + made
         if value > best:
             best, phase = value, f"backward of layer {j}"
     return best, phase
+
+
+@dataclass(frozen=True)
+class GradientArrival:
+    """Gradient bytes made by the backward so far, when ``zero_grad()`` freed them (zero with ``keep_grads``).
+
+    Note: [gradients arrive top down] the backward makes the output layer's (and the final norm's) gradients
+    first, then each layer's as it passes it; layer j's own appear after its recompute transient has peaked.
+    A tied embedding's gradient comes with the output layer's; an untied one, last.
+    """
+
+    head: float
+    """Made before the first layer's backward: output layer, final norm, a tied embedding."""
+    layer: float
+    """Made by each layer's backward."""
+
+    def before(self, j: int, n: int) -> float:
+        """Gradient bytes that exist while layer j of n runs its backward."""
+        return self.head + self.layer * (n - 1 - j)
+
+
+def gradient_arrival(spec: ModelSpec, wl: Workload, states: ModelStates) -> GradientArrival:
+    """The gradients the backward makes, for a step whose gradients start as None (``keep_grads`` off)."""
+    if wl.keep_grads:
+        return GradientArrival(0.0, 0.0)
+    per = states.gradients / states.params if states.params else 0.0
+    lp = layer_params(spec)
+    norm = _norm(spec)
+    head = (head_params(spec) - norm) / wl.tp + norm
+    if spec.tied_embeddings:
+        head += spec.vocab * spec.hidden / wl.tp
+    return GradientArrival(head=head * per if wl.pp == 1 else 0.0, layer=(lp.sharded / wl.tp + lp.replicated) * per)
+
+
+def resident_states(wl: Workload, states: ModelStates) -> float:
+    """Model-state bytes that exist all step: gradients only with ``keep_grads``."""
+    return states.total if wl.keep_grads else states.parameters + states.optimizer
+
+
+def after_backward(spec: ModelSpec, wl: Workload, states: ModelStates, held: float) -> tuple[float, str]:
+    """The larger of the embedding's backward and the optimizer step, in bytes beyond ``resident_states``."""
+    return max(_embedding_phase(spec, wl, states, held), _optimizer_phase(spec, wl, states))
+
+
+def _norm(spec: ModelSpec) -> int:
+    return head_params(spec) - (0 if spec.tied_embeddings else spec.vocab * spec.hidden)
+
+
+def _embedding_phase(spec: ModelSpec, wl: Workload, states: ModelStates, held: float) -> tuple[float, str]:
+    """Bytes beyond the resident states during the embedding's backward, the last of the step's backward.
+
+    Every other gradient exists (unless kept anyway); the embedding's dense gradient is made whole, (v, h)/t.
+    Note: [a tied embedding's three] with the output layer's weight tied to it, autograd sums the output
+    layer's contribution and the embedding's in a third buffer before it becomes ``.grad``: three (v, h)/t
+    buffers at once (held to the trace). ``held``: the embedding's stored activations and the kept logits.
+    """
+    per = states.gradients / states.params if states.params else 0.0
+    table = spec.vocab * spec.hidden / wl.tp * per
+    tied_here = spec.tied_embeddings and wl.pp == 1
+    others = 0.0 if wl.keep_grads else states.gradients - table
+    return others + (3 if tied_here else 1) * table + held, "backward of the embedding"
+
+
+def _optimizer_phase(spec: ModelSpec, wl: Workload, states: ModelStates) -> tuple[float, str]:
+    """Bytes beyond the resident states during the optimizer step: every gradient, and AdamW's temporaries.
+
+    Note: [AdamW's temporaries] PyTorch's single-tensor AdamW makes two temporaries of one parameter's
+    moment at a time (``exp_avg_sq.sqrt() / bias_correction``): twice the largest parameter, held to the
+    trace on the CPU. On CUDA PyTorch defaults to the foreach implementation, whose ``_foreach_sqrt`` holds
+    one moment for every parameter of a group at once; that is left out (not measured here), and fused or
+    distributed optimizers (Megatron's, ``fused=True``) do not make it.
+    """
+    moment = 2 if wl.precision == "bf16" else 4  # Adam moments: fp32, or bf16 in the bf16 mode
+    largest = max(spec.vocab * spec.hidden, spec.hidden * spec.d_ff, spec.hidden * (spec.q_dim + 2 * spec.kv_dim))
+    grads = 0.0 if wl.keep_grads else states.gradients
+    return grads + 2 * largest / wl.tp * moment, "optimizer step"
 
 
 def _notes(spec: ModelSpec, wl: Workload, pol: Policy) -> tuple[str, ...]:
