@@ -22,6 +22,7 @@ from recompute import ModelSpec, Workload, estimate
 from recompute.core.plan import plan
 from recompute.report import bench_section, build_report, plan_section, render_html, trace_section
 from recompute.report.data import components
+from recompute.trace import trace
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
@@ -58,7 +59,7 @@ def _require_browser() -> None:
 
 def write_bench(path: Path) -> Path:
     """A bench file in `recompute bench`'s layout; its "measured" figures are synthetic (a test input)."""
-    wl = Workload(seq_len=2 * K)
+    wl = Workload(attention="eager", seq_len=2 * K)
     ests = {p: estimate(LLAMA, wl, p) for p in ("none", "core_attn", "attn", "block")}
     times = {p: 1.0 + e.overhead / 2 for p, e in ests.items()}
     return tiny.write_bench(path, LLAMA, wl, times, peaks={p: 1.05 * e.peak for p, e in ests.items()})
@@ -70,12 +71,14 @@ def _write_report(folder: Path) -> Path:
     plan_file = folder / "plan.json"
     plan_file.write_text(json.dumps(plan(LLAMA, plan_wl, 80 * GiB).to_dict()))
     sections = {
-        "trace": trace_section(LLAMA, Workload(seq_len=1 * K), policies=("attn",), layers=1),
+        "trace": trace_section(
+            LLAMA, Workload(attention="eager", seq_len=1 * K), trace=trace, policies=("attn",), layers=1
+        ),
         "bench": bench_section(write_bench(folder / "bench.json"), LLAMA),
         "plan": plan_section(plan_file, LLAMA),
     }
     html = folder / "report.html"
-    html.write_text(render_html(build_report(LLAMA, Workload(seq_len=16 * K), sections=sections)))
+    html.write_text(render_html(build_report(LLAMA, Workload(attention="eager", seq_len=16 * K), sections=sections)))
     return html
 
 
@@ -179,7 +182,7 @@ def test_savings_table_shows_the_analytic_numbers(browser: Browser) -> None:
         "#savings-body tr",
         "rows => rows.map(r => [r.dataset.policy, r.className, ...Array.from(r.cells, c => c.textContent)])",
     )
-    wl = Workload(seq_len=16 * K)
+    wl = Workload(attention="eager", seq_len=16 * K)
     base = estimate(ModelSpec.from_name("llama3.1-8b"), wl, "none").activation_bytes
     for policy, css, _, saved, overhead, per in rows:
         est = estimate(ModelSpec.from_name("llama3.1-8b"), wl, policy)
@@ -214,7 +217,7 @@ def test_attention_chart_and_switch(browser: Browser) -> None:
 def test_overhead_chart_follows_the_model(browser: Browser) -> None:
     select(browser.page, model="llama3.1-405b")
     shown = traces(browser.page, "overhead")
-    est = estimate(ModelSpec.from_name("llama3.1-405b"), Workload(seq_len=64 * K), "core_attn")
+    est = estimate(ModelSpec.from_name("llama3.1-405b"), Workload(attention="eager", seq_len=64 * K), "core_attn")
     assert shown["core_attn"][6] == pytest.approx(100 * est.overhead, rel=1e-12)
 
 
@@ -224,7 +227,8 @@ def test_trace_chart_follows_the_policy(browser: Browser) -> None:
     section = browser.page.evaluate("() => window.RECOMPUTE.data.sections.trace.policies.attn")
     assert shown["traced"][3] == pytest.approx(section["traced"]["attention"] / GiB, rel=1e-12)
     assert shown["analytic"][10] == pytest.approx(
-        estimate(LLAMA, Workload(seq_len=K, device="cpu", precision="bf16"), "attn").peak / GiB, rel=1e-12
+        estimate(LLAMA, Workload(attention="eager", seq_len=K, device="cpu", precision="bf16"), "attn").peak / GiB,
+        rel=1e-12,
     )
     select(browser.page, policy="block")
     assert "was not traced" in browser.page.text_content("#trace .gtitle")
@@ -232,12 +236,12 @@ def test_trace_chart_follows_the_policy(browser: Browser) -> None:
 
 def test_bench_chart_shows_measured_and_predicted(browser: Browser) -> None:
     shown = traces(browser.page, "bench-memory")
-    est = estimate(LLAMA, Workload(seq_len=2 * K), "attn")
+    est = estimate(LLAMA, Workload(attention="eager", seq_len=2 * K), "attn")
     assert shown["predicted peak"][2] == pytest.approx(est.peak / GiB, rel=1e-12)
     assert shown["measured peak"][2] == pytest.approx(1.05 * est.peak / GiB, rel=1e-12)
     overhead = traces(browser.page, "bench-time")
     assert overhead["measured overhead"][3] == pytest.approx(
-        100 * (estimate(LLAMA, Workload(seq_len=2 * K), "block").overhead / 2) / 1.0, rel=1e-9
+        100 * (estimate(LLAMA, Workload(attention="eager", seq_len=2 * K), "block").overhead / 2) / 1.0, rel=1e-9
     )
 
 

@@ -185,7 +185,7 @@ def test_trace_section(tmp_path: Path, capsys: pytest.CaptureFixture[str], monke
     code, _, err = run(capsys, "report", "--model", "gpt2", "--seq-len", "128", "--trace", "-o", str(out))
     assert code == 0, err
     section = page_data(out.read_text())["sections"]["trace"]
-    wl = Workload(attention="eager", seq_len=128, device="cpu", precision="bf16")
+    wl = Workload(seq_len=128, device="cpu", precision="bf16")
     assert section["workload"] == wl.to_dict() and list(section["policies"]) == ["none", "block"]
     result = trace(ModelSpec.from_name("gpt2"), wl, "block", layers=1)
     traced, analytic = section["policies"]["block"]["traced"], section["policies"]["block"]["analytic"]

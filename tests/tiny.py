@@ -67,8 +67,8 @@ def write_bench(
     rows = tuple(
         BenchRow(
             policy=p,
-            peak=int((peaks or {}).get(p, 10**9)),
-            traced_peak=int((peaks or {}).get(p, 10**9)),
+            peak=(peaks or {}).get(p, 10**9),  # type: ignore[arg-type]  # synthetic, may be fractional
+            traced_peak=(peaks or {}).get(p, 10**9),  # type: ignore[arg-type]
             activations=0,
             step_s=t,
             forward_s=t / 3,
