@@ -21,7 +21,7 @@ from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
-from recompute.core.table import render_table
+from recompute.core.table import GiB, MiB, render_table
 from recompute.core.workload import ATTENTIONS, Workload
 from recompute.trace import trace, trace_layer
 
@@ -262,8 +262,8 @@ def render_validation(v: Validation, *, components: bool = False) -> str:
             str(r.seq_len),
             r.attention,
             r.policy,
-            f"{sum(r.analytic.values()) / 2**20:,.1f}",
-            f"{sum(r.traced.values()) / 2**20:,.1f}",
+            f"{sum(r.analytic.values()) / MiB:,.1f}",
+            f"{sum(r.traced.values()) / MiB:,.1f}",
             _pct(r.error),
             *(_pct(r.component_error(c)) for c in COMPARED if components),
         ]
@@ -282,8 +282,8 @@ def _render_peaks(v: Validation) -> list[str]:
     if not v.peaks:
         return []
     rows = [
-        [r.model, str(r.seq_len), r.attention, r.policy, f"{r.analytic / 2**30:,.2f}", r.analytic_phase,
-         f"{r.traced / 2**30:,.2f}", r.traced_phase, _pct(r.error)]
+        [r.model, str(r.seq_len), r.attention, r.policy, f"{r.analytic / GiB:,.2f}", r.analytic_phase,
+         f"{r.traced / GiB:,.2f}", r.traced_phase, _pct(r.error)]
         for r in v.peaks
     ]  # fmt: skip
     headers = ["model", "s", "attention", "policy", "analytic GiB", "at", "traced GiB", "at", "error"]

@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recompute.core.errors import ConfigError
+from recompute.core.table import GiB, MiB
 
 __all__ = ["CONTEXT_RESERVE", "FRAGMENTATION", "GPU", "GPUS", "gpu_by_name", "usable_bytes"]
 
-MiB = 2**20
-GiB = 2**30
 
 CONTEXT_RESERVE = 1 * GiB
 """Bytes the step cannot use whatever it does: the CUDA context (about 0.5 GiB with PyTorch's kernels loaded

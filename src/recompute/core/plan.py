@@ -39,6 +39,7 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.results import read_bench
 from recompute.core.spec import ModelSpec
+from recompute.core.table import GiB, MiB, gib
 from recompute.core.workload import Workload
 
 __all__ = ["FrontierPoint", "Plan", "best_uniform", "frontier", "parse_budget", "plan", "policy_costs"]
@@ -51,8 +52,8 @@ _UNITS = {
     "gb": 1e9,
     "tb": 1e12,
     "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
+    "mib": MiB,
+    "gib": GiB,
     "tib": 2**40,
 }
 
@@ -365,14 +366,13 @@ def _fit_traced(
             break
         chosen = lower
     raise ConfigError(
-        f"no plan's traced peak fits {budget / 2**30:.2f} GiB (the smallest predicted peak is "
-        f"{points[0].peak / 2**30:.2f} GiB); raise the budget or see the fixes without trace",
+        f"no plan's traced peak fits {gib(budget)} (the smallest predicted peak is "
+        f"{gib(points[0].peak)}); raise the budget or see the fixes without trace",
         fields=("trace",),
     )
 
 
 def _nothing_fits(spec: ModelSpec, wl: Workload, budget: float, smallest: float) -> str:
-    gib = 2**30
     fits = []
     for label, change in _alternatives(spec, wl):
         try:
@@ -380,12 +380,12 @@ def _nothing_fits(spec: ModelSpec, wl: Workload, budget: float, smallest: float)
         except ConfigError:
             continue
         if best <= budget:
-            fits.append(f"{label} ({best / gib:.1f} GiB)")
+            fits.append(f"{label} ({best / GiB:.1f} GiB)")
             break  # the first, least invasive change that fits
     fix = f"; would fit: {fits[0]}" if fits else "; use a smaller micro-batch or sequence, or more GPUs"
     return (
-        f"no plan fits {budget / gib:.1f} GiB: the smallest achievable peak of {spec.name} at "
-        f"b={wl.micro_batch} s={wl.seq_len} is {smallest / gib:.1f} GiB{fix}"
+        f"no plan fits {budget / GiB:.1f} GiB: the smallest achievable peak of {spec.name} at "
+        f"b={wl.micro_batch} s={wl.seq_len} is {smallest / GiB:.1f} GiB{fix}"
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recompute.core.errors import ConfigError
+from recompute.core.table import GiB
 from recompute.report.data import Report
 
 if TYPE_CHECKING:
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = ["COLORS", "write_pngs"]
 
-GiB = 2**30
 COLORS = {
     "parameters": "#8da0cb",
     "gradients": "#a6b8de",

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
+from recompute.core.table import gib
+
 __all__ = ["SECTIONS", "Section", "section"]
 
 
@@ -29,7 +31,7 @@ def _plan_html(data: dict[str, Any]) -> str:
     w = data["workload"]
     caption = (
         f"From <code>{escape(data['file'])}</code>: {escape(data['describe'])} at s = {w['seq_len']}, "
-        f"b = {w['micro_batch']}, {escape(w['attention'])} attention, budget {data['budget'] / 2**30:.2f} GiB "
+        f"b = {w['micro_batch']}, {escape(w['attention'])} attention, budget {gib(data['budget'])} "
         f"(cost in {escape(data['cost_kind'])}). Left: the policy of each layer and the bytes it stores (analytic). "
         "Right: the planner's Pareto frontier of predicted peak against recompute overhead, the uniform policies, "
         "and the plan."

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from recompute.checkpointing import apply
 from recompute.core.errors import require
 from recompute.core.spec import ModelSpec
+from recompute.core.table import mib
 from recompute.models import build_model
 from recompute.parallel import parallelize
 from recompute.train.checkpoint import load_latest, save_checkpoint
@@ -192,7 +193,7 @@ def _clip_grad_norm(model: nn.Module, max_norm: float) -> None:
 
 
 def _progress(step: int, config: TrainConfig, m: StepMetrics) -> None:
-    peak = f" peak {m.peak_bytes / 2**20:.0f} MiB" if m.peak_bytes else ""
+    peak = f" peak {mib(m.peak_bytes, digits=0)}" if m.peak_bytes else ""
     line = f"step {step + 1}/{config.steps} loss {m.loss:.4f} {m.tokens_per_s:,.0f} tok/s{peak}"
     if sys.stderr.isatty():
         _say("\r" + line.ljust(72), end="")
