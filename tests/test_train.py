@@ -28,7 +28,7 @@ def tiny(tmp_path: Path, **changes: object) -> TrainConfig:
 
 
 def test_policies_give_identical_losses_with_dropout_on(tmp_path: Path) -> None:
-    rows, runs = compare_train(tiny(tmp_path, grad_accum=2), ["none", "block", "attn+mlp"], quiet=True)
+    rows, runs = compare_train(tiny(tmp_path, grad_accum=2), ["none", "block", "attn+mlp"])
     reference = runs[0].losses
     assert len(reference) == 6 and reference[-1] < reference[0]
     assert runs[0].spec.dropout == 0.1
@@ -42,7 +42,7 @@ class Killed(Exception):
 
 
 def test_resume_after_a_kill_continues_exactly(tmp_path: Path) -> None:
-    whole = train(tiny(tmp_path / "a", steps=8, checkpoint_every=4), quiet=True)
+    whole = train(tiny(tmp_path / "a", steps=8, checkpoint_every=4))
 
     def kill_after_step_5(step: int) -> None:
         if step == 5:  # after the checkpoint at step 4 and one more step that the resume must redo
@@ -50,12 +50,12 @@ def test_resume_after_a_kill_continues_exactly(tmp_path: Path) -> None:
 
     config = tiny(tmp_path / "b", steps=8, checkpoint_every=4)
     with pytest.raises(Killed):
-        train(config, on_step=kill_after_step_5, quiet=True)
+        train(config, on_step=kill_after_step_5)
     metrics = Path(config.out) / "metrics.jsonl"
     with metrics.open("a") as f:
         f.write('{"step": 6, "lo')  # torn by the kill, mid-append
     assert [m["step"] for m in read_metrics(metrics)] == list(range(6))  # the torn line is dropped
-    resumed = train(config.replace(resume=True), quiet=True)
+    resumed = train(config.replace(resume=True))
     assert resumed.resumed_from == 4
     assert resumed.losses == whole.losses  # bit-exact: same data order, same RNG state, same weights
     lines = metrics.read_text().splitlines()  # rewritten from the checkpoint's metrics, then appended to
@@ -83,11 +83,11 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(torch, "save", crash_writing_step_4)
     with pytest.raises(Killed):
-        train(config, quiet=True)
+        train(config)
     folder = Path(config.out) / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step_0000002.pt", "step_0000004.pt.tmp"]
     monkeypatch.undo()
-    assert train(config.replace(resume=True), quiet=True).resumed_from == 2
+    assert train(config.replace(resume=True)).resumed_from == 2
     assert sorted(p.name for p in folder.iterdir()) == ["step_0000002.pt", "step_0000004.pt"]
 
 
@@ -102,11 +102,11 @@ def flip_bit(path: Path, tensor: torch.Tensor) -> None:
 
 def test_resume_passes_over_a_checkpoint_with_a_flipped_bit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tiny(tmp_path, steps=6, checkpoint_every=3)
-    whole = train(config, quiet=True)
+    whole = train(config)
     newest = checkpoints(Path(config.out))[-1]
     flip_bit(newest, torch.load(newest, weights_only=True)["model"]["layers.0.mlp.c_fc.weight"])
     capsys.readouterr()
-    resumed = train(config.replace(resume=True), quiet=True)
+    resumed = train(config.replace(resume=True))
     assert resumed.resumed_from == 3 and resumed.losses == whole.losses  # from the older checkpoint, exactly
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -116,7 +116,7 @@ def test_resume_passes_over_a_checkpoint_with_a_flipped_bit(tmp_path: Path, caps
 
 def test_resume_refuses_a_flipped_bit_when_no_checkpoint_verifies(tmp_path: Path) -> None:
     config = tiny(tmp_path, steps=2)
-    train(config, quiet=True)
+    train(config)
     path = checkpoints(Path(config.out))[-1]
     state = torch.load(path, weights_only=True)
     state["model"]["layers.1.attn.c_attn.weight"].view(torch.int32)[3, 5] ^= 1 << 20  # one bit of one weight
@@ -126,7 +126,7 @@ def test_resume_refuses_a_flipped_bit_when_no_checkpoint_verifies(tmp_path: Path
         r"CRC-32, and it is the only checkpoint; start over with --overwrite instead of --resume$"
     )
     with pytest.raises(ConfigError, match=message):
-        train(config.replace(resume=True), quiet=True)
+        train(config.replace(resume=True))
 
 
 def test_training_outlives_a_closed_pipe(tmp_path: Path) -> None:
@@ -148,14 +148,14 @@ def test_training_outlives_a_closed_pipe(tmp_path: Path) -> None:
 def test_resume_refuses_missing_corrupt_and_foreign_checkpoints(tmp_path: Path) -> None:
     config = tiny(tmp_path, steps=2)
     with pytest.raises(ConfigError, match="no checkpoint"):
-        train(config.replace(resume=True), quiet=True)
-    train(config, quiet=True)
+        train(config.replace(resume=True))
+    train(config)
     with pytest.raises(ConfigError, match=r"different run .*seed"):
-        train(config.replace(resume=True, seed=7), quiet=True)
+        train(config.replace(resume=True, seed=7))
     newest = checkpoints(Path(config.out))[-1]
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a crash mid-copy
     with pytest.raises(ConfigError, match="unreadable"):
-        train(config.replace(resume=True), quiet=True)
+        train(config.replace(resume=True))
 
 
 def test_a_second_run_into_a_run_is_refused_until_resume_or_overwrite(
@@ -189,7 +189,7 @@ def test_a_second_run_into_a_run_is_refused_until_resume_or_overwrite(
 
 def test_checkpoints_are_kept_to_the_newest_few(tmp_path: Path) -> None:
     config = tiny(tmp_path, steps=6, checkpoint_every=2, keep=2)
-    train(config, quiet=True)
+    train(config)
     assert [p.name for p in checkpoints(Path(config.out))] == ["step_0000004.pt", "step_0000006.pt"]
     assert (Path(config.out) / "sample.txt").read_text().startswith("Once upon a time")
 

@@ -57,7 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The same run in one process."""
     out = tmp_path_factory.mktemp("train-one-process")
-    return train(TrainConfig(**TINY, out=str(out)), quiet=True)  # type: ignore[arg-type]
+    return train(TrainConfig(**TINY, out=str(out)))  # type: ignore[arg-type]
 
 
 def per_rank(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
@@ -101,7 +101,7 @@ def test_resume_passes_over_a_shard_with_a_flipped_bit(runs: dict[str, Any]) -> 
     whole = per_rank(runs, "dropout")[0]["run"]["losses"]
     for rank, r in enumerate(per_rank(runs, "fallback")):
         assert r["code"] == 0 and r["run"]["resumed_from"] == 3 and r["run"]["losses"] == whole
-        notes = [line for line in r["stderr"].splitlines() if not line.startswith("step ")]  # not progress
+        notes = [line for line in r["stderr"].splitlines() if not line.startswith("train: ")]  # not progress
         assert len(notes) == (1 if rank == 0 else 0), notes
     expected = (
         f"step_0000006' is damaged: tensor '{FLIP}' (rank 1's shard) does not match its stored CRC-32; "
@@ -130,7 +130,7 @@ def test_rank_0_alone_writes_metrics_and_sample(runs: dict[str, Any], reference:
 def test_one_process_refuses_a_tensor_parallel_checkpoint(runs: dict[str, Any]) -> None:
     config = TrainConfig(**TINY, out=str(runs["root"] / "whole"), resume=True)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"step_0000006' was written by a different run \(tp: 2 -> 1, sp: True"):
-        train(config, quiet=True)
+        train(config)
 
 
 # --- without torchrun, and bad options ----------------------------------------------------------------------

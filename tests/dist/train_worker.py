@@ -112,7 +112,7 @@ def run(config: TrainConfig, kill_after: int, resume_dropout: float, flip: str, 
     report["whole"] = {"code": code, "run": rec.last()}
 
     with_dropout = tp.replace(dropout=resume_dropout, out=str(root / "dropout"))
-    loop.train(with_dropout, quiet=True)
+    loop.train(with_dropout)
     report["dropout"] = {"run": rec.last()}
 
     def kill(step: int) -> None:
@@ -121,7 +121,7 @@ def run(config: TrainConfig, kill_after: int, resume_dropout: float, flip: str, 
 
     resumed = with_dropout.replace(out=str(root / "resumed"))
     try:
-        loop.train(resumed, on_step=kill, quiet=True)
+        loop.train(resumed, on_step=kill)
         killed = False
     except Killed:
         killed = True

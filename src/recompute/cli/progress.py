@@ -7,6 +7,7 @@ On a terminal (stderr is a TTY) the bar redraws in place; otherwise a line goes 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -52,6 +53,11 @@ def _plain_lines(name: str) -> Progress:
         now = time.monotonic()
         if now - last[0] >= PLAIN_EVERY_S or done >= total:
             last[0] = now
-            print(f"{name}: {done}/{total} {label}", file=sys.stderr, flush=True)
+            try:
+                print(f"{name}: {done}/{total} {label}", file=sys.stderr, flush=True)
+            except BrokenPipeError:
+                # The reader has gone (``2>&1 | head``): the work goes on (a training run must reach its
+                # checkpoint), and this and later lines go to /dev/null, as ``main_exit`` does for stdout.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
     return show

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from recompute.cli._common import add_field_args, csv, emit_json
+from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
 from recompute.train import compare_train, plot_losses, render_compare, train
@@ -32,7 +34,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     if args.plan:
         args.policy = args.plan
-    result = train(_config(args))
+    with progress_bar("train", enabled=int(os.environ.get("RANK", "0")) == 0) as progress:
+        result = train(_config(args), progress=progress)
     if result.rank != 0:
         return 0  # under torchrun, rank 0 reports
     last = result.metrics[-1]
@@ -62,7 +65,8 @@ def run_compare(args: argparse.Namespace) -> int:
         Policy.parse(p)  # fail fast on a bad name, before any training
     if args.tp > 1 or args.dp > 1 or args.sp:
         raise ConfigError("compare-train runs one process; drop --tp/--sp/--dp (recompute train takes them)")
-    rows, runs = compare_train(_config(args, "policy", "resume"), policies, quiet=args.json)
+    with progress_bar("compare-train", enabled=not args.json) as progress:
+        rows, runs = compare_train(_config(args, "policy", "resume"), policies, progress=progress)
     png = Path(args.png or Path(args.out) / "loss.png")
     plot_losses(runs, png)
     if args.json:

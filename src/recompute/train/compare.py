@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recompute.core.errors import ConfigError
+from recompute.core.progress import Progress, no_progress
 from recompute.core.table import gib, render_table
 from recompute.train.config import TrainConfig
 from recompute.train.loop import RunResult, train
@@ -35,8 +36,17 @@ class CompareRow:
     """Median step-time change against the reference, as a fraction."""
 
 
+def _of_all(progress: Progress, policy: str, i: int, n: int, steps: int) -> Progress:
+    """One run's progress as part of all ``n`` runs'."""
+
+    def show(label: str, done: int, total: int) -> None:
+        progress(f"{policy} ({i + 1}/{n}): {label}", i * steps + done, n * steps)
+
+    return show
+
+
 def compare_train(
-    config: TrainConfig, policies: Sequence[str], *, quiet: bool = False
+    config: TrainConfig, policies: Sequence[str], *, progress: Progress = no_progress
 ) -> tuple[list[CompareRow], list[RunResult]]:
     """Train once per policy (same seed, data and options), each in ``out/<policy>``; compare to the first.
 
@@ -46,7 +56,10 @@ def compare_train(
     """
     out = Path(config.out)
     _check_out(out, policies, overwrite=config.overwrite)
-    runs = [train(config.replace(policy=p, out=str(out / _dirname(p)), resume=False), quiet=quiet) for p in policies]
+    runs = []
+    for i, p in enumerate(policies):
+        shown = _of_all(progress, p, i, len(policies), config.steps)
+        runs.append(train(config.replace(policy=p, out=str(out / _dirname(p)), resume=False), progress=shown))
     ref = runs[0]
     rows = []
     for policy, run in zip(policies, runs):

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from recompute.checkpointing import apply
 from recompute.core.errors import require
+from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.table import mib
 from recompute.models import build_model
@@ -192,29 +193,28 @@ def _clip_grad_norm(model: nn.Module, max_norm: float) -> None:
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
 
 
-def _progress(step: int, config: TrainConfig, m: StepMetrics) -> None:
+def _label(m: StepMetrics) -> str:
     peak = f" peak {mib(m.peak_bytes, digits=0)}" if m.peak_bytes else ""
-    line = f"step {step + 1}/{config.steps} loss {m.loss:.4f} {m.tokens_per_s:,.0f} tok/s{peak}"
-    if sys.stderr.isatty():
-        _say("\r" + line.ljust(72), end="")
-    elif step == 0 or (step + 1) % max(1, config.steps // 10) == 0:
-        _say(line)
+    return f"loss {m.loss:.4f} {m.tokens_per_s:,.0f} tok/s{peak}"
 
 
-def _say(text: str, end: str = "\n") -> None:
+def _say(text: str) -> None:
     """Print ``text`` on stderr; when the reader has gone (``2>&1 | head``), drop it and train on.
 
     A closed pipe must not end the run before its last checkpoint: the descriptor is pointed at /dev/null (as
     ``cli.main_exit`` does for stdout), so this line, later ones and the flush at exit go nowhere.
     """
     try:
-        print(text, end=end, file=sys.stderr, flush=True)
+        print(text, file=sys.stderr, flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
-def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, quiet: bool = False) -> RunResult:
-    """Train per ``config``; returns the metrics. ``on_step(step)`` runs after each step's checkpoint.
+def train(
+    config: TrainConfig, *, on_step: Callable[[int], None] | None = None, progress: Progress = no_progress
+) -> RunResult:
+    """Train per ``config``; returns the metrics. ``on_step(step)`` runs after each step's checkpoint;
+    ``progress(label, step, steps)`` after each step on rank 0 (the label holds the loss and tokens/s).
 
     With ``config.tp * config.dp > 1`` run it in every process torchrun starts: it starts the process group
     unless one is running (``distributed.start``), and every rank returns the same losses.
@@ -241,7 +241,17 @@ def train(config: TrainConfig, *, on_step: Callable[[int], None] | None = None, 
     apply(model, config.policy)
     opt = _optimizer(model, config)
     result = RunResult(config=config, spec=spec, rank=ranks.rank)
-    _run(model, opt, stream, config, result, ranks, device, on_step=on_step, quiet=quiet or not ranks.main)
+    _run(
+        model,
+        opt,
+        stream,
+        config,
+        result,
+        ranks,
+        device,
+        on_step=on_step,
+        progress=progress if ranks.main else no_progress,
+    )
     result.sample = sample(model, tok, config, device)
     if ranks.main:
         atomic_write(Path(config.out) / SAMPLE, lambda f: f.write((result.sample + "\n").encode()))
@@ -259,7 +269,7 @@ def _run(
     device: torch.device,
     *,
     on_step: Callable[[int], None] | None,
-    quiet: bool,
+    progress: Progress,
 ) -> None:
     """The steps from the newest checkpoint (with --resume) or from 0; fills ``result.metrics``."""
     out = Path(config.out)
@@ -279,15 +289,12 @@ def _run(
         result.metrics.append(m)
         if ranks.main:
             append_metrics(out / METRICS, m.__dict__)
-        if not quiet:
-            _progress(step, config, m)
+        progress(_label(m), step + 1, config.steps)
         done = step + 1
         if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
             save_checkpoint(out, done, config, model, opt, [x.__dict__ for x in result.metrics])
         if on_step is not None:
             on_step(step)
-    if not quiet and sys.stderr.isatty():
-        _say("")
 
 
 def _resume(
