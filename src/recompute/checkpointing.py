@@ -78,6 +78,11 @@ def apply(
         ConfigError: a plan made for another model or another layer count, layers or sub-modules that cannot
             be found, unknown ops to save, or Hugging Face's own checkpointing already switched on.
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"apply takes the model (a torch.nn.Module) and a policy, got a {type(model).__name__} as the model; "
+            "call recompute.apply(model, 'block')"
+        )
     pol = _as_policy(policy)
     _check_plan_model(pol, model)
     stack = find_layers(model, path=layers)

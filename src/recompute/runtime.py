@@ -5,12 +5,27 @@ Library floor: bench, trace, verify and train take these from here instead of ke
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
 from recompute.core.errors import ConfigError
+from recompute.core.table import gib
 
-__all__ = ["TORCH_DTYPES", "device_name", "random_batch", "resolve_device", "sync"]
+__all__ = [
+    "TORCH_DTYPES",
+    "available_memory",
+    "device_name",
+    "random_batch",
+    "require_memory",
+    "resolve_device",
+    "sync",
+]
+
+HEADROOM = 0.9
+"""Share of the available memory a run may plan to use (the allocator, the interpreter and torch need the rest)."""
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """recompute's dtype names (``Workload.dtype``) and the torch dtypes they mean."""
@@ -19,11 +34,12 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 def resolve_device(name: str) -> str:
     """``name`` if this PyTorch can run there; a ConfigError for CUDA without CUDA or an unknown device."""
     if name not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be cpu or cuda, got {name!r}")
+        raise ConfigError(f"device must be cpu or cuda, got {name!r}", fields=("device",))
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "device cuda needs a CUDA build of PyTorch and a GPU, and this machine has none; use device cpu "
-            "(a CPU step keeps its dropout masks in the activation dtype)"
+            "(a CPU step keeps its dropout masks in the activation dtype)",
+            fields=("device",),
         )
     return name
 
@@ -49,3 +65,31 @@ def sync(device: str | torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU), so that a timer reads the work's end."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def available_memory(device: str) -> int:
+    """Bytes a new allocation can use now: free device memory on a GPU, ``MemAvailable`` of the host on the CPU."""
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def require_memory(need: float, device: str, *, what: str, fix: str, fields: tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, a run whose predicted memory ``need`` exceeds what ``device`` has free.
+
+    Raises:
+        ConfigError: ``need`` is over ``HEADROOM`` of ``available_memory(device)``; the message gives both
+            figures and ``fix``.
+    """
+    have = available_memory(device)
+    if need > HEADROOM * have:
+        raise ConfigError(
+            f"{what} needs about {gib(need)} but {gib(have)} is available on {device}; {fix}", fields=fields
+        )

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from recompute.checkpointing import applied_policy, apply, find_layers
-from recompute.core.analytic import n_params
+from recompute.core.analytic import estimate, n_params
 from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
 from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.table import render_table
+from recompute.core.workload import Workload
 
 __all__ = [
     "GroupDiff",
@@ -28,6 +29,7 @@ __all__ = [
     "loss_of",
     "render_verify",
     "verify",
+    "verify_need",
     "verify_spec",
 ]
 
@@ -230,6 +232,13 @@ def render_verify(result: VerifyResult) -> str:
     table = render_table(["parameter group", "max |diff|", "max |grad|", ""], rows)
     tail = f"two runs with the policy: {'bit-identical' if result.repeatable else 'DIFFERENT (masks do not replay)'}"
     return "\n".join([*head, "", table, "", tail])
+
+
+def verify_need(spec: ModelSpec, wl: Workload) -> float:
+    """Bytes ``verify`` holds at its peak: fp32 weights, three gradient sets kept for the comparison and the
+    one being made, and the activations of the plain model's step (no optimizer)."""
+    est = estimate(spec, dataclasses.replace(wl, dtype="fp32", precision="fp32"), "none")
+    return est.peak - est.states.optimizer + 3 * est.states.gradients
 
 
 def verify_spec(model: str, **sizes: int | None) -> tuple[ModelSpec, bool]:

@@ -33,7 +33,16 @@ from recompute.core.workload import Workload
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
 from recompute.models.loss import LossFn, loss_fn_for
-from recompute.runtime import TORCH_DTYPES, device_name, random_batch, resolve_device, sync
+from recompute.runtime import (
+    HEADROOM,
+    TORCH_DTYPES,
+    available_memory,
+    device_name,
+    random_batch,
+    require_memory,
+    resolve_device,
+    sync,
+)
 from recompute.trace import trace_module
 from recompute.verification import verify_spec
 
@@ -101,6 +110,8 @@ def bench(
     )
     device = resolve_device(wl.device)
     pols = [Policy.parse(p) for p in policies]
+    fix = _smaller(spec, wl, pols, device)
+    require_memory(predicted_need(spec, wl, pols), device, what="bench", fix=fix, fields=SIZE_FIELDS)
     batch = random_batch(spec.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed)
     runs = []
     for pol in pols:
@@ -136,6 +147,37 @@ def bench(
         device=device_name(device),
         rows=rows,
     )
+
+
+def _as_run(wl: Workload) -> Workload:
+    """What runs here is plain training in one dtype: AdamW's state is in the parameters' dtype."""
+    return dataclasses.replace(wl, precision="fp32" if wl.dtype == "fp32" else "bf16")
+
+
+SIZE_FIELDS = ("seq_len", "micro_batch", "n_layers", "hidden", "vocab")
+"""The fields the memory advice names."""
+
+
+def predicted_need(spec: ModelSpec, wl: Workload, policies: Sequence[Policy]) -> float:
+    """Bytes ``bench`` will hold: the largest step's predicted peak, plus the other policies' models.
+
+    Every policy keeps its own model and AdamW state for the whole benchmark (gradients are freed between
+    steps); one step runs at a time.
+    """
+    ests = [estimate(spec, _as_run(wl), p) for p in policies]
+    resident = ests[0].states.parameters + ests[0].states.optimizer
+    return max(e.peak for e in ests) + (len(ests) - 1) * resident
+
+
+def _smaller(spec: ModelSpec, wl: Workload, policies: Sequence[Policy], device: str) -> str:
+    """The fix to suggest: the longest sequence that fits (halving), else a smaller model."""
+    have = HEADROOM * available_memory(device)
+    s = wl.seq_len // 2
+    while s >= 16:
+        if predicted_need(spec, dataclasses.replace(wl, seq_len=s), policies) <= have:
+            return f"use seq_len {s} or less, fewer policies, or a smaller model (n_layers, hidden)"
+        s //= 2
+    return "use a smaller model (n_layers, hidden, vocab), a smaller micro_batch, or fewer policies"
 
 
 def _timed_step(run: _Run, batch: tuple[Tensor, Tensor], device: str) -> tuple[float, float, float]:
@@ -181,9 +223,7 @@ def _row(spec: ModelSpec, wl: Workload, run: _Run, memory: tuple[int, int, int])
     fwd, bwd, opt = (statistics.median(t[i] for t in run.times) for i in range(3))
     steps = tuple(sum(t) for t in run.times)
     step = statistics.median(steps)
-    # What runs here is plain training in one dtype: AdamW's state is in the parameters' dtype.
-    precision = "fp32" if wl.dtype == "fp32" else "bf16"
-    predicted = estimate(spec, dataclasses.replace(wl, precision=precision), run.policy)
+    predicted = estimate(spec, _as_run(wl), run.policy)
     return BenchRow(
         policy=run.policy.describe(),
         peak=memory[0],

@@ -103,7 +103,7 @@ def csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def writable(path: str | Path, flag: str) -> Path:
+def writable(path: str | Path, flag: str, example: str = "out.json") -> Path:
     """``path`` if a file can be written there; checked before any work starts.
 
     Raises:
@@ -111,7 +111,7 @@ def writable(path: str | Path, flag: str) -> Path:
     """
     out = Path(path)
     if out.is_dir():
-        raise ConfigError(f"{flag} {str(out)!r} is a directory; give a file path, e.g. {out / 'out.json'}")
+        raise ConfigError(f"{flag} {str(out)!r} is a directory; give a file path, e.g. {out / example}")
     if not out.parent.is_dir():
         raise ConfigError(f"{flag} {str(out)!r}: the folder {str(out.parent)!r} does not exist; create it first")
     return out

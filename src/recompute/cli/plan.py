@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     budget = float(usable_bytes(gpu_by_name(args.gpu))) if args.gpu else parse_budget(args.budget)
     if (args.cost == "measured") != (args.bench is not None):
         raise ConfigError("--cost measured needs --bench RESULTS.json (and --bench needs --cost measured)")
-    output = writable(args.output, "--output") if args.output else None
+    output = writable(args.output, "--output", "plan.json") if args.output else None
     traced = _traced_peak(spec, wl) if args.trace else None
     result = plan(spec, wl, budget, measured=args.bench, traced_peak=traced)
     if output:

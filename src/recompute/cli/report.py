@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     _require_extra("plotly", *(["matplotlib"] if args.png else []))
     start = time.perf_counter()
     gpu_by_name(args.gpu)  # fail on bad input before computing anything
-    out = writable(args.output, "-o")
+    out = writable(args.output, "-o", "report.html")
     if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
         raise ConfigError(f"--png {args.png!r} is a file; give a folder for the PNGs")
     spec = resolve_model(args.model)

@@ -8,12 +8,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from recompute.cli._common import add_field_args, csv, emit_json
+from recompute.cli._common import add_field_args, csv, emit_json, writable
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
+from recompute.core.spec import ModelSpec
 from recompute.train import compare_train, plot_losses, render_compare, train
 from recompute.train.config import TrainConfig
+from recompute.train.loop import build_spec
 
 __all__ = ["add_compare_args", "add_train_args", "run_compare", "run_train"]
 
@@ -34,6 +36,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     if args.plan:
         args.policy = args.plan
+    _check_out_folder(args.out)
     with progress_bar("train", enabled=int(os.environ.get("RANK", "0")) == 0) as progress:
         result = train(_config(args), progress=progress)
     if result.rank != 0:
@@ -46,6 +49,17 @@ def run_train(args: argparse.Namespace) -> int:
     )
     print(f"sample: {result.sample[:200]!r}")
     return 0
+
+
+def _check_policy(pol: Policy, spec: ModelSpec) -> None:
+    pol.per_layer(spec.n_layers)
+    if pol.model is not None and pol.model != spec.name:
+        raise ConfigError(f"the plan {pol.describe()!r} was made for {pol.model!r}, not {spec.name!r}; plan this model")
+
+
+def _check_out_folder(out: str) -> None:
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {out!r} is a file; give a folder for the run's metrics and checkpoints")
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
@@ -61,13 +75,19 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 def run_compare(args: argparse.Namespace) -> int:
     policies = csv(args.policies)
+    if not policies:
+        raise ConfigError(f"--policies {args.policies!r} names no policy; e.g. --policies none,block")
+    if twins := sorted({p for p in policies if policies.count(p) > 1}):
+        raise ConfigError(f"--policies names {twins[0]!r} twice; give each policy once")
+    _check_out_folder(args.out)
+    spec = build_spec(_config(args, "policy", "resume"), vocab=1)  # the layer count and name, before any work
     for p in policies:
-        Policy.parse(p)  # fail fast on a bad name, before any training
+        _check_policy(Policy.parse(p), spec)  # every policy and plan fits the model, before training the first
+    png = writable(args.png, "--png", "loss.png") if args.png else Path(args.out) / "loss.png"
     if args.tp > 1 or args.dp > 1 or args.sp:
         raise ConfigError("compare-train runs one process; drop --tp/--sp/--dp (recompute train takes them)")
     with progress_bar("compare-train", enabled=not args.json) as progress:
         rows, runs = compare_train(_config(args, "policy", "resume"), policies, progress=progress)
-    png = Path(args.png or Path(args.out) / "loss.png")
     plot_losses(runs, png)
     if args.json:
         emit_json({"rows": [dataclasses.asdict(r) for r in rows], "png": str(png)})

@@ -6,6 +6,7 @@ import argparse
 
 from recompute.cli._common import csv, emit_json
 from recompute.cli.progress import progress_bar
+from recompute.core.errors import ConfigError
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.presets import PRESETS
 from recompute.core.spec import resolve_model
@@ -28,16 +29,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--models", args.models), ("--policies", args.policies), ("--attention", args.attention)):
+        if not csv(value):
+            raise ConfigError(f"{flag} {value!r} names nothing to check; give a comma-separated list, or drop it")
     for name in csv(args.models):
         resolve_model(name)
     for name in csv(args.policies):
         Policy.parse(name)
+    lengths = [_length(s) for s in csv(args.seq_lens)] if args.seq_lens else None
     with progress_bar("validate", enabled=not args.json) as progress:
         result = validate(
             csv(args.models),
             policies=csv(args.policies),
             attentions=csv(args.attention),
-            lengths=[int(s) for s in csv(args.seq_lens)] if args.seq_lens else None,
+            lengths=lengths,
             micro_batch=args.micro_batch,
             dtype=args.dtype,
             peaks=args.peaks,
@@ -46,3 +51,10 @@ def run(args: argparse.Namespace) -> int:
         )
     emit_json(result.to_dict()) if args.json else print(render_validation(result, components=args.components))
     return 0 if result.passed else 1
+
+
+def _length(text: str) -> int:
+    """One ``--seq-lens`` entry as a positive whole number of tokens."""
+    if not text.isdigit() or int(text) <= 0:
+        raise ConfigError(f"--seq-lens takes positive whole numbers of tokens, e.g. 512,1024; got {text!r}")
+    return int(text)

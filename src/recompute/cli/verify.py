@@ -9,11 +9,11 @@ from torch import nn
 
 from recompute.cli._common import add_model_args, add_policy_args, emit_json, policy_from
 from recompute.cli.bench import add_size_args, size_overrides
-from recompute.core.workload import ATTENTIONS
+from recompute.core.workload import ATTENTIONS, Workload
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
-from recompute.runtime import resolve_device
-from recompute.verification import render_verify, verify, verify_spec
+from recompute.runtime import require_memory, resolve_device
+from recompute.verification import render_verify, verify, verify_need, verify_spec
 
 __all__ = ["add_args", "run"]
 
@@ -41,7 +41,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> tuple[nn.Module, str]:
     spec, hf = verify_spec(args.model, **size_overrides(args))
+    device = resolve_device(args.device)
+    wl = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, device=device, attention=args.attention)
+    wl.check(spec)
+    fix = "use a shorter --seq-len, a smaller --micro-batch, or a smaller model (--layers, --hidden, --vocab)"
+    require_memory(verify_need(spec, wl), device, what="verify", fix=fix)
     build = build_hf_model if hf else build_model
     torch.manual_seed(args.seed)  # the same weights in every invocation with this seed
-    model = build(spec, attention=args.attention, device=resolve_device(args.device))
+    model = build(spec, attention=args.attention, device=device)
     return model, f"{args.model} ({spec.n_layers} layers, h={spec.hidden})"

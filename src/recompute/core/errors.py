@@ -26,10 +26,12 @@ def require(condition: bool, message: str, *, fields: tuple[str, ...] = ()) -> N
         raise ConfigError(message, fields=fields)
 
 
-def positive_int(name: str, value: object) -> int:
-    """Return ``value`` if it is an int > 0, else raise a ConfigError naming the field ``name``."""
+def positive_int(name: str, value: object, *, at_most: int | None = None) -> int:
+    """Return ``value`` if it is an int in [1, ``at_most``], else raise a ConfigError naming the field ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}", fields=(name,))
+    if at_most is not None and value > at_most:
+        raise ConfigError(f"{name} must be at most {at_most:,}, got {value:,}", fields=(name,))
     return value
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import ConfigError, positive_int, require
+from recompute.core.results import read_json
 
 __all__ = ["POLICIES", "Policy"]
 
@@ -77,6 +78,11 @@ class Policy:
             object.__setattr__(self, "layers", tuple(check_name(n) for n in self.layers))
             require(len(self.layers) > 0, "layers must name a policy for at least one layer")
         if self.save_ops is not None:
+            require(
+                not isinstance(self.save_ops, str) and all(isinstance(op, str) and op for op in self.save_ops),
+                f"save_ops must be a sequence of aten op names, e.g. ('aten.mm',); got {self.save_ops!r}",
+                fields=("save_ops",),
+            )
             object.__setattr__(self, "save_ops", tuple(self.save_ops))
 
     def per_layer(self, n_layers: int) -> tuple[str, ...]:
@@ -92,6 +98,13 @@ class Policy:
                 "make the plan for this model",
             )
             return self.layers
+        for key in ("every", "first"):
+            value = getattr(self, key)
+            require(
+                value is None or value <= n_layers,
+                f"{key} {value} exceeds the model's {n_layers} layers; use {key} <= {n_layers}",
+                fields=(key,),
+            )
         if self.every is not None:
             return tuple(self.name if i % self.every == 0 else "none" for i in range(n_layers))
         if self.first is not None:
@@ -149,20 +162,24 @@ class Policy:
     @classmethod
     def load(cls, path: str | Path) -> Policy:
         """Read a policy or plan JSON file."""
+        data = read_json(path, "policy file", "pass a policy name or a file written by `recompute plan -o`")
         try:
-            data = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read policy file {str(path)!r}: {e.strerror}") from e
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"policy file {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})") from e
-        require(isinstance(data, dict), f"policy file {str(path)!r} must hold a JSON object")
-        return cls.from_dict(data)
+            return cls.from_dict(data)
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"policy file {str(path)!r} is not a recompute policy or plan ({e})") from e
 
     @classmethod
     def parse(cls, value: str | Policy) -> Policy:
         """A Policy from a Policy, a policy name, or a path to a JSON policy/plan file."""
         if isinstance(value, Policy):
             return value
+        if not isinstance(value, (str, Path)):
+            raise ConfigError(
+                f"a policy is a name ({', '.join(POLICIES)}), a Policy or a plan file path; got {type(value).__name__}"
+            )
+        value = str(value)
         if value in POLICIES:
             return cls(value)
         if value.endswith(".json") or Path(value).is_file():

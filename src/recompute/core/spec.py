@@ -7,13 +7,13 @@ comes from this one dataclass. Derived fields are filled in and checked in ``__p
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from recompute.core.errors import ConfigError, one_of, positive_int, require
 from recompute.core.presets import PRESETS
+from recompute.core.results import read_json
 
 __all__ = ["ModelSpec", "resolve_model"]
 
@@ -176,12 +176,7 @@ def _hf_config_dict(config: Any) -> dict[str, Any]:
         path = Path(config)
         if path.is_dir():
             path = path / "config.json"
-        try:
-            return dict(json.loads(path.read_text()))
-        except OSError as e:
-            raise ConfigError(f"cannot read HF config {str(path)!r}: {e.strerror}; pass a config.json path") from e
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})") from e
+        return read_json(path, "model config", "pass a transformers config.json of a decoder-only causal LM")
     if hasattr(config, "to_dict"):
         return dict(config.to_dict())
     raise ConfigError(f"expected a transformers config, a dict or a config.json path; got {type(config).__name__}")

@@ -26,6 +26,9 @@ __all__ = [
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
+LIMITS = {"micro_batch": 2**20, "seq_len": 2**24, "tp": 2**16, "pp": 2**16, "interleave": 2**10, "dp": 2**20}
+"""The largest value each size field takes (far beyond any real run: larger means a typo, e.g. 1e30)."""
+
 ATTENTIONS = ("eager", "flash")
 """``eager``: the attention math written out (saves the s^2 softmax); ``flash``: SDPA / FlashAttention."""
 
@@ -92,8 +95,8 @@ class Workload:
     )
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "tp", "pp", "interleave", "dp"):
-            positive_int(name, getattr(self, name))
+        for name, limit in LIMITS.items():
+            positive_int(name, getattr(self, name), at_most=limit)
         if self.n_microbatches is not None:
             positive_int("n_microbatches", self.n_microbatches)
         one_of("dtype", self.dtype, tuple(DTYPE_BYTES))

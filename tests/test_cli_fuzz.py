@@ -1,0 +1,149 @@
+"""Property: whatever arguments a user types, every command answers with exit 0 or 2 (1 for a failed check),
+never a traceback, at most two lines on stderr for an error, and writes nothing it was not asked to.
+
+Hypothesis draws argument lists from each command's own options (taken from its parser) and from values that
+break things: zero, negative, huge, fractional and non-numeric numbers, and odd files (not UTF-8, a JSON
+list, empty, a folder, missing). The work behind a command (real steps, traces, training, the page) is
+stubbed: the property is about the checks that run before it, and reaching the stub counts as accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from recompute.cli import COMMANDS, build_parser, main
+
+
+class ReachedTheWork(Exception):
+    """Raised by the stubs: every check before the work passed."""
+
+
+def _stop(*args: object, **kwargs: object) -> None:
+    raise ReachedTheWork
+
+
+class _Floor:
+    trace = staticmethod(_stop)
+
+
+STUBS = {
+    "recompute.cli.bench.bench": _stop,
+    "recompute.cli.bench.bench_parallel": _stop,
+    "recompute.cli.trace.trace": _stop,
+    "recompute.cli.verify.build_model": _stop,
+    "recompute.cli.verify.build_hf_model": _stop,
+    "recompute.cli.validate.validate": _stop,
+    "recompute.cli.train.train": _stop,
+    "recompute.cli.train.compare_train": _stop,
+    "recompute.cli.report.build_report": _stop,
+    "recompute.cli.plan.torch_floor": lambda name: _Floor,
+    "recompute.cli.report.torch_floor": lambda name: _Floor,
+}
+
+NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "1024", "64.5", "1e30", "99999999999999", "abc", ""]
+NAMES = ["gpt2", "llama3.1-8b", "none", "block", "core_attn", "attn+mlp", "flash", "eager", "cpu", "cuda", "nope"]
+FILES = ["latin1.json", "list.json", "empty.json", "folder", "missing.json"]
+OUTPUTS = {"-o", "--output", "--out", "--png"}
+"""Options that name what a command writes: their values may appear in the folder afterwards."""
+
+
+def _options(command: str) -> list[tuple[str, list[str]]]:
+    """``(option, values to try)`` for every option of ``command``, from its own parser: the option's choices
+    and one that is not, numbers for a number, names and odd files for the rest (``[]``: a switch)."""
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    found = []
+    for a in sub._actions:
+        if not a.option_strings or isinstance(a, argparse._HelpAction):
+            continue
+        if a.nargs == 0:
+            values: list[str] = []
+        elif a.choices:
+            values = [*map(str, a.choices), "nope"]
+        elif a.type in (int, float):
+            values = NUMBERS
+        else:
+            values = NAMES + NUMBERS + [f"@{f}" for f in FILES]
+        found.append((a.option_strings[-1], values))
+    return found
+
+
+OPTIONS = {name: _options(name) for name in COMMANDS}
+
+
+@st.composite
+def command_lines(draw: st.DrawFn) -> list[str]:
+    command = draw(st.sampled_from(sorted(COMMANDS)))
+    argv = [command]
+    choices = [*OPTIONS[command], ("--no-such-flag", [])]
+    for option, values in draw(st.lists(st.sampled_from(choices), max_size=4)):
+        argv.append(option)
+        if values:
+            argv.append(draw(st.sampled_from(values)))
+    return argv
+
+
+@contextlib.contextmanager
+def _in(folder: Path) -> Iterator[None]:
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("odd")
+    (root / "latin1.json").write_bytes(b'{"model_type": "caf\xe9"}')
+    (root / "list.json").write_text("[1, 2]")
+    (root / "empty.json").write_text("")
+    (root / "folder").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def stubbed() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for target, stub in STUBS.items():
+            mp.setattr(target, stub)
+        yield
+
+
+@settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(argv=command_lines())
+def test_every_command_line_gets_an_answer_not_a_traceback(
+    argv: list[str], files: Path, stubbed: None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    argv = [str(files / a[1:]) if a.startswith("@") else a for a in argv]
+    cwd = tmp_path_factory.mktemp("cwd")
+    out, err = io.StringIO(), io.StringIO()
+    with _in(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except ReachedTheWork:
+            code = 0
+        except SystemExit as e:  # argparse's refusals and --help
+            code = int(e.code or 0)
+    text = out.getvalue() + err.getvalue()
+    assert "Traceback" not in text, (argv, text)
+    allowed = {0, 2} | ({1} if argv[0] in ("verify", "validate") else set())
+    assert code in allowed, (argv, code, text)
+    if code == 2:
+        assert len(err.getvalue().strip().splitlines()) <= 2, (argv, err.getvalue())
+    asked = {Path(v).name for o, v in itertools.pairwise(argv) if o in OUTPUTS}
+    if argv[0] == "report" and code == 0:
+        asked.add("report.html")  # the documented default -o
+    written = {p.name for p in cwd.iterdir()}
+    assert written <= asked, (argv, written)
