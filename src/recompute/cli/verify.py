@@ -9,17 +9,19 @@ from torch import nn
 
 from recompute.cli._common import add_model_args, add_policy_args, emit_json, policy_from
 from recompute.cli.bench import add_size_args, size_overrides
+from recompute.core.errors import ConfigError
 from recompute.core.workload import ATTENTIONS
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
+from recompute.models.source import resolve_source
 from recompute.runtime import resolve_device
-from recompute.verification import render_verify, verify, verify_spec
+from recompute.verification import build_checked, render_verify, verify, verify_spec
 
 __all__ = ["add_args", "run"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_model_args(p, built=True)
     add_policy_args(p)
     add_size_args(p)
     p.add_argument("--seq-len", type=int, default=64, metavar="S", help="s: tokens per sequence (default: 64)")
@@ -40,6 +42,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> tuple[nn.Module, str]:
+    source = resolve_source(args.model)
+    if source.spec is None:
+        given = [k for k, v in size_overrides(args).items() if v is not None]
+        if given:
+            raise ConfigError(
+                f"--{given[0].removeprefix('n_').replace('_', '-')} resizes presets; {args.model} is built as it "
+                "is: edit its config (or factory) instead"
+            )
+        built = build_checked(source, attention=args.attention, device=resolve_device(args.device), seed=args.seed)
+        return built.model, f"{built.class_name} from {source.origin}"
     spec, hf = verify_spec(args.model, **size_overrides(args))
     build = build_hf_model if hf else build_model
     torch.manual_seed(args.seed)  # the same weights in every invocation with this seed
