@@ -188,7 +188,7 @@ def test_a_model_that_cannot_be_built_is_refused(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("shape mismatch in c_attn\nmore detail")
 
-    monkeypatch.setattr("recompute.trace._build.build_model", broken)
+    monkeypatch.setattr("recompute.models.source.build_model", broken)
     assert main(["trace", "--model", "gpt2", "--seq-len", "64"]) == 2
     err = capsys.readouterr().err
     assert err == "recompute trace: error: cannot build gpt2: RuntimeError: shape mismatch in c_attn\n"

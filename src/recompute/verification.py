@@ -22,10 +22,12 @@ from recompute.core.policy import Policy
 from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.table import render_table
 from recompute.core.workload import Workload
+from recompute.models.source import BuiltModel, ModelSource, build_source
 
 __all__ = [
     "GroupDiff",
     "VerifyResult",
+    "build_checked",
     "loss_of",
     "render_verify",
     "verify",
@@ -136,13 +138,21 @@ def verify(
 
 
 def loss_of(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The fp32 cross-entropy of ``model`` on ``idx`` against ``targets`` (recompute's or HF's models)."""
-    if hasattr(model, "spec"):
-        return model(idx, targets)[1]
-    if hasattr(model, "config"):
+    """The fp32 cross-entropy of ``model`` on ``idx`` against ``targets``.
+
+    A Hugging Face causal LM (it has a ``config``) is called as ``model(input_ids=idx)``; any other model as
+    ``logits, loss = model(idx, targets)`` (recompute's models, and a factory's: see ``recompute.models.source``).
+    """
+    if hasattr(model, "config") and not hasattr(model, "spec"):
         logits = model(input_ids=idx, use_cache=False).logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-    raise ConfigError(f"verify runs recompute's models and Hugging Face causal LMs; got {type(model).__name__}")
+    out = model(idx, targets)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor)):
+        raise ConfigError(
+            f"{type(model).__name__}(idx, targets) returned {type(out).__name__}, expected (logits, loss); "
+            "follow that convention or give the model a transformers config"
+        )
+    return out[1]
 
 
 Step = tuple["torch.Tensor", dict[str, "torch.Tensor"]]
@@ -206,7 +216,17 @@ def _group_of(param: str, layers: str) -> str:
 
 def _vocab(model: nn.Module) -> int:
     spec = getattr(model, "spec", None)
-    return int(spec.vocab if spec is not None else getattr(model, "config").vocab_size)  # noqa: B009
+    if spec is not None:
+        return int(spec.vocab)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        if embedding is None:
+            raise ConfigError(
+                f"{type(model).__name__} has no config.vocab_size and no nn.Embedding; verify runs causal LMs"
+            )
+        vocab = embedding.num_embeddings
+    return int(vocab)
 
 
 def _model_name(model: nn.Module) -> str:
@@ -259,3 +279,23 @@ def verify_spec(model: str, **sizes: int | None) -> tuple[ModelSpec, bool]:
             "or use `recompute trace` (fake tensors, any size) or `recompute estimate`"
         )
     return spec, hf
+
+
+def build_checked(
+    source: ModelSource, *, attention: str = "flash", device: str | torch.device = "cpu", seed: int = 0
+) -> BuiltModel:
+    """``source`` built for real steps here (seeded weights), after checking its size on the meta device.
+
+    Raises:
+        ConfigError: the model cannot be built, or has over ``CPU_PARAM_LIMIT`` parameters.
+    """
+    meta = build_source(source, attention=attention, device="meta").model
+    count = sum(p.numel() for p in meta.parameters())
+    if count > CPU_PARAM_LIMIT:
+        raise ConfigError(
+            f"{source.name} has {count / 1e9:.1f}B parameters, too many to run real steps of here; "
+            "pass a smaller config (fewer layers, a narrower hidden size), "
+            "or use `recompute trace` (fake tensors, any size)"
+        )
+    torch.manual_seed(seed)  # the same weights in every invocation with this seed
+    return build_source(source, attention=attention, device=device)

@@ -11,12 +11,15 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from recompute.core.errors import ConfigError
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload, workload_fields
+
+if TYPE_CHECKING:  # the analytic commands run without torch
+    from recompute.models.source import ModelSource
 
 __all__ = [
     "DEFAULT_SEQ_LEN",
@@ -42,8 +45,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt2", help="preset name or path to an HF config.json (default: gpt2)")
+def add_model_args(p: argparse.ArgumentParser, *, built: bool = False) -> None:
+    """``--model``; ``built``: the command builds the model, so any config.json or a factory will do."""
+    kinds = "a transformers config.json (or its folder), or package.module:factory" if built else "an HF config.json"
+    p.add_argument("--model", default="gpt2", help=f"preset name, {kinds} (default: gpt2)")
 
 
 def add_field_args(p: argparse.ArgumentParser, fields: Sequence[dataclasses.Field[Any]], **defaults: Any) -> None:
@@ -66,11 +71,11 @@ def add_workload_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     add_field_args(p, workload_fields(), **{"seq_len": None, **defaults})
 
 
-def workload_from(args: argparse.Namespace, spec: ModelSpec) -> Workload:
-    """The Workload the options describe, with an unset ``--seq-len`` fitted to ``spec``."""
+def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource) -> Workload:
+    """The Workload the options describe, with an unset ``--seq-len`` fitted to the model's positions."""
     values = {f.name: getattr(args, f.name) for f in workload_fields()}
     if values["seq_len"] is None:
-        values["seq_len"] = min(DEFAULT_SEQ_LEN, spec.max_positions)
+        values["seq_len"] = min(DEFAULT_SEQ_LEN, model.max_positions or DEFAULT_SEQ_LEN)
     return Workload(**values)
 
 

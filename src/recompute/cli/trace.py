@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from recompute.cli._common import (
     add_model_args,
@@ -13,20 +12,14 @@ from recompute.cli._common import (
     policy_from,
     workload_from,
 )
-from recompute.core.spec import ModelSpec, resolve_model
+from recompute.models.source import resolve_source
 from recompute.trace import render_trace, trace
 
-__all__ = ["add_args", "built_model", "run"]
-
-
-def built_model(name: str) -> tuple[ModelSpec, bool]:
-    """``--model`` for commands that build the model; ``hf:NAME`` or a config.json path builds transformers'."""
-    base = name.removeprefix("hf:")
-    return resolve_model(base), name.startswith("hf:") or Path(base).exists()
+__all__ = ["add_args", "run"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_model_args(p, built=True)
     add_workload_args(p, device="cpu")
     add_policy_args(p, default="none")
     p.add_argument(
@@ -38,8 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec, hf = built_model(args.model)
-    wl, pol = workload_from(args, spec), policy_from(args)
-    result = trace(spec, wl, pol, layers=args.layers, hf=hf)
+    source = resolve_source(args.model)
+    wl, pol = workload_from(args, source), policy_from(args)
+    result = trace(source, wl, pol, layers=args.layers)
     emit_json(result.to_dict()) if args.json else print(render_trace(result))
     return 0

@@ -9,17 +9,19 @@ from torch import nn
 
 from recompute.cli._common import add_model_args, add_policy_args, emit_json, policy_from
 from recompute.cli.bench import add_size_args, size_overrides
+from recompute.core.errors import ConfigError
 from recompute.core.workload import ATTENTIONS, Workload
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
+from recompute.models.source import resolve_source
 from recompute.runtime import require_memory, resolve_device
-from recompute.verification import render_verify, verify, verify_need, verify_spec
+from recompute.verification import build_checked, render_verify, verify, verify_need, verify_spec
 
 __all__ = ["add_args", "run"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_model_args(p, built=True)
     add_policy_args(p)
     add_size_args(p)
     p.add_argument("--seq-len", type=int, default=64, metavar="S", help="s: tokens per sequence (default: 64)")
@@ -40,9 +42,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> tuple[nn.Module, str]:
-    spec, hf = verify_spec(args.model, **size_overrides(args))
+    source = resolve_source(args.model)
     device = resolve_device(args.device)
     wl = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, device=device, attention=args.attention)
+    if source.spec is None:
+        given = [k for k, v in size_overrides(args).items() if v is not None]
+        if given:
+            raise ConfigError(
+                f"--{given[0].removeprefix('n_').replace('_', '-')} resizes presets; {args.model} is built as it "
+                "is: edit its config (or factory) instead"
+            )
+        built = build_checked(source, attention=args.attention, device=device, seed=args.seed)
+        return built.model, f"{built.class_name} from {source.origin}"
+    spec, hf = verify_spec(args.model, **size_overrides(args))
     wl.check(spec)
     fix = "use a shorter --seq-len, a smaller --micro-batch, or a smaller model (--layers, --hidden, --vocab)"
     require_memory(verify_need(spec, wl), device, what="verify", fix=fix)

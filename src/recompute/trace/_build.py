@@ -8,6 +8,9 @@ object).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -17,7 +20,7 @@ from recompute.core.spec import ModelSpec
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
 
-__all__ = ["build_meta", "fakeify"]
+__all__ = ["build_meta", "fake_kernels", "fakeify"]
 
 
 def fakeify(model: nn.Module, mode: FakeTensorMode, device: str = "cpu") -> nn.Module:
@@ -61,3 +64,35 @@ def build_meta(spec: ModelSpec, *, attention: str, dtype: torch.dtype, hf: bool 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
+
+
+@contextlib.contextmanager
+def fake_kernels() -> Iterator[None]:
+    """Shape rules fake tensors need beyond PyTorch's own, for the trace's duration.
+
+    Note: [grouped_mm on fake tensors] transformers' MoE experts (``grouped_mm_experts_forward``) sort the
+    routed tokens by expert and run ``aten._grouped_mm`` over all b*s*top_k rows with per-expert offsets, so
+    every tensor's size is fixed whatever the routing (no load assumption needed). PyTorch's meta kernel for
+    ``_grouped_mm`` holds every dtype to CUDA's bf16-only rule, while the CPU kernel takes any float dtype;
+    this registers the shape rule alone (removed on exit) so an fp32 trace runs the op a real CPU step runs.
+    """
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def _grouped_mm_meta(
+    a: Tensor, b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """Output of ``_grouped_mm(a, b, offs)``: 2d x 3d and 3d x 2d -> (m, n); 3d x 3d and 2d x 2d -> (g, m, n)."""
+    if a.dim() == 2 and b.dim() == 2:
+        assert offs is not None
+        shape: tuple[int, ...] = (offs.size(0), a.size(0), b.size(1))
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.size(0), a.size(1), b.size(-1))
+    else:
+        shape = (a.size(-2), b.size(-1))
+    return a.new_empty(shape, dtype=out_dtype or a.dtype)

@@ -68,6 +68,8 @@ class TraceResult:
     phases: dict[str, int]
     """Largest total bytes in each phase (forward/backward of the embedding, the layers, the head; step)."""
     notes: tuple[str, ...] = ()
+    parameter_count: int = 0
+    """Parameters of the model traced (each once, tied ones too), as ``model.num_parameters()`` counts them."""
     seconds: float = field(default=0.0, compare=False)
     """Wall time of the trace."""
 
@@ -130,6 +132,7 @@ def from_record(
     traced: tuple[int, ...],
     notes: tuple[str, ...] = (),
     seconds: float = 0.0,
+    parameter_count: int = 0,
 ) -> TraceResult:
     """Aggregate a ``StepRecord`` into a ``TraceResult``."""
     by_layer: dict[int, list[SavedRecord]] = {}
@@ -160,5 +163,6 @@ def from_record(
         peak_breakdown={k: v for k, v in record.phase_peaks[phase][1].items() if v},
         phases=phases,
         notes=notes,
+        parameter_count=parameter_count,
         seconds=seconds,
     )

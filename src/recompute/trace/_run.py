@@ -1,6 +1,7 @@
-"""``trace(spec, workload, policy)``: the real PyTorch training step of a model, on fake tensors.
+"""``trace(model, workload, policy)``: the real PyTorch training step of a model, on fake tensors.
 
-The model is built on the meta device, its parameters become ``FakeTensor``s, the policy is applied with
+The model (a preset's reference model, transformers' class for a config.json, or a factory's module) is built
+on the meta device, its parameters become ``FakeTensor``s, the policy is applied with
 ``recompute.apply``, and one steady-state step (forward, backward, AdamW step) runs under ``StepTracker``.
 Nothing is allocated, so Llama-3.1-70B at s = 8192 traces on a laptop.
 """
@@ -8,7 +9,6 @@ Nothing is allocated, so Llama-3.1-70B at s = 8192 traces on a laptop.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,12 +22,11 @@ from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.policy import Policy
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload
-from recompute.models import model_class
-from recompute.models.hf import hf_class_name
-from recompute.models.loss import LossFn, lm_loss, loss_fn_for
+from recompute.models.loss import LossFn, lm_loss
+from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
 from recompute.runtime import TORCH_DTYPES, random_batch, resolve_device
-from recompute.trace._build import build_meta, fakeify
+from recompute.trace._build import fake_kernels, fakeify
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
 from recompute.trace._scale import scale_record
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
@@ -36,92 +35,144 @@ __all__ = ["trace", "trace_layer", "trace_module"]
 
 
 def trace(
-    spec: ModelSpec,
+    model: ModelSpec | ModelSource | str,
     wl: Workload,
     policy: Policy | str = "none",
     *,
     layers: int | None = None,
     hf: bool = False,
 ) -> TraceResult:
-    """Trace one training step of ``spec`` under ``wl`` with ``policy``, allocating nothing.
+    """Trace one training step of ``model`` under ``wl`` with ``policy``, allocating nothing.
 
     Args:
-        spec: the model; recompute's reference model is traced, or Hugging Face's with ``hf=True``.
+        model: a ``ModelSpec`` (recompute's reference model, or Hugging Face's with ``hf=True``), a
+            ``ModelSource`` or what ``--model`` takes (a preset, a transformers config.json, ``module:factory``):
+            the class the source names is what runs.
         wl: batch, sequence, dtype (parameters, gradients and AdamW state all in it), attention and device.
         policy: a policy name, a ``Policy``, or a plan file path.
-        layers: trace this many layers (and one more) and scale to ``spec.n_layers`` (the layers are
-            identical; the result says so). ``None`` traces every layer.
-        hf: trace the ``transformers`` implementation of ``spec`` instead of recompute's.
+        layers: trace this many layers (and one more) and scale to all of them (the layers are identical; the
+            result says so). ``None`` traces every layer. Not for a factory (it builds what it builds).
+        hf: with a ``ModelSpec``, trace the ``transformers`` implementation of it instead of recompute's.
 
     Raises:
         ConfigError: the sequence is longer than the model's positions, the policy does not fit the model,
             the model cannot be built, or CUDA is asked for without CUDA.
     """
-    _check_traceable(spec, wl, hf)
+    source = _source_of(model, hf)
+    _check_traceable(source, wl)
     pol = Policy.parse(policy)
-    per_layer = pol.per_layer(spec.n_layers)
     device = resolve_device(wl.device)
+    n_layers = source.n_layers or _count_layers(source, wl)
+    per_layer = pol.per_layer(n_layers)
     start = time.perf_counter()
-    if layers is None or layers >= spec.n_layers - 1:
-        counts: tuple[int, ...] = (spec.n_layers,)
-        record = _trace_layers(spec, wl, pol, spec.n_layers, device=device, hf=hf)
+    if layers is None or layers >= n_layers - 1:
+        counts: tuple[int, ...] = (n_layers,)
+        record, built, n_params = _trace_layers(source, wl, pol, n_layers, device=device)
     else:
-        positive_int("layers", layers)
-        require(
-            pol.is_uniform,
-            f"layers {layers} scales identical layers, but the policy differs by layer ({pol.describe()}); "
-            "drop layers to trace every layer",
-            fields=("layers",),
-        )
+        _check_scalable(source, pol, layers)
         counts = (layers, layers + 1)
-        small, big = (_trace_layers(spec, wl, pol, n, device=device, hf=hf) for n in counts)
-        record = scale_record(small, big, spec.n_layers)
+        (small, built, p_small), (big, _, p_big) = (_trace_layers(source, wl, pol, n, device=device) for n in counts)
+        record = scale_record(small, big, n_layers)
+        n_params = p_small + (p_big - p_small) * (n_layers - layers)
     return from_record(
         record,
-        model=spec.name,
+        model=source.name,
         policy=pol.describe(),
         per_layer=per_layer,
         workload=_workload_dict(wl),
         traced=counts,
-        notes=_notes(spec, wl, counts, hf),
+        notes=_notes(source, built, wl, counts, n_layers),
         seconds=time.perf_counter() - start,
+        parameter_count=n_params,
     )
 
 
-def _check_traceable(spec: ModelSpec, wl: Workload, hf: bool) -> None:
-    wl.check(spec)
+def _source_of(model: ModelSpec | ModelSource | str, hf: bool) -> ModelSource:
+    if isinstance(model, ModelSource):
+        return model
+    if isinstance(model, ModelSpec):
+        return ModelSource.preset(model, hf=hf)
+    return resolve_source(model)
+
+
+def _check_traceable(source: ModelSource, wl: Workload) -> None:
     require(
         wl.pp == wl.dp == 1,
         "trace runs one tensor-parallel rank of one pipeline stage's model; drop pp and dp "
         "(recompute estimate models pipeline and data parallelism)",
         fields=("pp", "dp"),
     )
+    if source.spec is not None and not source.hf:
+        wl.check(source.spec)
+        return
+    if source.spec is not None:
+        wl.check(source.spec)
     require(
-        wl.tp == 1 or not hf,
+        wl.tp == 1,
         f"tp {wl.tp} traces recompute's reference GPT/Llama (recompute.parallel); drop tp or use a preset",
         fields=("tp",),
     )
+    limit = source.max_positions
+    require(
+        limit is None or wl.seq_len <= limit,
+        f"seq_len {wl.seq_len} exceeds {source.name}'s {limit} positions; use seq_len <= {limit}",
+        fields=("seq_len",),
+    )
 
 
-def _trace_layers(spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool) -> StepRecord:
-    """One fake step of ``spec`` cut to ``n`` layers (of rank 0, with ``wl.tp`` > 1)."""
-    with _fake_group(wl.tp):
+def _check_scalable(source: ModelSource, pol: Policy, layers: int) -> None:
+    positive_int("layers", layers)
+    require(
+        pol.is_uniform,
+        f"layers {layers} scales identical layers, but the policy differs by layer ({pol.describe()}); "
+        "drop layers to trace every layer",
+        fields=("layers",),
+    )
+    require(
+        source.factory is None,
+        f"layers {layers} rebuilds the model with fewer layers, which a factory ({source.origin}) cannot; "
+        "drop layers to trace every layer",
+        fields=("layers",),
+    )
+    kinds = set(getattr(source.config, "layer_types", None) or ())
+    require(
+        len(kinds) <= 1,
+        f"layers {layers} scales identical layers, but {source.name}'s layers differ ({', '.join(sorted(kinds))}); "
+        "drop layers to trace every layer",
+        fields=("layers",),
+    )
+
+
+def _count_layers(source: ModelSource, wl: Workload) -> int:
+    """The transformer layer count of a source that does not state it: build it on the meta device and look."""
+    built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device="meta")
+    return len(find_layers(built.model))
+
+
+def _trace_layers(
+    source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
+) -> tuple[StepRecord, BuiltModel, int]:
+    """One fake step of ``source`` cut to ``n`` layers (of rank 0, with ``wl.tp`` > 1), and its parameter count."""
+    with _fake_group(wl.tp), fake_kernels():
         if wl.tp > 1:
             # Note: [DTensor's first call] the first time DTensor meets an op and its shardings it works out
             # the output by running the op on whole-size tensors, which the tracker would count as memory (2 GiB
             # in the head's backward of Llama 3.1 8B at t = 8). A one-layer step per policy fills that cache.
             for name in dict.fromkeys(pol.per_layer(n)):
-                _step(spec, wl, Policy(name), 1, device=device, hf=hf)
-        return _step(spec, wl, pol, n, device=device, hf=hf)
+                _step(source, wl, Policy(name), 1, device=device)
+        return _step(source, wl, pol, n, device=device)
 
 
-def _step(spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool) -> StepRecord:
-    model, stack, mode = _fake_model(spec, wl, pol, n, device=device, hf=hf)
+def _step(source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str) -> tuple[StepRecord, BuiltModel, int]:
+    built, stack, mode = _fake_model(source, wl, pol, n, device=device)
+    model = built.model
+    n_params = sum(p.numel() for p in model.parameters())  # each parameter once, tied ones too
     with mode:
         optimizer = torch.optim.AdamW(model.parameters())
         prime_optimizer(model, optimizer)
-        batch = random_batch(spec.vocab, wl.micro_batch, wl.seq_len, device=device)
-        return run_step(model, batch, optimizer, stack, loss_fn=loss_fn_for(hf), keep_grads=wl.keep_grads)
+        batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device)
+        record = run_step(model, batch, optimizer, stack, loss_fn=built.loss_fn, keep_grads=wl.keep_grads)
+    return record, built, n_params
 
 
 @contextlib.contextmanager
@@ -150,11 +201,11 @@ def _fake_group(tp: int) -> Iterator[None]:
 
 
 def _fake_model(
-    spec: ModelSpec, wl: Workload, pol: Policy, n: int, *, device: str, hf: bool
-) -> tuple[nn.Module, nn.ModuleList, FakeTensorMode]:
-    """``spec`` cut to ``n`` layers, built with fake parameters, in training mode, with ``pol`` applied."""
-    small = dataclasses.replace(spec, n_layers=n) if n != spec.n_layers else spec
-    model = build_meta(small, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], hf=hf)
+    source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
+) -> tuple[BuiltModel, nn.ModuleList, FakeTensorMode]:
+    """``source`` cut to ``n`` layers, built with fake parameters, in training mode, with ``pol`` applied."""
+    built = _build_meta(source, wl, n)
+    model = built.model
     mode = FakeTensorMode()
     fakeify(model, mode, device)
     if wl.tp > 1:
@@ -165,7 +216,19 @@ def _fake_model(
             parallelize(model, mesh, sp=wl.sp)
     model.train()
     apply(model, pol)
-    return model, find_layers(model), mode
+    return built, find_layers(model), mode
+
+
+def _build_meta(source: ModelSource, wl: Workload, n: int) -> BuiltModel:
+    try:
+        return build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device="meta", n_layers=n)
+    except ConfigError:
+        raise
+    except ImportError as e:
+        raise ConfigError(f"cannot build {source.name}: {e}; install it (pip install recompute[hf])") from e
+    except Exception as e:  # a model class that rejects this shape
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"cannot build {source.name}: {type(e).__name__}: {first}") from e
 
 
 def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *, hf: bool = False) -> PartTrace:
@@ -177,18 +240,19 @@ def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *,
     Raises:
         ConfigError: as ``trace``, and for a policy that is not the same in every layer.
     """
-    _check_traceable(spec, wl, hf)
+    source = ModelSource.preset(spec, hf=hf)
+    _check_traceable(source, wl)
     pol = Policy.parse(policy)
     require(pol.is_uniform, f"trace_layer needs one policy for every layer, got {pol.describe()}")
     device = resolve_device(wl.device)
     with _fake_group(wl.tp):
-        model, stack, mode = _fake_model(spec, wl, pol, 2, device=device, hf=hf)
+        built, stack, mode = _fake_model(source, wl, pol, 2, device=device)
         with mode:
             saved = record_saved(
-                model,
-                random_batch(spec.vocab, wl.micro_batch, wl.seq_len, device=device),
+                built.model,
+                random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device),
                 stack,
-                loss_fn=loss_fn_for(hf),
+                loss_fn=built.loss_fn,
             )
     return part_trace("layer 1", [r for r in saved if r.layer == 1])
 
@@ -223,6 +287,7 @@ def trace_module(
         workload={"micro_batch": idx.size(0), "seq_len": idx.size(1), "device": idx.device.type},
         traced=(len(stack),),
         seconds=time.perf_counter() - start,
+        parameter_count=sum(p.numel() for p in model.parameters()),
     )
 
 
@@ -231,14 +296,11 @@ def _workload_dict(wl: Workload) -> dict[str, Any]:
     return {k: getattr(wl, k) for k in keys}
 
 
-def _class_name(spec: ModelSpec, hf: bool) -> str:
-    return f"transformers.{hf_class_name(spec)}" if hf else f"recompute.models.{model_class(spec).__name__}"
-
-
-def _notes(spec: ModelSpec, wl: Workload, counts: tuple[int, ...], hf: bool) -> tuple[str, ...]:
+def _notes(source: ModelSource, built: BuiltModel, wl: Workload, counts: tuple[int, ...], n: int) -> tuple[str, ...]:
     notes = [
-        f"traced {_class_name(spec, hf)} built from the {spec.name} spec on fake {wl.device} tensors: "
+        f"traced {built.class_name} built from {source.origin} on fake {wl.device} tensors: "
         "exact sizes, nothing allocated",
+        *built.notes,
         "steady-state step: AdamW state exists, gradients "
         + ("stay allocated (zero_grad(set_to_none=False))" if wl.keep_grads else "start as None (zero_grad())")
         + f"; parameters, gradients and AdamW state in {wl.dtype}",
@@ -251,6 +313,6 @@ def _notes(spec: ModelSpec, wl: Workload, counts: tuple[int, ...], hf: bool) -> 
     if len(counts) == 2:
         notes.append(
             f"layers are identical: traced {counts[0]} and {counts[1]} layers and scaled every figure to "
-            f"{spec.n_layers} (exact for identical layers)"
+            f"{n} (exact for identical layers)"
         )
     return tuple(notes)

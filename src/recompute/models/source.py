@@ -1,0 +1,298 @@
+"""What ``--model`` names, and how to build it: a preset, a transformers config, or the user's own factory.
+
+Three kinds of source (``resolve_source``):
+
+- a preset name (``gpt2``, ``llama3.1-8b``; ``hf:NAME`` for transformers' GPT-2/Llama of that shape): recompute's
+  reference model of the preset's ``ModelSpec``;
+- a transformers ``config.json``, or a directory holding one: the class ``AutoModelForCausalLM.from_config``
+  builds for it (dense or MoE, whatever it is), random weights, no download. Nothing builds a substitute;
+- ``package.module:factory``: ``factory()`` is called with no arguments and must return an ``nn.Module``.
+
+Note: [factory convention] A factory's module is run as a causal LM on random token ids: a model with a
+``config.vocab_size`` (a transformers ``PreTrainedModel``) as ``model(input_ids=idx, labels=targets).loss``,
+any other as ``logits, loss = model(idx, targets)`` (recompute's and nanoGPT's convention). Token ids are drawn
+below ``config.vocab_size``, else below the first ``nn.Embedding``'s ``num_embeddings``. The factory is called
+under ``with torch.device(...)`` (``meta`` for a trace), so it should create its parameters without naming a
+device; the transformer layers are found by structure (``recompute.checkpointing.find_layers``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from recompute.core.errors import ConfigError, one_of
+from recompute.core.presets import PRESETS
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import ATTENTIONS
+from recompute.models import build_model, model_class
+from recompute.models.hf import HF_ATTENTION, build_hf_model, hf_class_name
+from recompute.models.loss import LossFn, hf_loss, lm_loss
+
+__all__ = ["BuiltModel", "ModelSource", "build_source", "load_hf_config", "resolve_source"]
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_REQUIRED = {
+    "hidden size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "layer count": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "head count": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "vocabulary": ("vocab_size",),
+}
+"""Fields a config.json must state (one key of each row); a transformers default would invent a model."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to build: a preset ``spec``, a transformers ``config``, or a ``factory``."""
+
+    name: str
+    """How results name it: the preset, the config file's folder or stem, or ``module:factory``."""
+    origin: str
+    """Where it comes from, in words: ``the gpt2 spec``, ``config.json``, ``mypkg.models:build``."""
+    spec: ModelSpec | None = None
+    hf: bool = False
+    """For a preset: build transformers' GPT-2/Llama of the spec instead of recompute's reference model."""
+    config: Any = None
+    """A transformers ``PretrainedConfig``."""
+    factory: Callable[[], nn.Module] | None = field(default=None, compare=False)
+
+    @classmethod
+    def preset(cls, spec: ModelSpec, *, hf: bool = False) -> ModelSource:
+        return cls(name=spec.name, origin=f"the {spec.name} spec", spec=spec, hf=hf)
+
+    @classmethod
+    def from_config(cls, config: Any, *, name: str | None = None) -> ModelSource:
+        """A source from a config.json path (or its folder), a dict, or a transformers config object."""
+        cfg = load_hf_config(config)
+        origin = f"{type(cfg).__name__}"
+        if isinstance(config, (str, Path)):
+            path = Path(config)
+            origin = str(path / "config.json" if path.is_dir() else path)
+            name = name or (path.name if path.is_dir() else path.stem)
+        return cls(name=name or str(cfg.model_type), origin=origin, config=cfg)
+
+    @property
+    def kind(self) -> str:
+        """``preset``, ``config`` or ``factory``."""
+        return "preset" if self.spec is not None else "config" if self.config is not None else "factory"
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model takes, when the source says (``None``: no limit known)."""
+        if self.spec is not None:
+            return self.spec.max_positions
+        return getattr(self.config, "max_position_embeddings", None) if self.config is not None else None
+
+    @property
+    def n_layers(self) -> int | None:
+        """The transformer layer count, when known without building (``None`` for a factory)."""
+        if self.spec is not None:
+            return self.spec.n_layers
+        return int(self.config.num_hidden_layers) if self.config is not None else None
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """A model built from a source, with what it takes to run a training step of it."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    vocab: int
+    """Token ids are drawn below this."""
+    class_name: str
+    """The class built, with its package: ``transformers.MixtralForCausalLM``, ``recompute.models.GPT``."""
+    notes: tuple[str, ...] = ()
+    """What differs from what was asked (an attention implementation transformers refused, ...)."""
+
+
+def resolve_source(text: str) -> ModelSource:
+    """``--model``: a preset (``hf:NAME`` for transformers' class), a config.json or its folder, or ``module:factory``.
+
+    Raises:
+        ConfigError: none of these (the message lists the forms), or the config/factory is unusable.
+    """
+    base = text.removeprefix("hf:")
+    if base in PRESETS or (text.startswith("hf:") and base == "llama"):
+        return ModelSource.preset(ModelSpec.from_name({"llama": "llama3.1-8b"}.get(base, base)), hf=base != text)
+    if Path(text).exists():
+        return ModelSource.from_config(text)
+    if _FACTORY.match(text):
+        return ModelSource(name=text, origin=text, factory=_import_factory(text))
+    raise ConfigError(
+        f"{text!r} is not a known model, an existing config.json path or a package.module:factory; "
+        f"known models: {', '.join(PRESETS)}"
+    )
+
+
+def load_hf_config(config: Any) -> Any:
+    """A transformers config for a decoder-only causal LM, from a path, a dict or a config object.
+
+    Raises:
+        ConfigError: unreadable, an encoder-only, encoder-decoder or multimodal model, a model_type without a
+            causal-LM class in transformers, or a config.json missing the hidden size, layers, heads or vocab.
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    raw = _config_dict(config)
+    kind = raw.get("model_type")
+    if raw.get("is_encoder_decoder") or any(k in raw for k in ("text_config", "vision_config", "audio_config")):
+        raise ConfigError(
+            f"{kind or 'this config'} is an encoder-decoder or multimodal model; recompute builds decoder-only "
+            "causal LMs: pass such a model's config.json (or its text model's)"
+        )
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(
+            f"model_type {kind!r} has no causal-LM class in transformers {transformers.__version__} "
+            "(AutoModelForCausalLM); pass the config.json of a decoder-only causal LM"
+        )
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not raw.get("is_decoder"):
+        raise ConfigError(
+            f"model_type {kind!r} is an encoder-only model (masked LM); recompute builds decoder-only causal LMs"
+        )
+    if not isinstance(config, transformers.PretrainedConfig):
+        missing = [what for what, keys in _REQUIRED.items() if not any(raw.get(k) for k in keys)]
+        if missing:
+            raise ConfigError(
+                f"the {kind} config lacks its {', '.join(missing)} "
+                f"({' / '.join(k for w in missing for k in _REQUIRED[w])}); pass the model's full config.json"
+            )
+        config = transformers.AutoConfig.for_model(**raw)
+    return copy.deepcopy(config)
+
+
+def build_source(
+    source: ModelSource,
+    *,
+    attention: str = "flash",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    n_layers: int | None = None,
+) -> BuiltModel:
+    """Build ``source`` with random weights on ``device`` (``meta`` for a trace), cut to ``n_layers`` if given.
+
+    Args:
+        attention: ``flash`` (transformers' ``sdpa``; ``eager`` where a class refuses it, said in the notes)
+            or ``eager``. A factory's model keeps its own attention.
+        n_layers: build this many transformer layers (presets and configs; a factory builds what it builds).
+
+    Raises:
+        ConfigError: the model cannot be built (the message names the reason).
+    """
+    one_of("attention", attention, ATTENTIONS)
+    if source.spec is not None:
+        return _build_preset(source.spec, source.hf, attention, dtype, device, n_layers)
+    if source.config is not None:
+        return _build_config(source, attention, dtype, device, n_layers)
+    assert source.factory is not None
+    return _build_factory(source, dtype, device, n_layers)
+
+
+def _build_preset(
+    spec: ModelSpec, hf: bool, attention: str, dtype: torch.dtype, device: str | torch.device, n: int | None
+) -> BuiltModel:
+    small = dataclasses.replace(spec, n_layers=n) if n is not None and n != spec.n_layers else spec
+    if hf:
+        model = build_hf_model(small, attention=attention, dtype=dtype, device=device)
+        return BuiltModel(model, hf_loss, spec.vocab, f"transformers.{hf_class_name(spec)}")
+    model = build_model(small, attention=attention, dtype=dtype, device=device)
+    return BuiltModel(model, lm_loss, spec.vocab, f"recompute.models.{model_class(spec).__name__}")
+
+
+def _build_config(
+    source: ModelSource, attention: str, dtype: torch.dtype, device: str | torch.device, n: int | None
+) -> BuiltModel:
+    import transformers
+
+    cfg = copy.deepcopy(source.config)
+    if n is not None and n != cfg.num_hidden_layers:
+        cfg.num_hidden_layers = n
+        if isinstance(getattr(cfg, "layer_types", None), list):
+            cfg.layer_types = cfg.layer_types[:n]
+    notes: list[str] = []
+    impl = HF_ATTENTION[attention]
+    with torch.device(device):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
+        except ValueError as e:
+            if impl != "sdpa" or "does not support" not in str(e):
+                raise ConfigError(f"transformers cannot build {source.origin}: {_first_line(e)}") from e
+            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+            notes.append(
+                f"{type(model).__name__} does not support sdpa attention in transformers "
+                f"{transformers.__version__}; built with its eager attention instead"
+            )
+        except Exception as e:  # a config the class rejects
+            raise ConfigError(f"transformers cannot build {source.origin}: {type(e).__name__}: {_first_line(e)}") from e
+    name = f"transformers.{type(model).__name__}"
+    return BuiltModel(model.to(dtype=dtype), hf_loss, int(cfg.vocab_size), name, tuple(notes))
+
+
+def _build_factory(source: ModelSource, dtype: torch.dtype, device: str | torch.device, n: int | None) -> BuiltModel:
+    assert source.factory is not None
+    with torch.device(device):
+        try:
+            model = source.factory()
+        except Exception as e:
+            raise ConfigError(f"{source.origin}() failed: {type(e).__name__}: {_first_line(e)}") from e
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{source.origin}() returned {type(model).__name__}, expected an nn.Module; return the model")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    loss_fn = hf_loss if vocab is not None else lm_loss
+    if vocab is None:
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        if embedding is None:
+            raise ConfigError(
+                f"{source.origin}() returned a {type(model).__name__} with no config.vocab_size and no nn.Embedding; "
+                "recompute runs causal LMs on token ids"
+            )
+        vocab = embedding.num_embeddings
+    name = f"{type(model).__module__}.{type(model).__name__}"
+    return BuiltModel(model.to(dtype=dtype), loss_fn, int(vocab), name)
+
+
+def _import_factory(text: str) -> Callable[[], nn.Module]:
+    module_name, attr = text.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"--model {text!r}: cannot import {module_name} ({e}); put it on PYTHONPATH") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(
+            f"--model {text!r}: {module_name} has no callable {attr!r}; name a function returning an nn.Module"
+        )
+    return factory  # type: ignore[no-any-return]
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, Path)):
+        path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
+        try:
+            return dict(json.loads(path.read_text()))
+        except OSError as e:
+            raise ConfigError(f"cannot read {str(path)!r}: {e.strerror}; pass a config.json path or its folder") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})") from e
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    raise ConfigError(f"expected a transformers config, a dict or a config.json path; got {type(config).__name__}")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
