@@ -12,6 +12,7 @@ from recompute.cli._common import (
     policy_from,
     workload_from,
 )
+from recompute.cli.progress import progress_bar
 from recompute.models.source import resolve_source
 from recompute.trace import render_trace, trace
 
@@ -33,6 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     source = resolve_source(args.model)
     wl, pol = workload_from(args, source), policy_from(args)
-    result = trace(source, wl, pol, layers=args.layers)
+    with progress_bar("trace", enabled=not args.json) as progress:
+        progress(f"{args.model}: one step on fake tensors", 0, 1)  # one unit: the bar shows the elapsed time
+        result = trace(source, wl, pol, layers=args.layers)
+        progress("done", 1, 1)
     emit_json(result.to_dict()) if args.json else print(render_trace(result))
     return 0
