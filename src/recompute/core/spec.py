@@ -22,6 +22,10 @@ NormKind = Literal["layernorm", "rmsnorm"]
 PositionKind = Literal["learned", "rotary"]
 
 
+SIZE_LIMITS = {"hidden": 2**20, "n_layers": 2**14, "n_heads": 2**16, "vocab": 2**24, "max_positions": 2**24}
+"""The largest value each size takes: far beyond any model (larger is a typo that would hang the work)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer. Defaults describe GPT-2 small; presets list only what differs.
@@ -70,7 +74,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for name in ("hidden", "n_layers", "n_heads", "vocab", "max_positions"):
-            positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name), at_most=SIZE_LIMITS[name])
         one_of("mlp", self.mlp, ("gelu", "swiglu"))
         one_of("norm", self.norm, ("layernorm", "rmsnorm"))
         one_of("position", self.position, ("learned", "rotary"))
@@ -82,7 +86,7 @@ class ModelSpec:
                 "or set head_dim explicitly",
             )
             object.__setattr__(self, "head_dim", self.hidden // self.n_heads)
-        positive_int("head_dim", self.head_dim)
+        positive_int("head_dim", self.head_dim, at_most=2**16)
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         positive_int("n_kv_heads", self.n_kv_heads)
@@ -92,7 +96,7 @@ class ModelSpec:
         )
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.hidden if self.mlp == "gelu" else _llama_ffn(self.hidden))
-        positive_int("d_ff", self.d_ff)
+        positive_int("d_ff", self.d_ff, at_most=2**24)
 
     @property
     def q_dim(self) -> int:
@@ -150,16 +154,30 @@ class ModelSpec:
         """
         raw = _hf_config_dict(config)
         _check_modelled(raw)
-        return cls(**_from_hf_dict(raw), name=name or str(raw.get("_name_or_path") or raw.get("model_type") or "hf"))
+        return cls(
+            **_from_hf_dict(raw),
+            name=name or str(raw.get("_name_or_path") or raw.get("model_type") or "hf"),
+            source=f"{HF_SOURCE} ({raw.get('model_type')})",
+        )
 
 
 def resolve_model(name: str) -> ModelSpec:
-    """A preset by name, or a Hugging Face config.json (file or directory) by path."""
+    """A preset by name.
+
+    Raises:
+        ConfigError: an unknown name, or the path of a transformers config: no formula here is held to
+            transformers' own classes (``recompute trace`` builds and measures them), so none is given.
+    """
     if name in PRESETS:
         return ModelSpec.from_name(name)
     path = Path(name)
     if path.exists():
-        return ModelSpec.from_hf_config(path, name=path.stem if path.is_file() else path.name)
+        ModelSpec.from_hf_config(path)  # an unreadable or unmodelled config gets its own one-line refusal first
+        raise ConfigError(
+            f"{name!r} is a transformers config: the analytic model describes recompute's reference GPT-2 and "
+            "Llama, and transformers' own class keeps other tensors (2x to 5x more for GPT-2, measured); measure "
+            f"it with `recompute trace --model {name}` (verify takes it too); estimate, plan and bench take presets"
+        )
     raise ConfigError(f"{name!r} is not a known model or a config.json path; known models: {', '.join(PRESETS)}")
 
 
@@ -181,6 +199,9 @@ def _hf_config_dict(config: Any) -> dict[str, Any]:
         return dict(config.to_dict())
     raise ConfigError(f"expected a transformers config, a dict or a config.json path; got {type(config).__name__}")
 
+
+HF_SOURCE = "a transformers config"
+"""How ``from_hf_config`` marks ``ModelSpec.source``."""
 
 MODELLED_TYPES = ("llama", "gpt2")
 """The transformers ``model_type``s a ``ModelSpec`` describes exactly (tests hold it to their classes)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from torch import nn
 
 from recompute.core.errors import ConfigError, one_of
 from recompute.core.presets import PRESETS
+from recompute.core.results import read_json
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import ATTENTIONS
 from recompute.models import build_model, model_class
@@ -283,12 +283,7 @@ def _config_dict(config: Any) -> dict[str, Any]:
         return config
     if isinstance(config, (str, Path)):
         path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
-        try:
-            return dict(json.loads(path.read_text()))
-        except OSError as e:
-            raise ConfigError(f"cannot read {str(path)!r}: {e.strerror}; pass a config.json path or its folder") from e
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})") from e
+        return read_json(path, "model config", "pass a transformers config.json of a decoder-only causal LM")
     if hasattr(config, "to_dict"):
         return dict(config.to_dict())
     raise ConfigError(f"expected a transformers config, a dict or a config.json path; got {type(config).__name__}")

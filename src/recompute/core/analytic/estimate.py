@@ -13,7 +13,7 @@ from recompute.core.analytic.flops import layer_flops, model_flops, recompute_fl
 from recompute.core.analytic.memory import PART_GROUP, LayerActivations, layer_activations, outer_activations
 from recompute.core.analytic.params import ModelStates, head_params, layer_params, model_states
 from recompute.core.policy import POLICIES, Policy
-from recompute.core.spec import ModelSpec
+from recompute.core.spec import HF_SOURCE, ModelSpec
 from recompute.core.workload import Workload
 
 __all__ = [
@@ -256,6 +256,12 @@ def _notes(spec: ModelSpec, wl: Workload, pol: Policy) -> tuple[str, ...]:
     if wl.pp > 1:
         layers = -(-spec.n_layers // wl.pp)
         notes.append(f"first pipeline stage: {layers} layers x {in_flight(wl):g} micro-batches in flight")
+    if spec.source.startswith(HF_SOURCE):
+        notes.append(
+            "from a transformers config: the formulas count recompute's reference layers of this shape, not "
+            "transformers' own class, which keeps other tensors (up to 5x apart, measured); `recompute trace "
+            "--model config.json` measures that class"
+        )
     if pol.save_ops or pol.offload:
         notes.append("op-level save lists and CPU offload are not modelled analytically; use `recompute trace`")
     return tuple(notes)
