@@ -259,8 +259,8 @@ def _notes(spec: ModelSpec, wl: Workload, pol: Policy) -> tuple[str, ...]:
     if spec.source.startswith(HF_SOURCE):
         notes.append(
             "from a transformers config: the formulas count recompute's reference layers of this shape, not "
-            "transformers' own class, which keeps other tensors (several times more for a GPT-2 config); `recompute trace "
-            "--model config.json` measures that class"
+            "transformers' own class, which keeps other tensors (several times more for a GPT-2 config); "
+            "`recompute trace --model config.json` measures that class"
         )
     if pol.save_ops or pol.offload:
         notes.append("op-level save lists and CPU offload are not modelled analytically; use `recompute trace`")
