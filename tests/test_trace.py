@@ -160,7 +160,7 @@ def test_optimizer_priming_matches_a_real_first_step() -> None:
     [
         (["--model", "gpt2", "--seq-len", "2048"], "exceeds gpt2's 1024 positions"),
         (["--model", "gpt2", "--policy", "everything"], "is not a policy"),
-        (["--model", "gpt2", "--policy", "block", "--every", "2", "--layers", "2"], "drop --layers"),
+        (["--model", "gpt2", "--policy", "block", "--every", "2", "--layers", "2"], "trace every layer instead"),
         (["--model", "no-such-model"], "is not a known model"),
         (["--model", "gpt2", "--dp", "2"], "drop --pp and --dp"),
     ],

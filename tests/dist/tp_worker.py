@@ -36,7 +36,7 @@ from recompute.core.analytic import layer_activations, paper_layer_bytes
 from recompute.core.analytic.memory import PART_GROUP
 from recompute.checkpointing import apply
 from recompute.models import build_model
-from recompute.parallel import parallelize, qkv_row_order
+from recompute.parallel import end_process_group, parallelize, qkv_row_order
 from recompute.trace import saved_bytes_per_layer
 from tiny import tiny_gpt, tiny_llama
 
@@ -249,7 +249,7 @@ def main() -> None:
         if table:
             print(render(table), flush=True)
         print(f"{sum(r['ok'] for r in rows)}/{len(rows)} checks passed", flush=True)
-    dist.destroy_process_group()
+    end_process_group()  # every rank waits for the others, then the group ends (parallel/_env.py)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import recompute.train.loop as loop
 from recompute.cli import main
 from recompute.train import TrainConfig, read_metrics
 from recompute.train.checkpoint import checkpoints
+from recompute.parallel import end_process_group
 
 
 class Killed(Exception):
@@ -167,4 +168,4 @@ if __name__ == "__main__":
         names = ("whole", "dropout", "resumed", "dp")
         result = {"ranks": per_rank, "files": {name: files(root / name) for name in names}}
         Path(args.out).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_process_group()  # every rank waits for the others, then the group ends (parallel/_env.py)

@@ -51,7 +51,9 @@ def _plain_lines(name: str) -> Progress:
 
     def show(label: str, done: int, total: int) -> None:
         now = time.monotonic()
-        if now - last[0] >= PLAIN_EVERY_S or done >= total:
+        if done == 0:
+            last[0] = now  # nothing done yet: a line now would say nothing (and would precede a refusal)
+        elif now - last[0] >= PLAIN_EVERY_S or done >= total:
             last[0] = now
             try:
                 print(f"{name}: {done}/{total} {label}", file=sys.stderr, flush=True)

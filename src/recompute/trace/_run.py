@@ -121,25 +121,25 @@ def _check_traceable(source: ModelSource, wl: Workload) -> None:
 
 
 def _check_scalable(source: ModelSource, pol: Policy, layers: int) -> None:
+    # Note: [prose, not fields] these messages say "layers" as a word, so they name no field for the CLI to
+    # turn into its option; they say what to do in words.
     positive_int("layers", layers)
+    scaling = f"scaling a trace of {layers} and {layers + 1} layers"
     require(
         pol.is_uniform,
-        f"layers {layers} scales identical layers, but the policy differs by layer ({pol.describe()}); "
-        "drop layers to trace every layer",
-        fields=("layers",),
+        f"{scaling} needs the same policy in every layer, but it differs by layer ({pol.describe()}); "
+        "trace every layer instead (no layer count)",
     )
     require(
         source.factory is None,
-        f"layers {layers} rebuilds the model with fewer layers, which a factory ({source.origin}) cannot; "
-        "drop layers to trace every layer",
-        fields=("layers",),
+        f"{scaling} rebuilds the model with fewer layers, which a factory ({source.origin}) cannot; "
+        "trace every layer instead (no layer count)",
     )
     kinds = set(getattr(source.config, "layer_types", None) or ())
     require(
         len(kinds) <= 1,
-        f"layers {layers} scales identical layers, but {source.name}'s layers differ ({', '.join(sorted(kinds))}); "
-        "drop layers to trace every layer",
-        fields=("layers",),
+        f"{scaling} needs identical layers, but {source.name}'s differ ({', '.join(sorted(kinds))}); "
+        "trace every layer instead (no layer count)",
     )
 
 
