@@ -75,7 +75,7 @@ def parse_budget(text: str | float) -> float:
             fields=("budget",),
         )
         value = float(m.group(1)) * _UNITS[unit]  # type: ignore[union-attr]
-    require(value > 0, f"budget must be positive, got {text!r}", fields=("budget",))
+    require(0 < value < float("inf"), f"budget must be a positive, finite size, got {text!r}", fields=("budget",))
     return value
 
 
