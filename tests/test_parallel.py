@@ -107,13 +107,15 @@ def test_fake_rank_saves_what_the_analytic_model_says(fake_group: int, name: str
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
+    from recompute.models.source import ModelSource
     from recompute.trace._build import build_meta, fakeify
 
     spec = tiny_gpt(dropout=0.1) if name == "gpt" else tiny_llama()
     t = min(fake_group, spec.n_kv_heads)
     mesh = init_device_mesh("cpu", (fake_group // t, t), mesh_dim_names=("dp", "tp"))["tp"]
     mode = FakeTensorMode()
-    model = fakeify(build_meta(spec, attention="eager", dtype=torch.float32), mode).train()
+    built = build_meta(ModelSource.preset(spec), attention="eager", dtype=torch.float32)
+    model = fakeify(built.model, mode).train()
     with mode:
         parallelize(model, mesh, sp=sp)
         idx = torch.zeros(2, 32, dtype=torch.long)

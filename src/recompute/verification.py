@@ -22,6 +22,7 @@ from recompute.core.policy import Policy
 from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.table import render_table
 from recompute.core.workload import Workload
+from recompute.models.hf import HF_ALIASES
 from recompute.models.source import BuiltModel, ModelSource, build_source
 
 __all__ = [
@@ -271,7 +272,7 @@ def verify_spec(model: str, **sizes: int | None) -> tuple[ModelSpec, bool]:
     """
     hf = model.startswith("hf:")
     base = model.removeprefix("hf:")
-    spec = resolve_model({"llama": "llama3.1-8b"}.get(base, base) if hf else base).resized(**sizes)
+    spec = resolve_model(HF_ALIASES.get(base, base) if hf else base).resized(**sizes)
     if n_params(spec) > CPU_PARAM_LIMIT:
         raise ConfigError(
             f"{spec.name} has {n_params(spec) / 1e9:.1f}B parameters, too many to run real steps of here; "

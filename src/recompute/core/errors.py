@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "one_of", "positive_int", "require"]
+__all__ = ["ConfigError", "first_line", "one_of", "positive_int", "require"]
 
 
 class ConfigError(ValueError):
@@ -40,3 +40,8 @@ def one_of(name: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}", fields=(name,))
     return str(value)
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message: what a one-line refusal quotes of a library's error."""
+    return (str(e).strip().splitlines() or [""])[0]

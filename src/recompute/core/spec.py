@@ -15,7 +15,7 @@ from recompute.core.errors import ConfigError, one_of, positive_int, require
 from recompute.core.presets import PRESETS
 from recompute.core.results import read_json
 
-__all__ = ["ModelSpec", "resolve_model"]
+__all__ = ["ModelSpec", "hf_config_dict", "resolve_model"]
 
 MLPKind = Literal["gelu", "swiglu"]
 NormKind = Literal["layernorm", "rmsnorm"]
@@ -152,7 +152,7 @@ class ModelSpec:
         ``num_hidden_layers``, ``num_key_value_heads``, ...), so other decoder-only configs that use either
         naming work too.
         """
-        raw = _hf_config_dict(config)
+        raw = hf_config_dict(config)
         _check_modelled(raw)
         return cls(
             **_from_hf_dict(raw),
@@ -187,7 +187,8 @@ def _llama_ffn(h: int, multiple_of: int = 256) -> int:
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-def _hf_config_dict(config: Any) -> dict[str, Any]:
+def hf_config_dict(config: Any) -> dict[str, Any]:
+    """A transformers config as a dict: from a dict, a config object, or a config.json path (or its folder)."""
     if isinstance(config, dict):
         return config
     if isinstance(config, (str, Path)):

@@ -14,10 +14,13 @@ from torch import nn
 from recompute.core.errors import ConfigError, one_of
 from recompute.core.spec import ModelSpec
 
-__all__ = ["HF_ATTENTION", "build_hf_model", "hf_class_name", "hf_config"]
+__all__ = ["HF_ALIASES", "HF_ATTENTION", "build_hf_model", "hf_class_name", "hf_config"]
 
 HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
 """recompute's attention names and the ``attn_implementation`` they map to."""
+
+HF_ALIASES = {"llama": "llama3.1-8b"}
+"""``hf:NAME`` shorthands for a preset."""
 
 
 def hf_config(spec: ModelSpec, *, attention: str = "flash") -> Any:

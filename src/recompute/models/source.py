@@ -30,13 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from recompute.core.errors import ConfigError, one_of
+from recompute.core.errors import ConfigError, first_line, one_of
 from recompute.core.presets import PRESETS
-from recompute.core.results import read_json
-from recompute.core.spec import ModelSpec
+from recompute.core.spec import ModelSpec, hf_config_dict
 from recompute.core.workload import ATTENTIONS
 from recompute.models import build_model, model_class
-from recompute.models.hf import HF_ATTENTION, build_hf_model, hf_class_name
+from recompute.models.hf import HF_ALIASES, HF_ATTENTION, build_hf_model, hf_class_name
 from recompute.models.loss import LossFn, hf_loss, lm_loss
 
 __all__ = ["BuiltModel", "ModelSource", "build_source", "load_hf_config", "resolve_source"]
@@ -123,7 +122,7 @@ def resolve_source(text: str) -> ModelSource:
     """
     base = text.removeprefix("hf:")
     if base in PRESETS or (text.startswith("hf:") and base == "llama"):
-        return ModelSource.preset(ModelSpec.from_name({"llama": "llama3.1-8b"}.get(base, base)), hf=base != text)
+        return ModelSource.preset(ModelSpec.from_name(HF_ALIASES.get(base, base)), hf=base != text)
     if Path(text).exists():
         return ModelSource.from_config(text)
     if _FACTORY.match(text):
@@ -147,7 +146,7 @@ def load_hf_config(config: Any) -> Any:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    raw = _config_dict(config)
+    raw = hf_config_dict(config)
     kind = raw.get("model_type")
     if raw.get("is_encoder_decoder") or any(k in raw for k in ("text_config", "vision_config", "audio_config")):
         raise ConfigError(
@@ -229,14 +228,14 @@ def _build_config(
             model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
         except ValueError as e:
             if impl != "sdpa" or "does not support" not in str(e):
-                raise ConfigError(f"transformers cannot build {source.origin}: {_first_line(e)}") from e
+                raise ConfigError(f"transformers cannot build {source.origin}: {first_line(e)}") from e
             model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
             notes.append(
                 f"{type(model).__name__} does not support sdpa attention in transformers "
                 f"{transformers.__version__}; built with its eager attention instead"
             )
         except Exception as e:  # a config the class rejects
-            raise ConfigError(f"transformers cannot build {source.origin}: {type(e).__name__}: {_first_line(e)}") from e
+            raise ConfigError(f"transformers cannot build {source.origin}: {type(e).__name__}: {first_line(e)}") from e
     name = f"transformers.{type(model).__name__}"
     return BuiltModel(model.to(dtype=dtype), hf_loss, int(cfg.vocab_size), name, tuple(notes))
 
@@ -247,7 +246,7 @@ def _build_factory(source: ModelSource, dtype: torch.dtype, device: str | torch.
         try:
             model = source.factory()
         except Exception as e:
-            raise ConfigError(f"{source.origin}() failed: {type(e).__name__}: {_first_line(e)}") from e
+            raise ConfigError(f"{source.origin}() failed: {type(e).__name__}: {first_line(e)}") from e
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{source.origin}() returned {type(model).__name__}, expected an nn.Module; return the model")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -276,18 +275,3 @@ def _import_factory(text: str) -> Callable[[], nn.Module]:
             f"--model {text!r}: {module_name} has no callable {attr!r}; name a function returning an nn.Module"
         )
     return factory  # type: ignore[no-any-return]
-
-
-def _config_dict(config: Any) -> dict[str, Any]:
-    if isinstance(config, dict):
-        return config
-    if isinstance(config, (str, Path)):
-        path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
-        return read_json(path, "model config", "pass a transformers config.json of a decoder-only causal LM")
-    if hasattr(config, "to_dict"):
-        return dict(config.to_dict())
-    raise ConfigError(f"expected a transformers config, a dict or a config.json path; got {type(config).__name__}")
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]

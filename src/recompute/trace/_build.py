@@ -15,10 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from recompute.core.errors import ConfigError
-from recompute.core.spec import ModelSpec
-from recompute.models import build_model
-from recompute.models.hf import build_hf_model
+from recompute.core.errors import ConfigError, first_line
+from recompute.models.source import BuiltModel, ModelSource, build_source
 
 __all__ = ["build_meta", "fake_kernels", "fakeify"]
 
@@ -44,26 +42,20 @@ def fakeify(model: nn.Module, mode: FakeTensorMode, device: str = "cpu") -> nn.M
     return model
 
 
-def build_meta(spec: ModelSpec, *, attention: str, dtype: torch.dtype, hf: bool = False) -> nn.Module:
-    """recompute's reference model (or the Hugging Face one, ``hf=True``) for ``spec`` on the meta device.
+def build_meta(source: ModelSource, *, attention: str, dtype: torch.dtype, n_layers: int | None = None) -> BuiltModel:
+    """``source`` on the meta device (cut to ``n_layers``), ready for ``fakeify``.
 
     Raises:
         ConfigError: the model cannot be built (the message names the reason).
     """
     try:
-        if hf:
-            return build_hf_model(spec, attention=attention, dtype=dtype, device="meta")
-        return build_model(spec, attention=attention, dtype=dtype, device="meta")
+        return build_source(source, attention=attention, dtype=dtype, device="meta", n_layers=n_layers)
     except ConfigError:
         raise
     except ImportError as e:
-        raise ConfigError(f"cannot build {spec.name}: {e}; install it (pip install recompute[hf])") from e
+        raise ConfigError(f"cannot build {source.name}: {e}; install it (pip install recompute[hf])") from e
     except Exception as e:  # a model class that rejects this shape
-        raise ConfigError(f"cannot build {spec.name}: {type(e).__name__}: {_first_line(e)}") from e
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"cannot build {source.name}: {type(e).__name__}: {first_line(e)}") from e
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from recompute.models.loss import LossFn, lm_loss
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
 from recompute.runtime import TORCH_DTYPES, random_batch, resolve_device
-from recompute.trace._build import fake_kernels, fakeify
+from recompute.trace._build import build_meta, fake_kernels, fakeify
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
 from recompute.trace._scale import scale_record
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
@@ -204,7 +204,7 @@ def _fake_model(
     source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
 ) -> tuple[BuiltModel, nn.ModuleList, FakeTensorMode]:
     """``source`` cut to ``n`` layers, built with fake parameters, in training mode, with ``pol`` applied."""
-    built = _build_meta(source, wl, n)
+    built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
     model = built.model
     mode = FakeTensorMode()
     fakeify(model, mode, device)
@@ -217,18 +217,6 @@ def _fake_model(
     model.train()
     apply(model, pol)
     return built, find_layers(model), mode
-
-
-def _build_meta(source: ModelSource, wl: Workload, n: int) -> BuiltModel:
-    try:
-        return build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device="meta", n_layers=n)
-    except ConfigError:
-        raise
-    except ImportError as e:
-        raise ConfigError(f"cannot build {source.name}: {e}; install it (pip install recompute[hf])") from e
-    except Exception as e:  # a model class that rejects this shape
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"cannot build {source.name}: {type(e).__name__}: {first}") from e
 
 
 def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *, hf: bool = False) -> PartTrace:

@@ -11,7 +11,7 @@ from typing import Any
 
 from recompute.core.analytic.flops import layer_flops, model_flops, recompute_flops
 from recompute.core.analytic.memory import PART_GROUP, LayerActivations, layer_activations, outer_activations
-from recompute.core.analytic.params import ModelStates, head_params, layer_params, model_states
+from recompute.core.analytic.params import ModelStates, layer_params, model_states, norm_params
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.spec import HF_SOURCE, ModelSpec
 from recompute.core.workload import Workload
@@ -195,10 +195,7 @@ def gradient_arrival(spec: ModelSpec, wl: Workload, states: ModelStates) -> Grad
         return GradientArrival(0.0, 0.0)
     per = states.gradients / states.params if states.params else 0.0
     lp = layer_params(spec)
-    norm = _norm(spec)
-    head = (head_params(spec) - norm) / wl.tp + norm
-    if spec.tied_embeddings:
-        head += spec.vocab * spec.hidden / wl.tp
+    head = norm_params(spec) + spec.vocab * spec.hidden / wl.tp  # final norm; output layer (or tied embedding)
     return GradientArrival(head=head * per if wl.pp == 1 else 0.0, layer=(lp.sharded / wl.tp + lp.replicated) * per)
 
 
@@ -210,10 +207,6 @@ def resident_states(wl: Workload, states: ModelStates) -> float:
 def after_backward(spec: ModelSpec, wl: Workload, states: ModelStates, held: float) -> tuple[float, str]:
     """The larger of the embedding's backward and the optimizer step, in bytes beyond ``resident_states``."""
     return max(_embedding_phase(spec, wl, states, held), _optimizer_phase(spec, wl, states))
-
-
-def _norm(spec: ModelSpec) -> int:
-    return head_params(spec) - (0 if spec.tied_embeddings else spec.vocab * spec.hidden)
 
 
 def _embedding_phase(spec: ModelSpec, wl: Workload, states: ModelStates, held: float) -> tuple[float, str]:

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload
 
-__all__ = ["LayerParams", "ModelStates", "bytes_per_param", "layer_params", "model_states", "n_params"]
+__all__ = [
+    "LayerParams",
+    "ModelStates",
+    "bytes_per_param",
+    "layer_params",
+    "model_states",
+    "n_params",
+    "norm_params",
+]
 
 
 @dataclass(frozen=True)
@@ -28,7 +36,8 @@ class LayerParams:
         return self.sharded + self.replicated
 
 
-def _norm_params(spec: ModelSpec) -> int:
+def norm_params(spec: ModelSpec) -> int:
+    """Parameters of one norm: a weight, and a shift for a LayerNorm with biases."""
     return 2 * spec.hidden if spec.norm == "layernorm" and spec.bias else spec.hidden
 
 
@@ -40,7 +49,7 @@ def layer_params(spec: ModelSpec) -> LayerParams:
     mlp = (3 if spec.mlp == "swiglu" else 2) * h * f
     col_bias = (spec.q_dim + 2 * spec.kv_dim + (2 if spec.mlp == "swiglu" else 1) * f) if spec.bias else 0
     row_bias = 2 * h if spec.bias else 0
-    return LayerParams(sharded=qkv + out + mlp + col_bias, replicated=2 * _norm_params(spec) + row_bias)
+    return LayerParams(sharded=qkv + out + mlp + col_bias, replicated=2 * norm_params(spec) + row_bias)
 
 
 def embedding_params(spec: ModelSpec) -> int:
@@ -50,7 +59,7 @@ def embedding_params(spec: ModelSpec) -> int:
 
 def head_params(spec: ModelSpec) -> int:
     """Final norm and, when untied, the output projection."""
-    return _norm_params(spec) + (0 if spec.tied_embeddings else spec.vocab * spec.hidden)
+    return norm_params(spec) + (0 if spec.tied_embeddings else spec.vocab * spec.hidden)
 
 
 def n_params(spec: ModelSpec) -> int:
@@ -100,7 +109,7 @@ def stage_params(spec: ModelSpec, wl: Workload) -> int:
     count = layers * (lp.sharded // wl.tp + lp.replicated) + embedding_params(spec) // wl.tp
     if wl.pp == 1:
         untied = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
-        count += untied // wl.tp + _norm_params(spec)
+        count += untied // wl.tp + norm_params(spec)
     return count
 
 
