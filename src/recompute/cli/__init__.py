@@ -37,6 +37,10 @@ COMMANDS: dict[str, Command] = {
     "trace": Command(
         "trace", "every byte of a real training step on fake tensors (no memory used): states, layers, ops, peak"
     ),
+    "profile": Command(
+        "profile",
+        "each kind of layer of the real model under every policy: bytes kept and held, replay, FLOPs (fake tensors)",
+    ),
     "validate": Command(
         "validate", "the analytic model against the trace for every preset, policy and attention: per-layer error"
     ),

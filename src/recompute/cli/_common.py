@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from recompute.core.errors import ConfigError
 from recompute.core.policy import POLICIES, Policy
@@ -71,7 +71,14 @@ def add_workload_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     add_field_args(p, workload_fields(), **{"seq_len": None, **defaults})
 
 
-def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource) -> Workload:
+class HasPositions(Protocol):
+    """A model as ``workload_from`` sees it: the longest sequence it takes (``None``: no limit known)."""
+
+    @property
+    def max_positions(self) -> int | None: ...
+
+
+def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource | HasPositions) -> Workload:
     """The Workload the options describe, with an unset ``--seq-len`` fitted to the model's positions."""
     values = {f.name: getattr(args, f.name) for f in workload_fields()}
     if values["seq_len"] is None:

@@ -1,8 +1,14 @@
-"""``recompute estimate``: memory by component and FLOPs of a step for every policy (analytic, no torch)."""
+"""``recompute estimate``: memory by component and FLOPs of a step for every policy.
+
+A preset (or ``--analytic``) is estimated by the closed-form model, without torch; any other model by its
+profile (``recompute profile``: the real class measured on fake tensors, cached).
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
+from pathlib import Path
 
 from recompute.cli._common import (
     add_model_args,
@@ -12,22 +18,27 @@ from recompute.cli._common import (
     policy_from,
     workload_from,
 )
-from recompute.cli.render import render_estimate
+from recompute.cli._profiled import add_profile_args, profile_for, wants_profile
+from recompute.cli.render import render_estimate, render_profile
 from recompute.core.analytic import estimate, estimate_policies
-from recompute.core.spec import resolve_model
+from recompute.core.spec import ModelSpec, resolve_model
+from recompute.core.table import gib
 
 __all__ = ["add_args", "run"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_model_args(p, built=True)
     add_workload_args(p)
     add_policy_args(p)
+    add_profile_args(p)
     p.add_argument("--json", action="store_true", help="print the same numbers as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = resolve_model(args.model)
+    if wants_profile(args):
+        return _run_profiled(args)
+    spec = resolve_model(args.model) if not Path(args.model).exists() else ModelSpec.from_hf_config(args.model)
     wl = workload_from(args, spec)
     rows, chosen = estimate_policies(spec, wl), estimate(spec, wl, policy_from(args))
     if args.json:
@@ -41,4 +52,25 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(render_estimate(spec, wl, rows, chosen))
+    return 0
+
+
+def _run_profiled(args: argparse.Namespace) -> int:
+    prof, _ = profile_for(args, quiet=args.json)
+    layers = policy_from(args).per_layer(prof.n_layers)
+    chosen = prof.compose(layers)
+    if args.json:
+        emit_json(
+            {
+                "profile": prof.to_dict(),
+                "policies": {name: asdict(prof.compose([name] * prof.n_layers)) for name in prof.applicable()},
+                "chosen": asdict(chosen),
+            }
+        )
+        return 0
+    print(render_profile(prof))
+    print(
+        f"\nchosen ({args.policy}): peak {gib(chosen.peak)} ({chosen.peak_phase}), activations "
+        f"{gib(chosen.activations)}, recompute {chosen.overhead(prof.step_flops):.1%} of the step's FLOPs"
+    )
     return 0

@@ -1,6 +1,8 @@
 """``recompute plan``: the cheapest per-layer recomputation that fits a memory budget, and the frontier.
 
-Torch-free unless ``--trace`` asks for the real step's peak (then ``recompute.trace`` is loaded).
+A preset (or ``--analytic``) is planned on the closed-form model; any other model on its profile, the real
+class measured on fake tensors (``recompute profile``), exactly for a mix of layer kinds. Torch-free unless
+``--trace`` asks for the real step's peak or a profile has to be measured (then ``recompute.trace`` is loaded).
 """
 
 from __future__ import annotations
@@ -8,23 +10,28 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 from recompute.cli._common import add_model_args, add_workload_args, emit_json, workload_from, writable
 from recompute.cli._lazy import torch_floor
-from recompute.cli.render import render_plan
-from recompute.core.errors import ConfigError
+from recompute.cli._profiled import add_profile_args, profile_for, wants_profile
+from recompute.cli.render import render_plan, render_profile_plan
+from recompute.core.errors import ConfigError, require
 from recompute.core.hardware import gpu_by_name, usable_bytes
 from recompute.core.plan import parse_budget, plan
 from recompute.core.policy import Policy
+from recompute.core.profile import ProfilePlan, plan_profile
 from recompute.core.spec import ModelSpec, resolve_model
+from recompute.core.table import gib
 from recompute.core.workload import Workload
 
 __all__ = ["add_args", "run"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_model_args(p, built=True)
     add_workload_args(p)
+    add_profile_args(p)
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget", help="memory budget per GPU, e.g. 70GiB or 80GB")
     budget.add_argument("--gpu", help="a GPU name (e.g. h100-80gb): its usable memory is the budget")
@@ -45,12 +52,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = resolve_model(args.model)
-    wl = workload_from(args, spec)
     budget = float(usable_bytes(gpu_by_name(args.gpu))) if args.gpu else parse_budget(args.budget)
     if (args.cost == "measured") != (args.bench is not None):
         raise ConfigError("--cost measured needs --bench RESULTS.json (and --bench needs --cost measured)")
     output = writable(args.output, "--output", "plan.json") if args.output else None
+    if wants_profile(args):
+        return _run_profiled(args, budget, output)
+    spec = _analytic_spec(args.model)
+    wl = workload_from(args, spec)
     traced = _traced_peak(spec, wl) if args.trace else None
     result = plan(spec, wl, budget, measured=args.bench, traced_peak=traced)
     if output:
@@ -62,6 +71,50 @@ def run(args: argparse.Namespace) -> int:
         if output:
             print(f"\nwrote {output}")
     return 0
+
+
+def _analytic_spec(model: str) -> ModelSpec:
+    """A preset, or with ``--analytic`` a config.json the closed-form model describes (else a one-line refusal)."""
+    return resolve_model(model) if not Path(model).exists() else ModelSpec.from_hf_config(model)
+
+
+def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None) -> int:
+    require(args.cost == "flops", "--cost measured plans presets; a profiled model is planned on its FLOPs")
+    prof, wl = profile_for(args, quiet=args.json)
+    result = plan_profile(prof, budget)
+    traced = None
+    if args.trace:
+        result, traced = _fit_traced_profile(args.model, wl, result, budget)
+    data = result.to_dict()
+    data["predicted"]["traced_peak"] = traced
+    if output:
+        output.write_text(json.dumps(data, indent=2) + "\n")
+    if args.json:
+        emit_json(data)
+    else:
+        print(render_profile_plan(result))
+        if traced is not None:
+            print(f"traced peak of the chosen plan: {gib(traced)}")
+        if output:
+            print(f"\nwrote {output}")
+    return 0
+
+
+def _fit_traced_profile(model: str, wl: Workload, result: ProfilePlan, budget: float) -> tuple[ProfilePlan, float]:
+    """Trace the chosen plan's whole step; while it is over the budget, re-plan lower by the overshoot.
+
+    The profile composes each layer's figures measured in a short model; a layer's backward also depends a
+    little on its neighbours' policies (how the incoming gradient is held), so the trace is the arbiter.
+    """
+    trace = torch_floor("recompute.trace").trace
+    target = budget
+    for _ in range(8):
+        peak = float(trace(model, wl, Policy(layers=result.chosen.layers)).peak)
+        if peak <= budget:
+            return result, peak
+        target -= peak - budget
+        result = plan_profile(result.profile, target)
+    raise ConfigError(f"no plan's traced peak fits {gib(budget)}; raise the budget", fields=("budget",))
 
 
 def _traced_peak(spec: ModelSpec, wl: Workload) -> Callable[[Policy], float]:

@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 from recompute.core.analytic.estimate import Estimate
 from recompute.core.plan import FrontierPoint, Plan
+from recompute.core.profile import Profile, ProfilePlan
 from recompute.core.spec import ModelSpec
-from recompute.core.table import gib, render_table
+from recompute.core.table import gib, render_table, size
 from recompute.core.workload import Workload
 
-__all__ = ["describe_workload", "layer_runs", "render_estimate", "render_plan"]
+__all__ = ["describe_workload", "layer_runs", "render_estimate", "render_plan", "render_profile", "render_profile_plan"]
 
 
 def describe_workload(spec: ModelSpec, wl: Workload) -> str:
@@ -129,3 +130,69 @@ def _sample(points: Sequence[FrontierPoint], n: int) -> list[FrontierPoint]:
         return list(points)
     step = (len(points) - 1) / (n - 1)
     return [points[round(i * step)] for i in range(n)]
+
+
+def _flops(n: float) -> str:
+    return f"{n / 1e12:.2f} TF" if abs(n) >= 1e11 else f"{n / 1e9:.2f} GF"
+
+
+def render_profile(profile: Profile) -> str:
+    """Every layer kind by policy: bytes saved and held, the replay's transient, FLOPs; then uniform peaks."""
+    w = profile.workload
+    out = [
+        f"{profile.model} ({profile.class_name}): b={w['micro_batch']} s={w['seq_len']} {w['dtype']} on "
+        f"{w['device']}, {w['attention']} attention; profile {profile.key}, {profile.seconds:.1f} s",
+    ]
+    for kind in profile.kinds:
+        rows = [
+            [
+                name,
+                size(kind.kept[name]),
+                size(kind.held[name]),
+                size(kind.replay_transient(name)),
+                _flops(kind.recompute_flops(name)),
+                f"{kind.recompute_flops(name) / max(1, kind.forward_flops + kind.backward_flops['none']):.1%}",
+            ]
+            for name in kind.policies
+        ]
+        out += [
+            "",
+            f"{kind.name}: {len(kind.layers)} layer{'s' if len(kind.layers) != 1 else ''}, "
+            f"{kind.parameters:,} parameters each, forward {_flops(kind.forward_flops)}",
+            render_table(["policy", "saved", "held", "replay transient", "recompute", "of layer step"], rows),
+        ]
+        out += [f"  {name}: cannot apply ({why})" for name, why in kind.refused.items()]
+    uniform = [
+        [name, gib(c.peak), c.peak_phase, gib(c.activations), f"{c.overhead(profile.step_flops):.1%}"]
+        for name in profile.applicable()
+        for c in [profile.compose([name] * profile.n_layers)]
+    ]
+    out += [
+        "",
+        f"whole step, every layer alike ({profile.parameter_count:,} parameters; step {_flops(profile.step_flops)}):",
+        render_table(["policy", "peak", "at", "activations", "recompute overhead"], uniform),
+        "",
+        *(f"note: {n}" for n in profile.notes),
+    ]
+    return "\n".join(out)
+
+
+def render_profile_plan(result: ProfilePlan) -> str:
+    """The chosen plan from a profile, the uniform policies and the frontier."""
+    p, c = result.profile, result.chosen
+    rows = [[name, gib(u.peak), f"{u.overhead(p.step_flops):.1%}"] for name, u in result.uniform.items()]
+    front = [[gib(f.peak), f"{f.overhead(p.step_flops):.1%}", _counts(f.layers)] for f in result.frontier]
+    return "\n".join(
+        [
+            f"{p.model} ({p.class_name}), budget {gib(result.budget)}: from its profile {p.key} "
+            f"(b={p.workload['micro_batch']} s={p.workload['seq_len']} {p.workload['dtype']})",
+            f"plan: {layer_runs(c.layers)}",
+            f"  peak {gib(c.peak)} ({c.peak_phase}), activations {gib(c.activations)}, "
+            f"recompute {result.overhead:.1%} of the step's FLOPs",
+            "",
+            render_table(["every layer", "peak", "overhead"], rows),
+            "",
+            "frontier (peak vs recompute):",
+            render_table(["peak", "overhead", "layers"], front),
+        ]
+    )

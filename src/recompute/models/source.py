@@ -64,6 +64,8 @@ class ModelSource:
     config: Any = None
     """A transformers ``PretrainedConfig``."""
     factory: Callable[[], nn.Module] | None = field(default=None, compare=False)
+    raw: dict[str, Any] | None = field(default=None, compare=False)
+    """A config source's config.json as read (its identity for caches: ``recompute.core.profile.cache_key``)."""
 
     @classmethod
     def preset(cls, spec: ModelSpec, *, hf: bool = False) -> ModelSource:
@@ -73,12 +75,13 @@ class ModelSource:
     def from_config(cls, config: Any, *, name: str | None = None) -> ModelSource:
         """A source from a config.json path (or its folder), a dict, or a transformers config object."""
         cfg = load_hf_config(config)
+        raw = hf_config_dict(config)
         origin = f"{type(cfg).__name__}"
         if isinstance(config, (str, Path)):
             path = Path(config)
             origin = str(path / "config.json" if path.is_dir() else path)
             name = name or (path.name if path.is_dir() else path.stem)
-        return cls(name=name or str(cfg.model_type), origin=origin, config=cfg)
+        return cls(name=name or str(cfg.model_type), origin=origin, config=cfg, raw=raw)
 
     @property
     def kind(self) -> str:

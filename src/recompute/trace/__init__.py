@@ -12,6 +12,8 @@ Example:
     {'checkpoint': 1572864}
 """
 
+from recompute.models.source import ModelSource, resolve_source
+from recompute.trace._profile import cached_profile, profile, profile_key
 from recompute.trace._ranks import saved_bytes_per_layer
 from recompute.trace._render import render_trace
 from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
@@ -19,9 +21,14 @@ from recompute.trace._run import trace, trace_layer, trace_module
 
 __all__ = [
     "COMPONENTS",
+    "ModelSource",
     "PartTrace",
     "TraceResult",
+    "cached_profile",
+    "profile",
+    "profile_key",
     "render_trace",
+    "resolve_source",
     "saved_bytes_per_layer",
     "trace",
     "trace_layer",

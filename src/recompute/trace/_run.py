@@ -164,14 +164,22 @@ def _trace_layers(
 
 
 def _step(source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str) -> tuple[StepRecord, BuiltModel, int]:
-    built, stack, mode = _fake_model(source, wl, pol, n, device=device)
+    built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
+    return step_built(built, wl, pol, device=device)
+
+
+def step_built(
+    built: BuiltModel, wl: Workload, pol: Policy, *, device: str, flops: bool = False
+) -> tuple[StepRecord, BuiltModel, int]:
+    """One fake step of a model built on the meta device (made fake here, in place), and its parameter count."""
+    stack, mode = _prepare(built, wl, pol, device=device)
     model = built.model
     n_params = sum(p.numel() for p in model.parameters())  # each parameter once, tied ones too
     with mode:
         optimizer = torch.optim.AdamW(model.parameters())
         prime_optimizer(model, optimizer)
         batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device)
-        record = run_step(model, batch, optimizer, stack, loss_fn=built.loss_fn, keep_grads=wl.keep_grads)
+        record = run_step(model, batch, optimizer, stack, loss_fn=built.loss_fn, keep_grads=wl.keep_grads, flops=flops)
     return record, built, n_params
 
 
@@ -205,6 +213,12 @@ def _fake_model(
 ) -> tuple[BuiltModel, nn.ModuleList, FakeTensorMode]:
     """``source`` cut to ``n`` layers, built with fake parameters, in training mode, with ``pol`` applied."""
     built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
+    stack, mode = _prepare(built, wl, pol, device=device)
+    return built, stack, mode
+
+
+def _prepare(built: BuiltModel, wl: Workload, pol: Policy, *, device: str) -> tuple[nn.ModuleList, FakeTensorMode]:
+    """Make a meta-built model fake, in training mode, parallelized (``wl.tp``) and with ``pol`` applied."""
     model = built.model
     mode = FakeTensorMode()
     fakeify(model, mode, device)
@@ -216,7 +230,7 @@ def _fake_model(
             parallelize(model, mesh, sp=wl.sp)
     model.train()
     apply(model, pol)
-    return built, find_layers(model), mode
+    return find_layers(model), mode
 
 
 def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *, hf: bool = False) -> PartTrace:

@@ -12,14 +12,16 @@ The logits stay alive until the backward ends, as in a training loop that keeps 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from recompute.models.loss import LossFn, lm_loss
+from recompute.trace._flops import PhaseFlops
 from recompute.trace._tracker import Phase, SavedRecord, StepTracker
 
 __all__ = ["StepRecord", "prime_optimizer", "record_saved", "run_step"]
@@ -38,6 +40,10 @@ class StepRecord:
     """Bytes by MemTracker category right after the optimizer step (parameters, gradients, optimizer)."""
     layer_deltas: tuple[int, ...]
     """Bytes each layer's forward left allocated (what it stores plus its output, minus nothing freed)."""
+    layer_starts: tuple[int, ...] = ()
+    """Bytes allocated when each layer's first forward begins."""
+    flops: dict[Phase, dict[str, int]] = field(default_factory=dict)
+    """FLOPs of each phase by op (``run_step(..., flops=True)``; a layer's replay is in its backward phase)."""
 
     @property
     def peak(self) -> tuple[int, Phase]:
@@ -90,12 +96,13 @@ def run_step(
     *,
     loss_fn: LossFn = lm_loss,
     keep_grads: bool = False,
+    flops: bool = False,
 ) -> StepRecord:
     """Track one training step of ``model`` on ``batch`` (token ids, targets); the optimizer must be primed.
 
     ``keep_grads``: the gradients exist (as zeros) from the start, as with ``zero_grad(set_to_none=False)``
     or the persistent gradient buffers of DDP and Megatron; otherwise they start as ``None``. Leaves the
-    gradients set to ``None`` afterwards.
+    gradients set to ``None`` afterwards. ``flops``: also count every op's FLOPs by phase (``PhaseFlops``).
     """
     layers = list(layers)
     if keep_grads:
@@ -105,9 +112,11 @@ def run_step(
     tracker = StepTracker(layers)
     tracker.track_external(model, optimizer, *batch)
     deltas: dict[int, int] = {}
-    handles = _delta_hooks(tracker, layers, deltas)
+    starts: dict[int, int] = {}
+    handles = _delta_hooks(tracker, layers, deltas, starts)
+    counter = PhaseFlops(tracker) if flops else None
     try:
-        with tracker:
+        with tracker, counter or contextlib.nullcontext():
             tracker.set_stage("forward")
             with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
                 kept, loss = loss_fn(model, *batch)
@@ -127,6 +136,8 @@ def run_step(
         saved=tuple(tracker.saved),
         states=states,
         layer_deltas=tuple(deltas.get(i, 0) for i in range(len(layers))),
+        layer_starts=tuple(starts.get(i, 0) for i in range(len(layers))),
+        flops={ph: dict(c) for ph, c in counter.by_phase.items()} if counter else {},
     )
 
 
@@ -161,9 +172,10 @@ def _merged_now(tracker: StepTracker) -> dict[str, int]:
     return out
 
 
-def _delta_hooks(tracker: StepTracker, layers: Sequence[nn.Module], deltas: dict[int, int]) -> list[Any]:
-    """Forward hooks that record the bytes each layer's first forward leaves allocated."""
-    starts: dict[int, int] = {}
+def _delta_hooks(
+    tracker: StepTracker, layers: Sequence[nn.Module], deltas: dict[int, int], starts: dict[int, int]
+) -> list[Any]:
+    """Forward hooks that record the bytes allocated as each layer's first forward begins, and what it leaves."""
     handles = []
     for i, layer in enumerate(layers):
 

@@ -1,0 +1,51 @@
+"""``recompute profile``: what each kind of layer of the real model keeps, replays and costs under every policy.
+
+Measured on fake tensors of the model's own class (``recompute.trace.profile``), cached by the hash of its
+config, the workload and the library versions; ``plan`` and ``estimate`` use it for any model that is not a
+preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from recompute.cli._common import add_model_args, add_workload_args, emit_json, workload_from, writable
+from recompute.cli._lazy import torch_floor
+from recompute.cli.progress import progress_bar
+from recompute.cli.render import render_profile
+from recompute.core.profile import cache_path
+
+__all__ = ["add_args", "run"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p, built=True)
+    add_workload_args(p)
+    p.add_argument("-o", "--output", help="also write the profile here (plan --profile takes it)")
+    p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    trace = torch_floor("recompute.trace")
+    source = trace.resolve_source(args.model)
+    wl = workload_from(args, source)
+    output = writable(args.output, "--output", "profile.json") if args.output else None
+    with progress_bar("profile", enabled=not args.json) as progress:
+        if args.refresh:
+            result = trace.profile(source, wl, progress=progress)
+            key = trace.profile_key(source, wl)
+            if key:
+                result.save(cache_path(key))
+        else:
+            result, _ = trace.cached_profile(source, wl, progress=progress)
+    if output:
+        output.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    if args.json:
+        emit_json(result.to_dict())
+    else:
+        print(render_profile(result))
+        if output:
+            print(f"\nwrote {output}")
+    return 0

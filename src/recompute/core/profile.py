@@ -1,0 +1,412 @@
+"""``Profile``: what one layer of each kind of a real model keeps, replays and costs under every policy, and the
+plans made from it. Torch-free: ``recompute.trace.profile`` measures it; this module reads, composes and plans.
+
+A profile is measured on fake tensors of the model's own class (``recompute profile``):
+
+- one step of the whole model under ``none`` gives, for every layer i, the peak of its forward and backward
+  phases (``base_forward[i]``, ``base_backward[i]``), what it keeps, the head's and the fixed phases (the
+  embedding's and the optimizer step's);
+- one step per policy of a short model holding a lead layer and one layer of each kind gives, per kind, how
+  much a policy changes what the layer keeps (``dK``) and the peaks of its own forward and backward phases
+  beside that (``dF``, ``dB``), and its FLOPs (the replay is part of its backward).
+
+Memory is additive, so for any per-layer assignment a, with P_i the sum of dK over the layers below i, the
+peak of the step is exactly (``Profile.compose``)
+
+    max( fixed, head + P_L, max_i base_forward[i] + P_i + dF(a_i), max_i base_backward[i] + P_i + dB(a_i) ).
+
+``tests/test_profile.py`` holds this to full traces of random mixed assignments, byte for byte.
+
+``plan`` finds the least-cost assignment whose composed peak fits a budget: every constraint grows with the
+prefix P, so a dynamic program over the layers that keeps the Pareto set of (P, cost) and drops the points
+that break a constraint is exact, for any mix of layer kinds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recompute.core.errors import ConfigError, require
+from recompute.core.table import GiB, gib
+
+__all__ = [
+    "FORMAT",
+    "PROFILED_WORKLOAD",
+    "Composed",
+    "LayerKind",
+    "Profile",
+    "ProfilePlan",
+    "cache_key",
+    "cache_path",
+    "cached",
+    "plan_profile",
+]
+
+FORMAT = "recompute.profile/1"
+
+PROFILED_WORKLOAD = ("micro_batch", "seq_len", "dtype", "attention", "device", "keep_grads")
+"""The workload fields a profile depends on (one device: no parallelism)."""
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that decide what a step saves (read from the installed metadata, no import)."""
+    out = {}
+    for name in ("torch", "transformers", "recompute"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "none"
+    return out
+
+
+def cache_key(model: dict[str, Any], workload: dict[str, Any]) -> str:
+    """The profile's identity: its model's config, the workload fields it depends on and the library versions."""
+    wl = {k: workload[k] for k in PROFILED_WORKLOAD}
+    blob = json.dumps(
+        {"format": FORMAT, "model": model, "workload": wl, "versions": library_versions()}, sort_keys=True, default=str
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_path(key: str) -> Path:
+    """Where a profile is cached: ``$RECOMPUTE_CACHE/profiles/<key>.json`` (default ``~/.cache/recompute``)."""
+    root = Path(os.environ.get("RECOMPUTE_CACHE") or Path.home() / ".cache" / "recompute")
+    return root / "profiles" / f"{key}.json"
+
+
+def cached(key: str) -> Profile | None:
+    """The cached profile of ``key``, or None (an unreadable cache file counts as none)."""
+    path = cache_path(key)
+    if not path.is_file():
+        return None
+    try:
+        found = Profile.load(path)
+    except ConfigError:
+        return None
+    return found if found.key == key else None
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One kind of layer (same class, parameters and attention type) and what each policy does to it."""
+
+    name: str
+    """In words: the layer class, its attention type and its MLP class."""
+    layers: tuple[int, ...]
+    """The model's layers of this kind."""
+    parameters: int
+    """Parameters of one layer."""
+    kept: dict[str, int]
+    """Bytes one layer saves for the backward, by policy (each storage counted once, by its first saver)."""
+    held: dict[str, int]
+    """Bytes one layer adds to what the backward inherits, by policy: the growth of allocated memory from the
+    start of its forward to the start of the next layer's (what it saves, what a checkpoint holds, its input
+    freed when nothing keeps it)."""
+    components: dict[str, dict[str, int]]
+    """``kept`` by component (attention, mlp, norms, checkpoint, other), by policy."""
+    ops: dict[str, dict[str, int]]
+    """``kept`` by the backward node that reads it, by policy."""
+    forward_delta: dict[str, int]
+    """dF: the peak of the layer's forward phase under a policy minus under ``none``, beside the change in
+    what the layers below keep."""
+    backward_delta: dict[str, int]
+    """dB: the same for the layer's backward phase (the replay runs there)."""
+    forward_flops: int
+    backward_flops: dict[str, int]
+    """FLOPs of the layer's backward phase by policy: the gradient's and the replay's."""
+    forward_ops: dict[str, int]
+    """``forward_flops`` by op."""
+    backward_ops: dict[str, dict[str, int]]
+    """``backward_flops`` by op, by policy."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Policies that cannot apply to this layer, with the reason."""
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        return tuple(self.kept)
+
+    def kept_delta(self, policy: str) -> int:
+        """Bytes saved under ``policy`` minus under ``none``."""
+        return self.kept[policy] - self.kept["none"]
+
+    def held_delta(self, policy: str) -> int:
+        """dK: bytes held for the backward under ``policy`` minus under ``none``."""
+        return self.held[policy] - self.held["none"]
+
+    def recompute_flops(self, policy: str) -> int:
+        return self.backward_flops[policy] - self.backward_flops["none"]
+
+    def replay_transient(self, policy: str) -> int:
+        """Bytes the layer's backward peak holds beyond ``none``'s there, apart from what it keeps: the replay."""
+        return self.backward_delta[policy] - self.held_delta(policy)
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A per-layer assignment of policies, composed from a profile."""
+
+    layers: tuple[str, ...]
+    peak: int
+    peak_phase: str
+    activations: int
+    """Bytes kept for the backward by the layers, the embedding and the head."""
+    recompute_flops: int
+
+    def overhead(self, step_flops: int) -> float:
+        return self.recompute_flops / step_flops if step_flops else 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's layers by kind and what every policy does to them; see the module docstring."""
+
+    model: str
+    origin: str
+    class_name: str
+    key: str
+    """The cache key: a hash of the config, the workload and the library versions."""
+    workload: dict[str, Any]
+    kinds: tuple[LayerKind, ...]
+    layer_kind: tuple[int, ...]
+    """Index into ``kinds`` of every layer."""
+    base_kept: tuple[int, ...]
+    """Bytes each layer keeps under ``none`` in the whole model (the first also keeps what layers share)."""
+    base_forward: tuple[int, ...]
+    base_backward: tuple[int, ...]
+    head_forward: int
+    head_backward: int
+    fixed: dict[str, int]
+    """Peaks of the phases no policy changes: the embedding's forward and backward, the optimizer step."""
+    parameters: int
+    """Bytes of parameters (and of gradients, and AdamW's state, below), per device."""
+    gradients: int
+    optimizer: int
+    other: int
+    parameter_count: int
+    embedding_kept: int
+    head_kept: int
+    step_flops: int
+    """FLOPs of one step under ``none`` (forward and backward)."""
+    notes: tuple[str, ...] = ()
+    versions: dict[str, str] = field(default_factory=dict)
+    seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_kind)
+
+    def kind_of(self, layer: int) -> LayerKind:
+        return self.kinds[self.layer_kind[layer]]
+
+    def applicable(self) -> tuple[str, ...]:
+        """Policies every layer takes."""
+        return tuple(p for p in self.kinds[0].policies if all(p in k.kept for k in self.kinds))
+
+    def compose(self, layers: Sequence[str]) -> Composed:
+        """The exact peak, activations and recompute FLOPs of a per-layer assignment (module docstring).
+
+        Raises:
+            ConfigError: the assignment has the wrong length or a policy a layer does not take.
+        """
+        require(
+            len(layers) == self.n_layers,
+            f"{len(layers)} layer policies given for {self.model}'s {self.n_layers} layers; give one per layer",
+        )
+        phases: dict[str, int] = dict(self.fixed)
+        prefix = saved = flops = 0
+        for i, name in enumerate(layers):
+            kind = self.kind_of(i)
+            if name not in kind.kept:
+                why = kind.refused.get(name, "not profiled")
+                raise ConfigError(f"layer {i} ({kind.name}) cannot take policy {name!r}: {why}")
+            phases[f"forward of layer {i}"] = self.base_forward[i] + prefix + kind.forward_delta[name]
+            phases[f"backward of layer {i}"] = self.base_backward[i] + prefix + kind.backward_delta[name]
+            prefix += kind.held_delta(name)
+            saved += kind.kept_delta(name)
+            flops += kind.recompute_flops(name)
+        phases["forward (head and loss)"] = self.head_forward + prefix
+        phases["backward (head and loss)"] = self.head_backward + prefix
+        phase, peak = max(phases.items(), key=lambda kv: kv[1])
+        kept = sum(self.base_kept) + saved + self.embedding_kept + self.head_kept
+        return Composed(tuple(layers), peak, phase, kept, flops)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        require(data.get("format") == FORMAT, f"not a {FORMAT} file (format {data.get('format')!r})")
+        body = {k: v for k, v in data.items() if k != "format"}
+        body["kinds"] = tuple(LayerKind(**{**k, "layers": tuple(k["layers"])}) for k in body["kinds"])
+        for key in ("layer_kind", "base_kept", "base_forward", "base_backward", "notes"):
+            body[key] = tuple(body[key])
+        return cls(**body)
+
+    def save(self, path: str | Path) -> None:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(target)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Raises: ConfigError: not a readable profile file."""
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls.from_dict(data)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ConfigError(
+                f"{path}: not a readable recompute profile ({type(e).__name__}); run recompute profile"
+            ) from None
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """The least-cost assignment that fits, from a profile, with the frontier and the uniform policies."""
+
+    profile: Profile
+    budget: float
+    chosen: Composed
+    frontier: tuple[Composed, ...]
+    uniform: dict[str, Composed]
+
+    @property
+    def overhead(self) -> float:
+        return self.chosen.overhead(self.profile.step_flops)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plan file: ``Policy.from_dict`` reads its ``policy`` entry, so ``apply`` takes the file as is."""
+        p = self.profile
+
+        def point(c: Composed) -> dict[str, Any]:
+            return {
+                "peak": c.peak,
+                "cost": c.recompute_flops,
+                "overhead": c.overhead(p.step_flops),
+                "layers": list(c.layers),
+            }
+
+        return {
+            "format": "recompute.plan/1",
+            "model": p.model,
+            "workload": p.workload,
+            "budget": self.budget,
+            "cost_kind": "FLOPs",
+            "source": f"profile {p.key} of {p.class_name} built from {p.origin}",
+            "policy": {"format": "recompute.policy/1", "model": p.model, "layers": list(self.chosen.layers)},
+            "predicted": {
+                "peak": self.chosen.peak,
+                "peak_phase": self.chosen.peak_phase,
+                "activations": self.chosen.activations,
+                "overhead": self.overhead,
+                "cost": self.chosen.recompute_flops,
+                "traced_peak": None,
+            },
+            "frontier": [point(c) for c in self.frontier],
+            "uniform": {name: point(c) for name, c in self.uniform.items()},
+        }
+
+
+def _fits(profile: Profile, budget: float) -> Composed | None:
+    """The least-cost assignment whose composed peak is at most ``budget``, or None (exact; module docstring)."""
+    import numpy as np
+
+    if max(profile.fixed.values(), default=0) > budget:
+        return None
+    prefix, cost = np.zeros(1), np.zeros(1)
+    steps: list[tuple[np.ndarray, np.ndarray, list[str]]] = []
+    for i in range(profile.n_layers):
+        kind = profile.kind_of(i)
+        names = list(kind.policies)
+        dk = np.array([kind.held_delta(n) for n in names], dtype=float)
+        rc = np.array([kind.recompute_flops(n) for n in names], dtype=float)
+        high = np.maximum(
+            profile.base_forward[i] + np.array([kind.forward_delta[n] for n in names], dtype=float),
+            profile.base_backward[i] + np.array([kind.backward_delta[n] for n in names], dtype=float),
+        )
+        ok = prefix[:, None] + high[None, :] <= budget  # (points, options)
+        parents, options = np.nonzero(ok)
+        if parents.size == 0:
+            return None
+        m_all, c_all = prefix[parents] + dk[options], cost[parents] + rc[options]
+        order = np.lexsort((c_all, m_all))
+        best_before = np.concatenate(([np.inf], np.minimum.accumulate(c_all[order])[:-1]))
+        keep = order[c_all[order] < best_before]
+        steps.append((parents[keep], options[keep], names))
+        prefix, cost = m_all[keep], c_all[keep]
+    ok_end = np.maximum(profile.head_forward, profile.head_backward) + prefix <= budget
+    if not ok_end.any():
+        return None
+    index = int(np.flatnonzero(ok_end)[np.argmin(cost[ok_end])])
+    chosen: list[str] = []
+    for parents, options, names in reversed(steps):
+        chosen.append(names[int(options[index])])
+        index = int(parents[index])
+    return profile.compose(chosen[::-1])
+
+
+def _smallest_peak(profile: Profile) -> float:
+    """The smallest achievable peak: bisection on the budget; a budget is feasible when the layer-by-layer
+    choice of the least prefix that meets each layer's constraint gets through (every constraint grows with
+    the prefix, so that greedy choice is the best one for feasibility)."""
+
+    def feasible(budget: float) -> bool:
+        if max(profile.fixed.values(), default=0) > budget:
+            return False
+        prefix = 0
+        for i in range(profile.n_layers):
+            kind = profile.kind_of(i)
+            ok = [
+                kind.held_delta(n)
+                for n in kind.policies
+                if profile.base_forward[i] + prefix + kind.forward_delta[n] <= budget
+                and profile.base_backward[i] + prefix + kind.backward_delta[n] <= budget
+            ]
+            if not ok:
+                return False
+            prefix += min(ok)
+        return max(profile.head_forward, profile.head_backward) + prefix <= budget
+
+    lo, hi = 0.0, float(profile.compose(["none"] * profile.n_layers).peak)
+    while hi - lo > 1.0:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return hi
+
+
+def plan_profile(profile: Profile, budget: float, *, frontier_points: int = 12) -> ProfilePlan:
+    """The least-cost per-layer policy whose exact composed peak fits ``budget`` bytes.
+
+    Raises:
+        ConfigError: nothing fits; the message gives the smallest achievable peak.
+    """
+    chosen = _fits(profile, budget)
+    smallest = _smallest_peak(profile)
+    if chosen is None:
+        raise ConfigError(
+            f"no plan fits {budget / GiB:.1f} GiB: the smallest achievable peak of {profile.model} at "
+            f"b={profile.workload.get('micro_batch')} s={profile.workload.get('seq_len')} is "
+            f"{gib(smallest)} (by its profile); use a smaller micro-batch or sequence, or more GPUs",
+            fields=("budget",),
+        )
+    top = profile.compose(["none"] * profile.n_layers).peak
+    points: dict[tuple[str, ...], Composed] = {}
+    for j in range(frontier_points):
+        fit = _fits(profile, smallest + (top - smallest) * j / max(1, frontier_points - 1))
+        if fit is not None:
+            points[fit.layers] = fit
+    ordered = sorted(points.values(), key=lambda c: (c.peak, c.recompute_flops))
+    front: list[Composed] = []
+    for c in ordered:
+        if not front or c.recompute_flops < front[-1].recompute_flops:
+            front.append(c)
+    uniform = {p: profile.compose([p] * profile.n_layers) for p in profile.applicable()}
+    return ProfilePlan(profile=profile, budget=budget, chosen=chosen, frontier=tuple(front), uniform=uniform)

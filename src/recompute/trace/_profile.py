@@ -1,0 +1,325 @@
+"""``profile(model, workload)``: measure a ``Profile`` (``recompute.core.profile``) on fake tensors of the real class.
+
+Two kinds of step, both traced like ``trace`` (nothing allocated):
+
+1. the whole model under ``none``: every layer's forward and backward peak, what each keeps, the head's and
+   the fixed phases, the model states and the step's FLOPs;
+2. per policy, a short model: a copy of layer 0 (so what the layers share, such as rotary tables, is kept by
+   it, as by layer 0 in the whole model), one layer of each kind, taken from the whole model with their own
+   settings (attention type, dense or MoE MLP), and a copy of the last layer (so each measured layer has one
+   after it, as in the whole model). A policy a layer cannot take is recorded with its reason.
+
+What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
+start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
+reference, and its input freed when nothing keeps it. Saved-tensor bytes alone would not add up: a storage
+two layers need is counted once, by whichever saves it first.
+
+Layers are of one kind when they have the same class, the same parameters (names and shapes) and the same
+attention type; they are never assumed alike otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from recompute.checkpointing import find_layers
+from recompute.core import policy as policies
+from recompute.core.errors import ConfigError, first_line, require
+from recompute.core.policy import POLICIES, Policy
+from recompute.core.profile import (
+    PROFILED_WORKLOAD,
+    LayerKind,
+    Profile,
+    cache_key,
+    cache_path,
+    cached,
+    library_versions,
+)
+from recompute.core.progress import Progress, no_progress
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
+from recompute.models.source import BuiltModel, ModelSource
+from recompute.runtime import TORCH_DTYPES, resolve_device
+from recompute.trace._build import build_meta, fake_kernels
+from recompute.trace._run import _check_traceable, _source_of, step_built
+from recompute.trace._step import StepRecord
+from recompute.trace._tracker import Phase
+
+__all__ = ["cached_profile", "profile", "profile_key"]
+
+
+def profiled_policies() -> tuple[str, ...]:
+    """Every policy name ``apply`` knows (a policy a layer cannot take is recorded as refused)."""
+    return (*POLICIES, *getattr(policies, "MOE_POLICIES", {}))
+
+
+def profile_key(source: ModelSource, wl: Workload) -> str | None:
+    """The cache key of ``source`` at ``wl``; None for a factory (its code is not a config to hash)."""
+    if source.raw is not None:
+        ident: dict[str, Any] = {"config": source.raw}
+    elif source.spec is not None:
+        ident = {"spec": source.spec.to_dict() if hasattr(source.spec, "to_dict") else repr(source.spec)}
+        ident["hf"] = source.hf
+    else:
+        return None
+    return cache_key(ident, wl.to_dict())
+
+
+def cached_profile(
+    model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Progress = no_progress
+) -> tuple[Profile, bool]:
+    """The profile of ``model`` at ``wl`` from the cache, or measured now and cached; and whether it was cached."""
+    source = _source_of(model, False)
+    key = profile_key(source, wl)
+    found = cached(key) if key else None
+    if found is not None:
+        return found, True
+    result = profile(source, wl, progress=progress)
+    if key:
+        result.save(cache_path(key))
+    return result, False
+
+
+def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Progress = no_progress) -> Profile:
+    """Measure ``model``'s profile at ``wl`` (see the module docstring).
+
+    Raises:
+        ConfigError: as ``trace``; and parallelism (a profile is of one device: use ``--analytic`` estimates).
+    """
+    source = _source_of(model, False)
+    require(
+        wl.tp == wl.pp == wl.dp == 1,
+        "a profile measures one device's step; drop tp, pp and dp (recompute estimate --analytic models them)",
+        fields=("tp", "pp", "dp"),
+    )
+    _check_traceable(source, wl)
+    device = resolve_device(wl.device)
+    dtype = TORCH_DTYPES[wl.dtype]
+    start = time.perf_counter()
+    names = profiled_policies()
+    with fake_kernels():
+        whole = build_meta(source, attention=wl.attention, dtype=dtype)
+        layers = find_layers(whole.model)
+        kind_of, reps, labels = _layer_kinds(whole.model, layers)
+        short = _short_model(whole, layers, reps)
+        progress("profile", 0, len(names) + 1)
+        base, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
+        progress("profile", 1, len(names) + 1)
+        cut: dict[str, StepRecord] = {}
+        refused: dict[str, str] = {}
+        for j, name in enumerate(names):
+            try:
+                cut[name] = step_built(_copy(short), wl, Policy(name), device=device, flops=True)[0]
+            except ConfigError as e:
+                refused[name] = first_line(e)
+            progress("profile", j + 2, len(names) + 1)
+    require("none" in cut, f"{source.name}: the short model's step failed: {refused.get('none')}")
+    kinds = tuple(
+        _kind(labels[k], tuple(i for i, x in enumerate(kind_of) if x == k), layers[reps[k]], 1 + k, cut, refused)
+        for k in range(len(reps))
+    )
+    return _assemble(source, whole, wl, base, kinds, tuple(kind_of), n_params, time.perf_counter() - start)
+
+
+def _layer_kinds(model: nn.Module, layers: nn.ModuleList) -> tuple[list[int], list[int], list[str]]:
+    """Each layer's kind (index), the first layer of each kind, and each kind in words."""
+    types = _layer_types(model, len(layers))
+    signatures: dict[Any, int] = {}
+    kind_of: list[int] = []
+    reps: list[int] = []
+    labels: list[str] = []
+    for i, layer in enumerate(layers):
+        params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
+        attention = types[i] if types else getattr(layer, "attention_type", None)
+        sig = (type(layer).__name__, params, str(attention))
+        if sig not in signatures:
+            signatures[sig] = len(reps)
+            reps.append(i)
+            labels.append(_label(layer, attention))
+        kind_of.append(signatures[sig])
+    return kind_of, reps, labels
+
+
+def _layer_types(model: nn.Module, n: int) -> list[str] | None:
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    return list(types)[:n] if isinstance(types, (list, tuple)) and len(types) >= n else None
+
+
+def _label(layer: nn.Module, attention: Any) -> str:
+    mlp = next(
+        (type(m).__name__ for name, m in layer.named_children() if any(k in name for k in ("mlp", "moe", "ffn"))),
+        None,
+    )
+    parts = [type(layer).__name__]
+    if attention:
+        parts.append(str(attention))
+    if mlp:
+        parts.append(mlp)
+    return ", ".join(parts)
+
+
+def _short_model(whole: BuiltModel, layers: nn.ModuleList, reps: Sequence[int]) -> BuiltModel:
+    """A meta copy of the model whose layers are copies of layer 0, ``layers[r]`` for each ``r``, the last layer."""
+    model = whole.model
+    picks = [0, *reps, len(layers) - 1]
+    parent, attr = _owner(model, layers)
+    path = next(name for name, m in model.named_modules() if m is parent)
+    setattr(parent, attr, nn.ModuleList())  # deepcopy the rest of the model without the whole layer list
+    try:
+        short = copy.deepcopy(model)
+    finally:
+        setattr(parent, attr, layers)
+    copies = nn.ModuleList(copy.deepcopy(layers[i]) for i in picks)
+    for position, layer in enumerate(copies):
+        for m in layer.modules():
+            if isinstance(getattr(m, "layer_idx", None), int):
+                m.__dict__["layer_idx"] = position  # transformers' KV cache is indexed by it during the forward
+    setattr(short.get_submodule(path), attr, copies)
+    config = getattr(short, "config", None)
+    if config is not None and hasattr(config, "num_hidden_layers"):
+        types = _layer_types(model, len(layers))
+        config.num_hidden_layers = len(picks)
+        if types:
+            config.layer_types = [types[i] for i in picks]
+    return BuiltModel(short, whole.loss_fn, whole.vocab, whole.class_name, whole.notes)
+
+
+def _owner(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
+    for module in model.modules():
+        for name, child in module.named_children():
+            if child is target:
+                return module, name
+    raise ConfigError(f"cannot find the layer list in {type(model).__name__}")
+
+
+def _copy(built: BuiltModel) -> BuiltModel:
+    return BuiltModel(copy.deepcopy(built.model), built.loss_fn, built.vocab, built.class_name, built.notes)
+
+
+def _saved(record: StepRecord, layer: int) -> int:
+    return sum(r.nbytes for r in record.saved if r.layer == layer)
+
+
+def _peak(record: StepRecord, phase: Phase) -> int:
+    return record.phase_peaks[phase][0] if phase in record.phase_peaks else 0
+
+
+def _flops(record: StepRecord, phase: Phase) -> dict[str, int]:
+    return dict(record.flops.get(phase, {}))
+
+
+def _kind(
+    label: str, members: tuple[int, ...], layer: nn.Module, c: int, cut: dict[str, StepRecord], refused: dict[str, str]
+) -> LayerKind:
+    """Kind ``label`` from the short model's steps, where its layer is at position ``c``."""
+
+    def below(rec: StepRecord) -> int:
+        return rec.layer_starts[c]
+
+    ref = cut["none"]
+    fwd, bwd = Phase("forward", "layer", c), Phase("backward", "layer", c)
+    kept, held, comps, ops, d_f, d_b, b_flops, b_ops = {}, {}, {}, {}, {}, {}, {}, {}
+    for name, rec in cut.items():
+        records = [r for r in rec.saved if r.layer == c]
+        kept[name] = sum(r.nbytes for r in records)
+        held[name] = rec.layer_starts[c + 1] - rec.layer_starts[c]
+        comps[name] = _sum_by(records, "component")
+        ops[name] = _sum_by(records, "op")
+        d_f[name] = (_peak(rec, fwd) - below(rec)) - (_peak(ref, fwd) - below(ref))
+        d_b[name] = (_peak(rec, bwd) - below(rec)) - (_peak(ref, bwd) - below(ref))
+        b_ops[name] = _flops(rec, bwd)
+        b_flops[name] = sum(b_ops[name].values())
+    f_ops = _flops(ref, fwd)
+    return LayerKind(
+        name=label,
+        layers=members,
+        parameters=sum(p.numel() for p in layer.parameters()),
+        kept=kept,
+        held=held,
+        components=comps,
+        ops=ops,
+        forward_delta=d_f,
+        backward_delta=d_b,
+        forward_flops=sum(f_ops.values()),
+        backward_flops=b_flops,
+        forward_ops=f_ops,
+        backward_ops=b_ops,
+        refused={k: v for k, v in refused.items()},
+    )
+
+
+def _sum_by(records: Sequence[Any], attr: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        out[getattr(r, attr)] = out.get(getattr(r, attr), 0) + r.nbytes
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _assemble(
+    source: ModelSource,
+    whole: BuiltModel,
+    wl: Workload,
+    base: StepRecord,
+    kinds: tuple[LayerKind, ...],
+    kind_of: tuple[int, ...],
+    n_params: int,
+    seconds: float,
+) -> Profile:
+    n = len(kind_of)
+    layer_phases = {Phase(s, "layer", i) for s in ("forward", "backward") for i in range(n)}
+    head = {Phase("forward", "head"), Phase("backward", "head")}
+    fixed = {str(ph): v for ph, (v, _) in base.phase_peaks.items() if ph not in layer_phases | head}
+    st = base.states
+    key = profile_key(source, wl) or f"factory {source.origin}"
+    notes = [
+        f"profiled {whole.class_name} built from {source.origin} on fake {wl.device} tensors: exact sizes, "
+        "nothing allocated",
+        *whole.notes,
+        f"{len(kinds)} kind{'s' if len(kinds) != 1 else ''} of layer: "
+        + "; ".join(f"{k.name} ({_ranges(k.layers)})" for k in kinds),
+    ]
+    for k in kinds:
+        for name, why in k.refused.items():
+            notes.append(f"{name} does not apply to {k.name}: {why}")
+    return Profile(
+        model=source.name,
+        origin=source.origin,
+        class_name=whole.class_name,
+        key=key,
+        workload={k: getattr(wl, k) for k in PROFILED_WORKLOAD},
+        kinds=kinds,
+        layer_kind=kind_of,
+        base_kept=tuple(_saved(base, i) for i in range(n)),
+        base_forward=tuple(_peak(base, Phase("forward", "layer", i)) for i in range(n)),
+        base_backward=tuple(_peak(base, Phase("backward", "layer", i)) for i in range(n)),
+        head_forward=_peak(base, Phase("forward", "head")),
+        head_backward=_peak(base, Phase("backward", "head")),
+        fixed=fixed,
+        parameters=st.get("Parameter", 0),
+        gradients=st.get("Gradient", 0),
+        optimizer=st.get("Optstate", 0),
+        other=st.get("Buffer", 0) + st.get("Other", 0),
+        parameter_count=n_params,
+        embedding_kept=_saved(base, -1),
+        head_kept=_saved(base, -2),
+        step_flops=sum(sum(ops.values()) for ph, ops in base.flops.items() if ph.stage != "optimizer"),
+        notes=tuple(notes),
+        versions=library_versions(),
+        seconds=seconds,
+    )
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """``0-3, 5, 7-9``."""
+    out: list[str] = []
+    for i in layers:
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return "layers " + ", ".join(out)
