@@ -57,7 +57,7 @@ def test_plan_file_as_policy(capsys: pytest.CaptureFixture[str], tmp_path) -> No
     assert code == 0 and json.loads(out)["chosen"]["per_layer"].count("block") == 6
 
 
-def test_a_config_path_is_sent_to_trace_not_estimated(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+def test_a_config_path_is_not_estimated_as_a_proxy(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     cfg = {
         "model_type": "gpt2",
         "n_embd": 768,
@@ -69,9 +69,9 @@ def test_a_config_path_is_sent_to_trace_not_estimated(capsys: pytest.CaptureFixt
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert ModelSpec.from_hf_config(tmp_path / "config.json").name == "gpt2"  # the shape reads
-    code, out, err = run(capsys, "estimate", "--model", str(tmp_path / "config.json"), "--json")
+    code, out, err = run(capsys, "estimate", "--model", str(tmp_path / "config.json"), "--analytic", "--json")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1  # no proxy figure for the real class
-    assert f"recompute trace --model {tmp_path / 'config.json'}" in err
+    assert f"recompute profile --model {tmp_path / 'config.json'}" in err
 
 
 BAD_INPUT = {

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     output = writable(args.output, "--output", "plan.json") if args.output else None
     if wants_profile(args):
         return _run_profiled(args, budget, output)
-    spec = _analytic_spec(args.model)
+    spec = resolve_model(args.model)
     wl = workload_from(args, spec)
     traced = _traced_peak(spec, wl) if args.trace else None
     result = plan(spec, wl, budget, measured=args.bench, traced_peak=traced)
@@ -71,11 +71,6 @@ def run(args: argparse.Namespace) -> int:
         if output:
             print(f"\nwrote {output}")
     return 0
-
-
-def _analytic_spec(model: str) -> ModelSpec:
-    """A preset, or with ``--analytic`` a config.json the closed-form model describes (else a one-line refusal)."""
-    return resolve_model(model) if not Path(model).exists() else ModelSpec.from_hf_config(model)
 
 
 def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None) -> int:

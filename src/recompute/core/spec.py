@@ -174,9 +174,9 @@ def resolve_model(name: str) -> ModelSpec:
     if path.exists():
         ModelSpec.from_hf_config(path)  # an unreadable or unmodelled config gets its own one-line refusal first
         raise ConfigError(
-            f"{name!r} is a transformers config: the analytic model describes recompute's reference GPT-2 and "
-            "Llama, and transformers' own class keeps other tensors (several times more for a GPT-2 config); measure "
-            f"it with `recompute trace --model {name}` (verify takes it too); estimate, plan and bench take presets"
+            f"{name!r} is a transformers config: the closed-form model describes recompute's reference GPT-2 and "
+            "Llama, and transformers' own class keeps other tensors (several times more for a GPT-2 config); drop "
+            f"--analytic to use the class's measured profile (recompute profile --model {name})"
         )
     raise ConfigError(f"{name!r} is not a known model or a config.json path; known models: {', '.join(PRESETS)}")
 

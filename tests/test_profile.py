@@ -1,0 +1,142 @@
+"""Profiles of transformers' own classes: per-kind bytes against a real CPU step, FLOPs invariants, the composed
+peak against whole traces, layer kinds told apart, the cache, and plan/estimate from a profile."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recompute.checkpointing import apply
+from recompute.cli import main
+from recompute.core.policy import Policy
+from recompute.core.profile import Profile, plan_profile
+from recompute.models.source import build_source, resolve_source
+from recompute.trace import cached_profile, profile, trace
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_zoo import WL, ZOO, real_saved_per_layer  # noqa: E402
+
+pytest.importorskip("transformers")
+
+KINDS = {
+    "llama": {},
+    "gemma2": {},  # sliding and global attention alternate
+    "qwen3_moe": {"mlp_only_layers": [0]},  # a dense first layer, then MoE
+    "gpt2": {},
+}
+FOUR_LAYERS = {"num_hidden_layers": 4, "n_layer": 4}
+
+
+def config(kind: str, folder: Path, **extra: object) -> Path:
+    body = {"model_type": kind, **ZOO[kind], **KINDS[kind], **extra}
+    for key, value in FOUR_LAYERS.items():
+        if key in body:
+            body[key] = value
+    path = folder / f"{kind}.json"
+    path.write_text(json.dumps(body))
+    return path
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def profiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Profile]:
+    path = config(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path, profile(resolve_source(str(path)), WL)
+
+
+def test_layer_kinds_are_told_apart(profiled: tuple[str, Path, Profile]) -> None:
+    kind, _, prof = profiled
+    expected = {"llama": [[0, 1, 2, 3]], "gpt2": [[0, 1, 2, 3]], "gemma2": [[0, 2], [1, 3]], "qwen3_moe": [[0], [1, 2, 3]]}
+    assert [list(k.layers) for k in prof.kinds] == expected[kind]
+    assert f"profiled transformers.{prof.class_name.split('.')[-1]}" in prof.notes[0]
+
+
+def test_kept_bytes_equal_a_real_step_under_every_policy(profiled: tuple[str, Path, Profile]) -> None:
+    """Each kind's bytes under each policy equal an independent count of a real CPU step of the same class."""
+    _, path, prof = profiled
+    source = resolve_source(str(path))
+    idx, targets = torch.randint(128, (2, 2, 32))
+    for name in prof.applicable():
+        torch.manual_seed(0)
+        model = build_source(source).model.train()
+        apply(model, name)
+        real = real_saved_per_layer(model, idx, targets)
+        for k in prof.kinds:
+            layer = k.layers[-1]  # not layer 0, which also keeps what the layers share
+            assert k.kept[name] == real[layer], (name, k.name)
+
+
+def test_flops_follow_the_policies(profiled: tuple[str, Path, Profile]) -> None:
+    _, _, prof = profiled
+    for k in prof.kinds:
+        assert k.recompute_flops("none") == 0
+        assert k.recompute_flops("block") == k.forward_flops  # replaying the layer is its forward again
+        assert 0 < k.recompute_flops("core_attn") < k.recompute_flops("attn") < k.forward_flops
+        assert k.recompute_flops("attn+mlp") <= k.recompute_flops("block")
+    total = sum(k.forward_flops * len(k.layers) for k in prof.kinds)
+    assert prof.step_flops > 2 * total  # forward and backward, with the head
+
+
+def test_composed_peak_is_held_to_whole_traces(profiled: tuple[str, Path, Profile]) -> None:
+    """``none`` everywhere composes to the trace exactly; any mix to within two hidden states (a layer's
+    backward also depends on how its neighbour hands it the gradient, which the short model fixes)."""
+    _, path, prof = profiled
+    source = resolve_source(str(path))
+    hidden = ZOO[path.stem].get("hidden_size", ZOO[path.stem].get("n_embd"))
+    bound = 2 * WL.micro_batch * WL.seq_len * int(hidden) * 4  # fp32
+    assert prof.compose(["none"] * prof.n_layers).peak == trace(source, WL, "none").peak
+    rng = random.Random(0)
+    names = prof.applicable()
+    for layers in [[n] * prof.n_layers for n in names] + [[rng.choice(names) for _ in range(4)] for _ in range(3)]:
+        composed, traced = prof.compose(layers), trace(source, WL, Policy(layers=tuple(layers)))
+        assert abs(composed.peak - traced.peak) <= bound, layers
+
+
+def test_the_plan_fits_its_budget_by_the_trace(profiled: tuple[str, Path, Profile]) -> None:
+    _, path, prof = profiled
+    none, smallest = prof.compose(["none"] * prof.n_layers).peak, prof.compose(["block"] * prof.n_layers).peak
+    budget = (none + smallest) / 2
+    chosen = plan_profile(prof, budget).chosen
+    assert chosen.peak <= budget
+    assert chosen.recompute_flops <= prof.compose(["block"] * prof.n_layers).recompute_flops
+    hidden = ZOO[path.stem].get("hidden_size", ZOO[path.stem].get("n_embd"))
+    traced = trace(resolve_source(str(path)), WL, Policy(layers=chosen.layers)).peak
+    assert traced <= budget + 2 * WL.micro_batch * WL.seq_len * int(hidden) * 4
+
+
+def test_a_profile_is_cached_and_plans_without_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
+    path = config("llama", tmp_path)
+    args = ["--model", str(path), "--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
+    first, hit = cached_profile(str(path), WL)
+    assert not hit and cached_profile(str(path), WL) == (first, True)
+    out = tmp_path / "plan.json"
+    code = f"""
+import sys
+from recompute.cli import main
+code = main(["plan", *{args!r}, "--budget", "{first.compose(["block"] * 4).peak + 1}", "-o", "{out}"])
+assert code == 0 and "torch" not in sys.modules, code
+"""
+    env = {"RECOMPUTE_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert Policy.from_dict(json.loads(out.read_text())["policy"]).per_layer(4)
+
+
+def test_cli_profile_plan_and_estimate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
+    path = config("qwen3_moe", tmp_path)
+    args = ["--model", str(path), "--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
+    assert main(["profile", *args, "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3MoeDecoderLayer" in out and "layers 1-3" in out
+    assert main(["estimate", *args, "--policy", "mlp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chosen"]["layers"] == ["mlp"] * 4
+    assert main(["plan", "--profile", str(tmp_path / "p.json"), "--budget", "1KiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "smallest achievable peak" in err
