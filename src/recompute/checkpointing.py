@@ -1,11 +1,17 @@
 """``apply(model, policy)``: switch a recomputation policy on for a model, in place, in one line.
 
-Every region a policy recomputes (a whole layer, its attention or MLP sub-block, or its core attention) gets
+Every region a policy recomputes (a whole layer, its attention or MLP sub-block, its core attention, or the
+experts of a mixture-of-experts MLP) gets
 an instance-level replacement of the method that runs it (``forward``, or the attention's ``core``) that
 calls the original through non-reentrant ``torch.utils.checkpoint``, with a selective-checkpointing context
 when the policy lists ops to save and ``save_on_cpu`` when it offloads. Parameters and module names are left
 alone, so ``state_dict()`` keys do not change; module hooks stay outside the checkpoint (as in transformers
 5), and applying again (``none`` included) first restores every original method.
+
+Note: [experts, not the router] ``experts`` wraps the MLP's child named ``experts`` (transformers 5 calls it as
+``experts(hidden_states, top_k_index, top_k_weights)``; a list of expert modules gets each one wrapped). The
+router runs outside the checkpoint, so its output is a kept input of the replay: routing cannot change on
+replay, and the router is not run a second time. ``mlp`` wraps the whole MoE block, router included (issue 13).
 
 Hugging Face attention modules have no ``core``: for ``core_attn`` the selected modules get a private copy of
 their config whose ``_attn_implementation`` names a function registered with transformers'
@@ -46,8 +52,10 @@ REGIONS: dict[str, tuple[str, ...]] = {
     "mlp": ("mlp",),
     "attn+mlp": ("attn", "mlp"),
     "block": ("block",),
+    "experts": ("experts",),
 }
-"""What each policy wraps in one layer: ``block`` (the layer), ``attn``/``mlp`` (sub-blocks), ``core``."""
+"""What each policy wraps in one layer: ``block`` (the layer), ``attn``/``mlp`` (sub-blocks), ``core``, and
+``experts`` (the MLP's experts child)."""
 
 _SAVED = "_recompute_saved"  # per module: {attribute: the instance value it had, or None for the class's}
 _OPTIONS = "_recompute_options"  # per module: the _Options its wrapped methods use
@@ -162,6 +170,8 @@ def _region_targets(block: nn.Module, policy: str, attn: str | None, mlp: str | 
             targets.append((block, "forward"))
         elif region == "mlp":
             targets.append((_sub_block(block, "mlp", attn, mlp), "forward"))
+        elif region == "experts":
+            targets.extend((e, "forward") for e in _experts(block, attn, mlp))
         else:
             attn_module = _sub_block(block, "attn", attn, mlp)
             if region == "attn":
@@ -188,6 +198,23 @@ def _sub_block(block: nn.Module, which: str, attn: str | None, mlp: str | None) 
             f"{', '.join(dict(block.named_children())) or 'none'}; name it with apply(model, policy, {which}='<child>')"
         )
     return children[name]
+
+
+def _experts(block: nn.Module, attn: str | None, mlp: str | None) -> list[nn.Module]:
+    """The modules that run the experts of a layer's mixture-of-experts MLP (called with the router's output).
+
+    The MLP's ``experts`` child, or each module of a list or dict of experts.
+    """
+    moe = _sub_block(block, "mlp", attn, mlp)
+    experts = getattr(moe, "experts", None)
+    if not isinstance(experts, nn.Module):
+        raise ConfigError(
+            f"the 'experts' policy recomputes the experts of a mixture-of-experts MLP, but {type(moe).__name__} "
+            f"in {type(block).__name__} has no 'experts' child (a dense MLP); use 'mlp' for this layer"
+        )
+    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        return list(experts.children())
+    return [experts]
 
 
 def _only(names: list[str]) -> str | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from recompute.core.errors import ConfigError
-from recompute.core.policy import POLICIES, Policy
+from recompute.core.policy import ALL_POLICIES, Policy
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload, workload_fields
 
@@ -90,7 +90,7 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "block") -
     p.add_argument(
         "--policy",
         default=default,
-        help=f"one of {', '.join(POLICIES)}, or a plan/policy JSON file (default: {default})",
+        help=f"one of {', '.join(ALL_POLICIES)}, or a plan/policy JSON file (default: {default})",
     )
     p.add_argument("--every", type=int, help="apply the policy to every k-th layer only")
     p.add_argument("--first", type=int, help="apply the policy to the first n layers only")

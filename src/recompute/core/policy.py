@@ -4,6 +4,9 @@ A policy is one of the names below for every layer, chosen uniformly, for every 
 layers (Megatron's ``block`` method), or given layer by layer (what ``plan`` emits). Op-level selective
 checkpointing (a save-list of ops) and offloading the kept checkpoints to CPU memory are options on top.
 This module imports no torch: the analytic model and the CLI read policies too.
+
+``POLICIES`` are the dense policies, the ones the analytic model costs and the planner searches;
+``MOE_POLICIES`` apply to mixture-of-experts layers only and are measured by ``trace``, not modelled.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.results import read_json
 
-__all__ = ["POLICIES", "Policy"]
+__all__ = ["ALL_POLICIES", "MOE_POLICIES", "POLICIES", "Policy", "check_analytic"]
 
 POLICIES: dict[str, str] = {
     "none": "store everything; recompute nothing",
@@ -27,13 +30,21 @@ POLICIES: dict[str, str] = {
     "block": "recompute the whole layer from its input (full recomputation)",
 }
 
+MOE_POLICIES: dict[str, str] = {
+    "experts": "recompute only the experts of a mixture-of-experts MLP; keep the router's output (issue 13)",
+}
+"""Policies for mixture-of-experts layers: ``apply`` and ``trace`` know them, the analytic model does not."""
+
+ALL_POLICIES: dict[str, str] = {**POLICIES, **MOE_POLICIES}
+"""Every policy name ``Policy`` accepts."""
+
 FORMAT = "recompute.policy/1"
 
 
 def check_name(name: str) -> str:
     """Return ``name`` if it is a policy name, else raise ConfigError listing them."""
-    if name not in POLICIES:
-        raise ConfigError(f"{name!r} is not a policy; choose one of: {', '.join(POLICIES)}")
+    if name not in ALL_POLICIES:
+        raise ConfigError(f"{name!r} is not a policy; choose one of: {', '.join(ALL_POLICIES)}")
     return name
 
 
@@ -119,7 +130,7 @@ class Policy:
     def describe(self) -> str:
         """A short human label, e.g. ``block every 2nd layer``."""
         if self.layers is not None:
-            counts = {n: self.layers.count(n) for n in POLICIES if n in self.layers}
+            counts = {n: self.layers.count(n) for n in ALL_POLICIES if n in self.layers}
             text = "per-layer " + ", ".join(f"{n} x{c}" for n, c in counts.items())
         elif self.every is not None:
             text = f"{self.name} every {self.every} layers" if self.every > 1 else self.name
@@ -177,11 +188,23 @@ class Policy:
             return value
         if not isinstance(value, (str, Path)):
             raise ConfigError(
-                f"a policy is a name ({', '.join(POLICIES)}), a Policy or a plan file path; got {type(value).__name__}"
+                f"a policy is a name ({', '.join(ALL_POLICIES)}), a Policy or a plan file path; "
+                f"got {type(value).__name__}"
             )
         value = str(value)
-        if value in POLICIES:
+        if value in ALL_POLICIES:
             return cls(value)
         if value.endswith(".json") or Path(value).is_file():
             return cls.load(value)
-        raise ConfigError(f"{value!r} is not a policy or a policy file; choose one of: {', '.join(POLICIES)}")
+        raise ConfigError(f"{value!r} is not a policy or a policy file; choose one of: {', '.join(ALL_POLICIES)}")
+
+
+def check_analytic(policy: Policy) -> None:
+    """Raise ConfigError if ``policy`` uses a policy the analytic model has no costs for (``MOE_POLICIES``)."""
+    names = policy.layers if policy.layers is not None else (policy.name,)
+    for name in MOE_POLICIES:
+        if name in names:
+            raise ConfigError(
+                f"the analytic model has no costs for the mixture-of-experts policy {name!r} (it models dense "
+                f"layers); measure it with `recompute trace --model <config.json> --policy {name}`"
+            )

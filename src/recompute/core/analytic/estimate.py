@@ -12,7 +12,7 @@ from typing import Any
 from recompute.core.analytic.flops import layer_flops, model_flops, recompute_flops
 from recompute.core.analytic.memory import PART_GROUP, LayerActivations, layer_activations, outer_activations
 from recompute.core.analytic.params import ModelStates, layer_params, model_states, norm_params
-from recompute.core.policy import POLICIES, Policy
+from recompute.core.policy import POLICIES, Policy, check_analytic
 from recompute.core.spec import HF_SOURCE, ModelSpec
 from recompute.core.workload import Workload
 
@@ -102,10 +102,12 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     """Predict memory and FLOPs of one training step of ``spec`` under ``wl`` with ``policy``.
 
     Raises:
-        ConfigError: the workload does not fit the model, or the policy is unknown.
+        ConfigError: the workload does not fit the model, the policy is unknown, or it is a mixture-of-experts
+            policy (``MOE_POLICIES``: measured by ``trace``, not modelled).
     """
     wl.check(spec)
     pol = Policy.parse(policy)
+    check_analytic(pol)
     per_layer = pol.per_layer(spec.n_layers)
     stage = _stage_layers(spec, wl, per_layer)
     la = layer_activations(spec, wl)
