@@ -4,10 +4,11 @@ Two kinds of step, both traced like ``trace`` (nothing allocated):
 
 1. the whole model under ``none``: every layer's forward and backward peak, what each keeps, the head's and
    the fixed phases, the model states and the step's FLOPs;
-2. per policy, a short model: a copy of layer 0 (so what the layers share, such as rotary tables, is kept by
-   it, as by layer 0 in the whole model), one layer of each kind, taken from the whole model with their own
-   settings (attention type, dense or MoE MLP), and a copy of the last layer (so each measured layer has one
-   after it, as in the whole model). A policy a layer cannot take is recorded with its reason.
+2. per policy, a short model: a copy of the first layer of each kind (so what layers share, such as rotary
+   tables or one attention type's mask, is kept by those, as by the first such layer in the whole model),
+   the measured layers (one of each kind, taken from the whole model with their own settings: attention
+   type, dense or MoE MLP), and a copy of the last layer (so each measured layer has one after it, as in the
+   whole model). A policy a layer cannot take is recorded with its reason.
 
 What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
 start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
@@ -120,7 +121,9 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
             progress("profile", j + 2, len(names) + 1)
     require("none" in cut, f"{source.name}: the short model's step failed: {refused.get('none')}")
     kinds = tuple(
-        _kind(labels[k], tuple(i for i, x in enumerate(kind_of) if x == k), layers[reps[k]], 1 + k, cut, refused)
+        _kind(
+            labels[k], tuple(i for i, x in enumerate(kind_of) if x == k), layers[reps[k]], len(reps) + k, cut, refused
+        )
         for k in range(len(reps))
     )
     return _assemble(source, whole, wl, base, kinds, tuple(kind_of), n_params, time.perf_counter() - start)
@@ -164,9 +167,9 @@ def _label(layer: nn.Module, attention: Any) -> str:
 
 
 def _short_model(whole: BuiltModel, layers: nn.ModuleList, reps: Sequence[int]) -> BuiltModel:
-    """A meta copy of the model whose layers are copies of layer 0, ``layers[r]`` for each ``r``, the last layer."""
+    """A meta copy of the model whose layers are copies of ``layers[r]`` for each ``r`` twice, then the last."""
     model = whole.model
-    picks = [0, *reps, len(layers) - 1]
+    picks = [*reps, *reps, len(layers) - 1]
     parent, attr = _owner(model, layers)
     path = next(name for name, m in model.named_modules() if m is parent)
     setattr(parent, attr, nn.ModuleList())  # deepcopy the rest of the model without the whole layer list
