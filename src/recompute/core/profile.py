@@ -6,20 +6,22 @@ A profile is measured on fake tensors of the model's own class (``recompute prof
 - one step of the whole model under ``none`` gives, for every layer i, the peak of its forward and backward
   phases (``base_forward[i]``, ``base_backward[i]``), what it keeps, the head's and the fixed phases (the
   embedding's and the optimizer step's);
-- one step per policy of a short model holding a lead layer and one layer of each kind gives, per kind, how
-  much a policy changes what the layer keeps (``dK``) and the peaks of its own forward and backward phases
-  beside that (``dF``, ``dB``), and its FLOPs (the replay is part of its backward).
+- steps of short models give, per kind and policy, what a layer saves, the peak of its forward phase (dF) and
+  its FLOPs (the replay is part of its backward), and per pair of kinds that follow each other and pair of
+  policies (the layer's, the next one's), what the layer holds for the backward (dK) and the peak of its
+  backward phase (dB): a layer's backward depends on how the next layer hands it the gradient.
 
-Memory is additive, so for any per-layer assignment a, with P_i the sum of dK over the layers below i, the
-peak of the step is exactly (``Profile.compose``)
+Memory is additive, so for any per-layer assignment a, with P_i the sum of dK(a_j, a_j+1) over the layers
+below i, the peak of the step is (``Profile.compose``)
 
-    max( fixed, head + P_L, max_i base_forward[i] + P_i + dF(a_i), max_i base_backward[i] + P_i + dB(a_i) ).
+    max( fixed, head + P_L + dH(a_L), max_i base_forward[i] + P_i + dF(a_i),
+         max_i base_backward[i] + P_i + dB(a_i, a_i+1) ).
 
-``tests/test_profile.py`` holds this to full traces of random mixed assignments, byte for byte.
+``tests/test_profile.py`` holds this to whole traces of every uniform policy and random mixes, byte for byte.
 
 ``plan`` finds the least-cost assignment whose composed peak fits a budget: every constraint grows with the
-prefix P, so a dynamic program over the layers that keeps the Pareto set of (P, cost) and drops the points
-that break a constraint is exact, for any mix of layer kinds.
+prefix P, so a dynamic program over the layers that keeps, per policy of the current layer, the Pareto set of
+(P, cost) and drops the points that break a constraint is exact, for any mix of layer kinds.
 """
 
 from __future__ import annotations
@@ -176,6 +178,12 @@ class Profile:
     kinds: tuple[LayerKind, ...]
     layer_kind: tuple[int, ...]
     """Index into ``kinds`` of every layer."""
+    links: dict[str, dict[str, dict[str, tuple[int, int, int]]]]
+    """``links["a>b"][p][q]``: for a layer of kind a under policy p followed by one of kind b under q,
+    (dK, dB, dF): the bytes it holds and the peaks of its backward and forward phases, against both running
+    ``none``."""
+    last: dict[str, tuple[int, int, int]]
+    """``last[p]``: for the last layer under p, (dB, the head's forward delta, the head's backward delta)."""
     base_kept: tuple[int, ...]
     """Bytes each layer keeps under ``none`` in the whole model (the first also keeps what layers share)."""
     base_forward: tuple[int, ...]
@@ -205,6 +213,10 @@ class Profile:
     def kind_of(self, layer: int) -> LayerKind:
         return self.kinds[self.layer_kind[layer]]
 
+    def link(self, i: int) -> dict[str, dict[str, tuple[int, int, int]]]:
+        """The link of layer ``i`` to layer ``i + 1`` (``links``)."""
+        return self.links[f"{self.layer_kind[i]}>{self.layer_kind[i + 1]}"]
+
     def applicable(self) -> tuple[str, ...]:
         """Policies every layer takes."""
         return tuple(p for p in self.kinds[0].policies if all(p in k.kept for k in self.kinds))
@@ -221,18 +233,26 @@ class Profile:
         )
         phases: dict[str, int] = dict(self.fixed)
         prefix = saved = flops = 0
+        n = self.n_layers
         for i, name in enumerate(layers):
             kind = self.kind_of(i)
             if name not in kind.kept:
                 why = kind.refused.get(name, "not profiled")
                 raise ConfigError(f"layer {i} ({kind.name}) cannot take policy {name!r}: {why}")
-            phases[f"forward of layer {i}"] = self.base_forward[i] + prefix + kind.forward_delta[name]
-            phases[f"backward of layer {i}"] = self.base_backward[i] + prefix + kind.backward_delta[name]
-            prefix += kind.held_delta(name)
+            forward = kind.forward_delta[name]
             saved += kind.kept_delta(name)
             flops += kind.recompute_flops(name)
-        phases["forward (head and loss)"] = self.head_forward + prefix
-        phases["backward (head and loss)"] = self.head_backward + prefix
+            if i < n - 1:
+                held, backward, _ = self.link(i)[name][layers[i + 1]]
+                phases[f"forward of layer {i}"] = self.base_forward[i] + prefix + forward
+                phases[f"backward of layer {i}"] = self.base_backward[i] + prefix + backward
+                prefix += held
+            else:
+                backward, head_forward, head_backward = self.last[name]
+                phases[f"forward of layer {i}"] = self.base_forward[i] + prefix + forward
+                phases[f"backward of layer {i}"] = self.base_backward[i] + prefix + backward
+                phases["forward (head and loss)"] = self.head_forward + prefix + head_forward
+                phases["backward (head and loss)"] = self.head_backward + prefix + head_backward
         phase, peak = max(phases.items(), key=lambda kv: kv[1])
         kept = sum(self.base_kept) + saved + self.embedding_kept + self.head_kept
         return Composed(tuple(layers), peak, phase, kept, flops)
@@ -247,6 +267,11 @@ class Profile:
         body["kinds"] = tuple(LayerKind(**{**k, "layers": tuple(k["layers"])}) for k in body["kinds"])
         for key in ("layer_kind", "base_kept", "base_forward", "base_backward", "notes"):
             body[key] = tuple(body[key])
+        body["links"] = {
+            pair: {p: {q: (int(v[0]), int(v[1]), int(v[2])) for q, v in row.items()} for p, row in table.items()}
+            for pair, table in body["links"].items()
+        }
+        body["last"] = {p: (int(v[0]), int(v[1]), int(v[2])) for p, v in body["last"].items()}
         return cls(**body)
 
     def save(self, path: str | Path) -> None:
@@ -315,70 +340,82 @@ class ProfilePlan:
         }
 
 
-def _fits(profile: Profile, budget: float) -> Composed | None:
-    """The least-cost assignment whose composed peak is at most ``budget``, or None (exact; module docstring)."""
+def _fits(profile: Profile, budget: float, *, costs: bool = True) -> Composed | None:
+    """The least-cost assignment whose composed peak is at most ``budget``, or None (exact; module docstring).
+
+    A state is (what the layers below the current one hold, cost so far, the current layer's policy); a layer's
+    backward and what it holds depend on the next layer's policy, so both are settled when that is chosen.
+    States with the same current policy are pruned to their Pareto set; every constraint grows with the held
+    bytes, so nothing that could lead to a cheaper fitting plan is dropped. ``costs=False`` ignores the costs:
+    the least held bytes per policy are all that feasibility needs.
+    """
     import numpy as np
 
+    n = profile.n_layers
     if max(profile.fixed.values(), default=0) > budget:
         return None
-    prefix, cost = np.zeros(1), np.zeros(1)
-    steps: list[tuple[np.ndarray, np.ndarray, list[str]]] = []
-    for i in range(profile.n_layers):
+
+    def options(i: int) -> tuple[list[str], np.ndarray, np.ndarray]:
         kind = profile.kind_of(i)
         names = list(kind.policies)
-        dk = np.array([kind.held_delta(n) for n in names], dtype=float)
-        rc = np.array([kind.recompute_flops(n) for n in names], dtype=float)
-        high = np.maximum(
-            profile.base_forward[i] + np.array([kind.forward_delta[n] for n in names], dtype=float),
-            profile.base_backward[i] + np.array([kind.backward_delta[n] for n in names], dtype=float),
+        forward = profile.base_forward[i] + np.array([kind.forward_delta[p] for p in names], dtype=float)
+        cost = np.array([kind.recompute_flops(p) if costs else 0 for p in names], dtype=float)
+        return names, forward, cost
+
+    names, forward, cost = options(0)
+    ok = forward <= budget
+    prefix, total, last = np.zeros(int(ok.sum())), cost[ok], np.flatnonzero(ok)
+    steps: list[tuple[np.ndarray, np.ndarray, list[str]]] = [(np.full(len(last), -1), last, names)]
+    for i in range(1, n):
+        prev_names, (names, forward, cost) = steps[-1][2], options(i)
+        link = profile.link(i - 1)
+        held = np.array([[link[p][q][0] for q in names] for p in prev_names], dtype=float)
+        back = profile.base_backward[i - 1] + np.array(
+            [[link[p][q][1] for q in names] for p in prev_names], dtype=float
         )
-        ok = prefix[:, None] + high[None, :] <= budget  # (points, options)
-        parents, options = np.nonzero(ok)
-        if parents.size == 0:
+        parents_all, options_all, prefix_all, total_all = [], [], [], []
+        for o in range(len(names)):
+            new_prefix = prefix + held[last, o]
+            fits = (prefix + back[last, o] <= budget) & (new_prefix + forward[o] <= budget)
+            idx = np.flatnonzero(fits)
+            if idx.size == 0:
+                continue
+            m, c = new_prefix[idx], total[idx] + cost[o]
+            order = np.lexsort((c, m))
+            best_before = np.concatenate(([np.inf], np.minimum.accumulate(c[order])[:-1]))
+            keep = order[c[order] < best_before]
+            parents_all.append(idx[keep])
+            options_all.append(np.full(len(keep), o))
+            prefix_all.append(m[keep])
+            total_all.append(c[keep])
+        if not parents_all:
             return None
-        m_all, c_all = prefix[parents] + dk[options], cost[parents] + rc[options]
-        order = np.lexsort((c_all, m_all))
-        best_before = np.concatenate(([np.inf], np.minimum.accumulate(c_all[order])[:-1]))
-        keep = order[c_all[order] < best_before]
-        steps.append((parents[keep], options[keep], names))
-        prefix, cost = m_all[keep], c_all[keep]
-    ok_end = np.maximum(profile.head_forward, profile.head_backward) + prefix <= budget
+        parents = np.concatenate(parents_all)
+        last = np.concatenate(options_all)
+        prefix, total = np.concatenate(prefix_all), np.concatenate(total_all)
+        steps.append((parents, last, names))
+    names = steps[-1][2]
+    end = np.array([profile.last[p] for p in names], dtype=float)  # (options, 3)
+    high = np.maximum.reduce(
+        [profile.base_backward[n - 1] + end[:, 0], profile.head_forward + end[:, 1], profile.head_backward + end[:, 2]]
+    )
+    ok_end = prefix + high[last] <= budget
     if not ok_end.any():
         return None
-    index = int(np.flatnonzero(ok_end)[np.argmin(cost[ok_end])])
+    index = int(np.flatnonzero(ok_end)[np.argmin(total[ok_end])])
     chosen: list[str] = []
-    for parents, options, names in reversed(steps):
-        chosen.append(names[int(options[index])])
+    for parents, opts, step_names in reversed(steps):
+        chosen.append(step_names[int(opts[index])])
         index = int(parents[index])
     return profile.compose(chosen[::-1])
 
 
 def _smallest_peak(profile: Profile) -> float:
-    """The smallest achievable peak: bisection on the budget; a budget is feasible when the layer-by-layer
-    choice of the least prefix that meets each layer's constraint gets through (every constraint grows with
-    the prefix, so that greedy choice is the best one for feasibility)."""
-
-    def feasible(budget: float) -> bool:
-        if max(profile.fixed.values(), default=0) > budget:
-            return False
-        prefix = 0
-        for i in range(profile.n_layers):
-            kind = profile.kind_of(i)
-            ok = [
-                kind.held_delta(n)
-                for n in kind.policies
-                if profile.base_forward[i] + prefix + kind.forward_delta[n] <= budget
-                and profile.base_backward[i] + prefix + kind.backward_delta[n] <= budget
-            ]
-            if not ok:
-                return False
-            prefix += min(ok)
-        return max(profile.head_forward, profile.head_backward) + prefix <= budget
-
+    """The smallest achievable peak: bisection on the budget, each tried by ``_fits`` without costs."""
     lo, hi = 0.0, float(profile.compose(["none"] * profile.n_layers).peak)
-    while hi - lo > 1.0:
+    while hi - lo > max(1.0, hi * 1e-9):
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+        lo, hi = (lo, mid) if _fits(profile, mid, costs=False) is not None else (mid, hi)
     return hi
 
 

@@ -4,11 +4,13 @@ Two kinds of step, both traced like ``trace`` (nothing allocated):
 
 1. the whole model under ``none``: every layer's forward and backward peak, what each keeps, the head's and
    the fixed phases, the model states and the step's FLOPs;
-2. per policy, a short model: a copy of the first layer of each kind (so what layers share, such as rotary
-   tables or one attention type's mask, is kept by those, as by the first such layer in the whole model),
-   the measured layers (one of each kind, taken from the whole model with their own settings: attention
-   type, dense or MoE MLP), and a copy of the last layer (so each measured layer has one after it, as in the
-   whole model). A policy a layer cannot take is recorded with its reason.
+2. per pair of kinds that follow each other in the model, and per pair of policies (the layer's, the next
+   one's), a short model: a copy of the first layer of each kind under ``none`` (so what layers share, such
+   as rotary tables or one attention type's mask, is kept by those, as by the first such layer in the whole
+   model), the measured layer and the one after it (taken from the whole model with their own settings:
+   attention type, dense or MoE MLP), and a copy of the last layer. A layer's backward depends on how the
+   next one hands it the gradient, so its figures are measured per policy of the next layer; the last
+   layer's, per policy, with the head after it. A policy a layer cannot take is recorded with its reason.
 
 What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
 start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
@@ -28,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from recompute.checkpointing import find_layers
+from recompute.checkpointing import apply, find_layers
 from recompute.core import policy as policies
 from recompute.core.errors import ConfigError, first_line, require
 from recompute.core.policy import POLICIES, Policy
@@ -102,31 +104,48 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
     device = resolve_device(wl.device)
     dtype = TORCH_DTYPES[wl.dtype]
     start = time.perf_counter()
-    names = profiled_policies()
     with fake_kernels():
         whole = build_meta(source, attention=wl.attention, dtype=dtype)
         layers = find_layers(whole.model)
         kind_of, reps, labels = _layer_kinds(whole.model, layers)
-        short = _short_model(whole, layers, reps)
-        progress("profile", 0, len(names) + 1)
+        n, lead = len(layers), len(reps)
+        refused = [_refused(whole, layers, r) for r in reps]
+        ok = [[p for p in profiled_policies() if p not in refused[k]] for k in range(lead)]
+        pairs = sorted({(kind_of[i], kind_of[i + 1]) for i in range(n - 1)})
+        runs: list[tuple[tuple[Any, ...], list[int], int, tuple[str, ...]]] = []
+        for a, b in pairs:  # a layer of kind a at a generic position, followed by one of kind b
+            picks = [*reps, reps[a], reps[b], n - 1]
+            runs += [
+                (("pair", a, b, p, q), picks, lead, ("none",) * lead + (p, q, "none")) for p in ok[a] for q in ok[b]
+            ]
+        picks = [*reps, n - 1] if n > 1 else [0]  # the last layer, with the head after it
+        x_last = len(picks) - 1
+        runs += [(("last", p), picks, x_last, ("none",) * x_last + (p,)) for p in ok[kind_of[-1]]]
+        shorts = {tuple(picks): _short_model(whole, layers, picks) for _, picks, _, _ in runs}  # while on meta
+        progress("profile", 0, len(runs) + 1)
         base, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
-        progress("profile", 1, len(names) + 1)
-        cut: dict[str, StepRecord] = {}
-        refused: dict[str, str] = {}
-        for j, name in enumerate(names):
-            try:
-                cut[name] = step_built(_copy(short), wl, Policy(name), device=device, flops=True)[0]
-            except ConfigError as e:
-                refused[name] = first_line(e)
-            progress("profile", j + 2, len(names) + 1)
-    require("none" in cut, f"{source.name}: the short model's step failed: {refused.get('none')}")
-    kinds = tuple(
-        _kind(
-            labels[k], tuple(i for i, x in enumerate(kind_of) if x == k), layers[reps[k]], len(reps) + k, cut, refused
-        )
-        for k in range(len(reps))
-    )
-    return _assemble(source, whole, wl, base, kinds, tuple(kind_of), n_params, time.perf_counter() - start)
+        progress("profile", 1, len(runs) + 1)
+        records: dict[tuple[Any, ...], tuple[StepRecord, int]] = {}
+        for j, (key, picks, x, per_layer) in enumerate(runs):
+            built = _copy(shorts[tuple(picks)])
+            records[key] = step_built(built, wl, Policy(layers=per_layer), device=device, flops=True)[0], x
+            progress("profile", j + 2, len(runs) + 1)
+    members = [tuple(i for i, x in enumerate(kind_of) if x == k) for k in range(lead)]
+    kinds = tuple(_kind(labels[k], members[k], layers[reps[k]], k, records, refused[k]) for k in range(lead))
+    links = {f"{a}>{b}": _link(records, ("pair", a, b), ok[a], ok[b]) for a, b in pairs}
+    last = _last(records, ok[kind_of[-1]])
+    return _assemble(source, whole, wl, base, kinds, tuple(kind_of), links, last, n_params, time.perf_counter() - start)
+
+
+def _refused(whole: BuiltModel, layers: nn.ModuleList, rep: int) -> dict[str, str]:
+    """The policies layer ``rep`` cannot take, with the reason (``apply`` on a meta copy of it alone)."""
+    out = {}
+    for name in profiled_policies():
+        try:
+            apply(_short_model(whole, layers, [rep]).model, name)
+        except ConfigError as e:
+            out[name] = first_line(e)
+    return out
 
 
 def _layer_kinds(model: nn.Module, layers: nn.ModuleList) -> tuple[list[int], list[int], list[str]]:
@@ -166,10 +185,9 @@ def _label(layer: nn.Module, attention: Any) -> str:
     return ", ".join(parts)
 
 
-def _short_model(whole: BuiltModel, layers: nn.ModuleList, reps: Sequence[int]) -> BuiltModel:
-    """A meta copy of the model whose layers are copies of ``layers[r]`` for each ``r`` twice, then the last."""
+def _short_model(whole: BuiltModel, layers: nn.ModuleList, picks: Sequence[int]) -> BuiltModel:
+    """A meta copy of the model whose layers are copies of ``layers[i]`` for each ``i`` in ``picks``, in order."""
     model = whole.model
-    picks = [*reps, *reps, len(layers) - 1]
     parent, attr = _owner(model, layers)
     path = next(name for name, m in model.named_modules() if m is parent)
     setattr(parent, attr, nn.ModuleList())  # deepcopy the rest of the model without the whole layer list
@@ -217,24 +235,29 @@ def _flops(record: StepRecord, phase: Phase) -> dict[str, int]:
 
 
 def _kind(
-    label: str, members: tuple[int, ...], layer: nn.Module, c: int, cut: dict[str, StepRecord], refused: dict[str, str]
+    label: str,
+    members: tuple[int, ...],
+    layer: nn.Module,
+    k: int,
+    records: dict[tuple[Any, ...], tuple[StepRecord, int]],
+    refused: dict[str, str],
 ) -> LayerKind:
-    """Kind ``label`` from the short model's steps, where its layer is at position ``c``."""
-
-    def below(rec: StepRecord) -> int:
-        return rec.layer_starts[c]
-
-    ref = cut["none"]
-    fwd, bwd = Phase("forward", "layer", c), Phase("backward", "layer", c)
+    """Kind ``k`` from the short models where a layer of it is measured at a generic position with the next
+    layer under ``none`` (or, for a kind only last, the head after it)."""
+    mine = {key[3]: v for key, v in records.items() if key[0] == "pair" and key[1] == k and key[4] == "none"}
+    if not mine:
+        mine = {key[1]: v for key, v in records.items() if key[0] == "last"}
+    ref, x = mine["none"]
+    fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
     kept, held, comps, ops, d_f, d_b, b_flops, b_ops = {}, {}, {}, {}, {}, {}, {}, {}
-    for name, rec in cut.items():
-        records = [r for r in rec.saved if r.layer == c]
-        kept[name] = sum(r.nbytes for r in records)
-        held[name] = rec.layer_starts[c + 1] - rec.layer_starts[c]
-        comps[name] = _sum_by(records, "component")
-        ops[name] = _sum_by(records, "op")
-        d_f[name] = (_peak(rec, fwd) - below(rec)) - (_peak(ref, fwd) - below(ref))
-        d_b[name] = (_peak(rec, bwd) - below(rec)) - (_peak(ref, bwd) - below(ref))
+    for name, (rec, _) in mine.items():
+        records_x = [r for r in rec.saved if r.layer == x]
+        kept[name] = sum(r.nbytes for r in records_x)
+        held[name] = _held(rec, x)
+        comps[name] = _sum_by(records_x, "component")
+        ops[name] = _sum_by(records_x, "op")
+        d_f[name] = _phase_delta(rec, ref, fwd, x)
+        d_b[name] = _phase_delta(rec, ref, bwd, x)
         b_ops[name] = _flops(rec, bwd)
         b_flops[name] = sum(b_ops[name].values())
     f_ops = _flops(ref, fwd)
@@ -252,8 +275,61 @@ def _kind(
         backward_flops=b_flops,
         forward_ops=f_ops,
         backward_ops=b_ops,
-        refused={k: v for k, v in refused.items()},
+        refused=dict(refused),
     )
+
+
+def _held(rec: StepRecord, x: int) -> int:
+    """Growth of allocated bytes over layer ``x``'s forward: from its start to the next layer's (or the head's)."""
+    after = rec.layer_starts[x + 1] if x + 1 < len(rec.layer_starts) else _peak(rec, Phase("forward", "head"))
+    return after - rec.layer_starts[x]
+
+
+def _phase_delta(rec: StepRecord, ref: StepRecord, phase: Phase, x: int) -> int:
+    """The peak of ``phase`` above the memory at layer ``x``'s start, against the all-``none`` reference."""
+    return (_peak(rec, phase) - rec.layer_starts[x]) - (_peak(ref, phase) - ref.layer_starts[x])
+
+
+def _link(
+    records: dict[tuple[Any, ...], tuple[StepRecord, int]],
+    tag: tuple[Any, ...],
+    first: Sequence[str],
+    then: Sequence[str],
+) -> dict[str, dict[str, tuple[int, int, int]]]:
+    """Per (a layer's policy, the next one's): what it holds, its backward phase's and its forward phase's
+    deltas, against both running ``none``."""
+    ref_key: tuple[Any, ...] = (*tag, "none", "none")
+    ref, x = records[ref_key]
+    fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
+    out: dict[str, dict[str, tuple[int, int, int]]] = {}
+    for p in first:
+        out[p] = {}
+        for q in then:
+            key: tuple[Any, ...] = (*tag, p, q)
+            rec, _ = records[key]
+            out[p][q] = (
+                _held(rec, x) - _held(ref, x),
+                _phase_delta(rec, ref, bwd, x),
+                _phase_delta(rec, ref, fwd, x),
+            )
+    return out
+
+
+def _last(
+    records: dict[tuple[Any, ...], tuple[StepRecord, int]], policies: Sequence[str]
+) -> dict[str, tuple[int, int, int]]:
+    """For the last layer, per policy: its backward phase's delta and the head's forward and backward deltas,
+    against ``none``."""
+    ref, x = records["last", "none"]
+    out = {}
+    for p in policies:
+        rec, _ = records["last", p]
+        out[p] = (
+            _phase_delta(rec, ref, Phase("backward", "layer", x), x),
+            _phase_delta(rec, ref, Phase("forward", "head"), x),
+            _phase_delta(rec, ref, Phase("backward", "head"), x),
+        )
+    return out
 
 
 def _sum_by(records: Sequence[Any], attr: str) -> dict[str, int]:
@@ -270,6 +346,8 @@ def _assemble(
     base: StepRecord,
     kinds: tuple[LayerKind, ...],
     kind_of: tuple[int, ...],
+    links: dict[str, dict[str, dict[str, tuple[int, int, int]]]],
+    last: dict[str, tuple[int, int, int]],
     n_params: int,
     seconds: float,
 ) -> Profile:
@@ -297,6 +375,8 @@ def _assemble(
         workload={k: getattr(wl, k) for k in PROFILED_WORKLOAD},
         kinds=kinds,
         layer_kind=kind_of,
+        links=links,
+        last=last,
         base_kept=tuple(_saved(base, i) for i in range(n)),
         base_forward=tuple(_peak(base, Phase("forward", "layer", i)) for i in range(n)),
         base_backward=tuple(_peak(base, Phase("backward", "layer", i)) for i in range(n)),
