@@ -129,9 +129,9 @@ def train_source(config: TrainConfig) -> ModelSource:
 def source_id(source: ModelSource, config: TrainConfig) -> str:
     """What a checkpoint records of the model's source, so that a resume with another one is refused.
 
-    A preset: its name (the sizes are options, checked with the others). A config.json: the SHA-256 of its
-    content (keys sorted), so the same path with an edited config is another model. A factory: its name and
-    the SHA-256 of its parameters' names, shapes and dtypes.
+    A preset: its name (the sizes are options, checked with the others). A config.json: a hash of its content
+    (keys sorted; SHA-256, 16 hex digits), so the same path with an edited config is another model. A factory:
+    its name and a hash of its parameters' names, shapes and dtypes.
     """
     if source.spec is not None:
         return f"{'hf:' if source.hf else ''}{source.spec.name}"
