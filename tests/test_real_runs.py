@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor, nn
 
 from recompute.bench import bench, bench_source
 from recompute.cli import main
@@ -22,7 +23,6 @@ from recompute.trace import trace
 from recompute.train import TrainConfig, train
 from recompute.train.run_files import checkpoints
 from test_zoo import ZOO
-from torch import Tensor, nn
 
 pytest.importorskip("transformers")
 
@@ -123,14 +123,12 @@ def test_what_cannot_apply_is_refused_in_one_line(
 
 def test_train_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
     config = TrainConfig(model=config_json("llama", tmp_path, vocab_size=128), out=str(tmp_path / "run"))
-    with pytest.raises(ConfigError, match="makes ids below 256 but .* has a vocabulary of 128; give the model"):
+    with pytest.raises(ConfigError, match=r"makes ids below 256 but .* has a vocabulary of 128; give the model"):
         train(config.replace(device="cpu", steps=1, seq_len=16, micro_batch=1))
 
 
 @pytest.mark.parametrize("kind", list(CLASSES))
-def test_train_saves_and_resumes_bit_identically(
-    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_train_saves_and_resumes_bit_identically(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = config_json(kind, tmp_path)
     whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
     assert main(["train", "--model", path, *TRAIN, "--policy", "block", "--out", whole]) == 0

@@ -116,7 +116,8 @@ def save_checkpoint(
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    state = {"format": FORMAT, "step": step, "config": config.to_dict(), "source": source, **tensors, "metrics": metrics}
+    state = {"format": FORMAT, "step": step, "config": config.to_dict(), "source": source, **tensors}
+    state["metrics"] = metrics
     state["checksums"] = checksums(tensors)
     path = folder / f"step_{step:07d}.pt"
     atomic_write(path, lambda f: torch.save(state, f))  # a run killed mid-write leaves the previous checkpoint
