@@ -176,7 +176,8 @@ def resolve_model(name: str) -> ModelSpec:
         raise ConfigError(
             f"{name!r} is a transformers config: the analytic model describes recompute's reference GPT-2 and "
             "Llama, and transformers' own class keeps other tensors (several times more for a GPT-2 config); measure "
-            f"it with `recompute trace --model {name}` (verify takes it too); estimate, plan and bench take presets"
+            f"it with `recompute trace --model {name}` (verify, bench and train take it too); "
+            "estimate and plan take presets"
         )
     raise ConfigError(f"{name!r} is not a known model or a config.json path; known models: {', '.join(PRESETS)}")
 
