@@ -5,7 +5,7 @@
 keeps per layer. ``read_bench`` reads either's JSON back (``recompute.core.results``).
 """
 
-from recompute.bench._single import CPU_GPT2, BenchResult, BenchRow, bench, bench_spec, render_bench
+from recompute.bench._single import CPU_GPT2, BenchResult, BenchRow, bench, bench_source, bench_spec, render_bench
 from recompute.bench._torchrun import ParallelBench, RankRow, bench_parallel, render_parallel_bench
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "RankRow",
     "bench",
     "bench_parallel",
+    "bench_source",
     "bench_spec",
     "render_bench",
     "render_parallel_bench",

@@ -6,8 +6,12 @@ machine whose speed drifts (a shared CPU) slows every policy alike. Times are me
 backward and optimizer step. Memory comes from one more step per policy: on the CPU under MemTracker (via
 ``recompute.trace.trace_module``), on a GPU from ``torch.cuda.max_memory_allocated`` as well.
 
-The measured overhead (step time over the first policy's, minus one) is shown next to the analytic
-prediction (recomputed FLOPs over the step's model FLOPs).
+The measured overhead (step time over the first policy's, minus one) is shown next to the prediction. The
+model is the class ``--model`` names (``recompute.models.source``): for a preset the prediction is the analytic
+model's (recomputed FLOPs over the step's model FLOPs; ``recompute estimate``'s peak); for a transformers
+config.json or a factory, whose class the formulas do not describe, the predicted peak is the fake-tensor trace
+of that same class (``recompute trace``) and the predicted overhead its FLOPs counted in a forward and
+backward (``FlopCounterMode``) over the first policy's. The result's notes name the class built and say which.
 """
 
 from __future__ import annotations
@@ -20,19 +24,19 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 
-from recompute.checkpointing import apply
+from recompute.checkpointing import apply, find_layers
 from recompute.core.analytic import estimate
-from recompute.core.errors import require
+from recompute.core.errors import ConfigError, require
 from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
 from recompute.core.results import BenchResult, BenchRow
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table
 from recompute.core.workload import Workload
-from recompute.models import build_model
-from recompute.models.hf import build_hf_model
-from recompute.models.loss import LossFn, loss_fn_for
+from recompute.models.loss import LossFn
+from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.runtime import (
     HEADROOM,
     TORCH_DTYPES,
@@ -43,10 +47,10 @@ from recompute.runtime import (
     resolve_device,
     sync,
 )
-from recompute.trace import trace_module
-from recompute.verification import verify_spec
+from recompute.trace import TraceResult, trace, trace_module
+from recompute.verification import CPU_PARAM_LIMIT, verify_spec
 
-__all__ = ["CPU_GPT2", "BenchResult", "BenchRow", "bench", "bench_spec", "render_bench"]
+__all__ = ["CPU_GPT2", "BenchResult", "BenchRow", "bench", "bench_source", "bench_spec", "render_bench"]
 
 CPU_GPT2 = {"n_layers": 6, "hidden": 384, "n_heads": 6}
 """The default model: GPT-2 (vocabulary, context, LayerNorm, GELU, dropout) at a width and depth a CPU runs."""
@@ -63,6 +67,25 @@ def bench_spec(model: str | None, **overrides: int | None) -> tuple[ModelSpec, b
     return verify_spec(model, **overrides)
 
 
+def bench_source(model: str | None, **overrides: int | None) -> ModelSource:
+    """What ``bench --model`` names: a preset as ``bench_spec`` resizes it, a config.json or a factory as it is.
+
+    Raises:
+        ConfigError: as ``bench_spec``; a size override given for a config or factory (it is built as it is).
+    """
+    source = resolve_source(model) if model is not None else None
+    if source is None or source.spec is not None:
+        spec, hf = bench_spec(model, **overrides)
+        return ModelSource.preset(spec, hf=hf)
+    given = [k for k, v in overrides.items() if v is not None]
+    require(
+        not given,
+        f"{given[0] if given else ''} resizes presets; {model} is built as it is: edit its config (or factory)",
+        fields=tuple(given[:1]),
+    )
+    return source
+
+
 @dataclass
 class _Run:
     """One policy's model, optimizer and timings."""
@@ -72,10 +95,22 @@ class _Run:
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn
     times: list[tuple[float, float, float]]
+    flops: int = 0
+    """FLOPs of a forward and backward (counted for a config or factory source only)."""
+
+
+@dataclass(frozen=True)
+class _Predicted:
+    """The figures each row is measured against: a preset's analytic ones, or the traced ones of a real class."""
+
+    peaks: tuple[float, ...]
+    overheads: tuple[float, ...] | None
+    """The analytic overheads; ``None``: from the FLOPs counted in a forward and backward per policy."""
+    note: str
 
 
 def bench(
-    spec: ModelSpec,
+    spec: ModelSpec | ModelSource,
     wl: Workload,
     policies: Sequence[str | Policy] = ("none", "block"),
     *,
@@ -87,7 +122,8 @@ def bench(
 ) -> BenchResult:
     """Time and measure real training steps of ``spec`` under each policy (see the module docstring).
 
-    ``hf=True`` runs the ``transformers`` model of ``spec`` instead of recompute's reference model.
+    ``spec`` is a preset's ``ModelSpec`` or any ``ModelSource`` (a transformers config, a factory): the class it
+    names is what runs. ``hf=True`` runs the ``transformers`` model of a ``ModelSpec`` instead of recompute's.
     ``wl.keep_grads`` measures the memory step with gradients kept allocated between steps (DDP's and
     Megatron's persistent buffers) instead of set to None (PyTorch's ``zero_grad()``); ``estimate`` models
     the same step.
@@ -96,7 +132,9 @@ def bench(
         ConfigError: no policies, a bad policy, a sequence beyond the model's positions, or CUDA asked
             for without CUDA.
     """
-    wl.check(spec)
+    source = spec if isinstance(spec, ModelSource) else ModelSource.preset(spec, hf=hf)
+    if source.spec is not None:
+        wl.check(source.spec)
     require(len(policies) > 0, "give at least one policy, e.g. policies none,block", fields=("policies",))
     require(
         steps > 0 and warmup >= 0,
@@ -110,17 +148,18 @@ def bench(
     )
     device = resolve_device(wl.device)
     pols = [Policy.parse(p) for p in policies]
-    fix = _smaller(spec, wl, pols, device)
-    require_memory(predicted_need(spec, wl, pols), device, what="bench", fix=fix, fields=SIZE_FIELDS)
-    batch = random_batch(spec.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed)
-    runs = []
+    predicted = _preflight(source, wl, pols, device)
+    runs, built = [], None
     for pol in pols:
         torch.manual_seed(seed)
-        build = build_hf_model if hf else build_model
-        model = build(spec, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device).train()
+        built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device)
+        model = built.model.train()
         apply(model, pol)
-        runs.append(_Run(pol, model, torch.optim.AdamW(model.parameters()), loss_fn_for(hf), []))
-    total, done = len(runs) * (warmup + 1 + steps), 0
+        runs.append(_Run(pol, model, torch.optim.AdamW(model.parameters()), built.loss_fn, []))
+    assert built is not None
+    batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed)
+    count = predicted.overheads is None
+    total, done = len(runs) * (warmup + 1 + count + steps), 0
     for run in runs:
         for i in range(warmup):
             progress(f"{run.policy.describe()}: warm-up {i + 1}/{warmup}", done, total)
@@ -131,22 +170,76 @@ def bench(
         progress(f"{run.policy.describe()}: memory step", done, total)
         memory.append(_memory(run, batch, device, wl.keep_grads))
         done += 1
+    for run in runs[: len(runs) * count]:
+        progress(f"{run.policy.describe()}: FLOP count", done, total)
+        run.flops = _count_flops(run, batch)
+        done += 1
     for i in range(steps):
         for run in runs:
             progress(f"{run.policy.describe()}: step {i + 1}/{steps}", done, total)
             run.times.append(_timed_step(run, batch, device))
             done += 1
     progress("done", total, total)
-    rows = tuple(_row(spec, wl, run, mem) for run, mem in zip(runs, memory))
+    overheads = predicted.overheads or tuple(run.flops / runs[0].flops - 1 for run in runs)
+    rows = tuple(
+        _row(wl, run, mem, peak, over) for run, mem, peak, over in zip(runs, memory, predicted.peaks, overheads)
+    )
     return BenchResult(
-        model=spec.name,
-        spec=spec.to_dict(),
+        model=source.name,
+        spec=source.spec.to_dict() if source.spec is not None else _described(runs[0].model, built),
         workload=wl.to_dict(),
         steps=steps,
         warmup=warmup,
         device=device_name(device),
         rows=rows,
+        notes=(f"ran {built.class_name} built from {source.origin}", *built.notes, predicted.note),
     )
+
+
+def _preflight(source: ModelSource, wl: Workload, pols: Sequence[Policy], device: str) -> _Predicted:
+    """Refuse a run the free memory cannot hold, before building anything; the figures rows are measured against.
+
+    A preset is predicted by the analytic model. A config or factory by the fake-tensor trace of its own class,
+    policy by policy (never by the formulas of a reference model it is not).
+    """
+    if source.spec is not None:
+        spec = source.spec
+        fix = _smaller(spec, wl, pols, device)
+        require_memory(predicted_need(spec, wl, pols), device, what="bench", fix=fix, fields=SIZE_FIELDS)
+        ests = [estimate(spec, _as_run(wl), p) for p in pols]
+        note = "predicted peak and overhead: the analytic model (recompute estimate) of the preset"
+        return _Predicted(tuple(e.peak for e in ests), tuple(e.overhead for e in ests), note)
+    traces = [trace(source, wl, p) for p in pols]
+    count = traces[0].parameter_count
+    if count > CPU_PARAM_LIMIT:
+        raise ConfigError(
+            f"{source.name} has {count / 1e9:.1f}B parameters, too many to run real steps of here; "
+            "pass a smaller config (fewer layers, a narrower hidden size), or use `recompute trace` (fake tensors)"
+        )
+    fix = "use a shorter seq_len, a smaller micro_batch, fewer policies, or a smaller config"
+    require_memory(traced_need(traces), device, what="bench", fix=fix, fields=("seq_len", "micro_batch"))
+    note = (
+        "predicted peak: the fake-tensor trace of the same class (recompute trace); predicted overhead: its FLOPs "
+        "counted (FlopCounterMode) in a forward and backward over the first policy's; the analytic model describes "
+        "recompute's reference GPT-2 and Llama, not this class"
+    )
+    return _Predicted(tuple(float(t.peak) for t in traces), None, note)
+
+
+def traced_need(traces: Sequence[TraceResult]) -> float:
+    """Bytes ``bench`` will hold, from the traces of its policies: as ``predicted_need``, traced."""
+    resident = traces[0].parameters + traces[0].optimizer
+    return float(max(t.peak for t in traces) + (len(traces) - 1) * resident)
+
+
+def _described(model: nn.Module, built: BuiltModel) -> dict[str, object]:
+    """What the result says of a model that has no spec: its class, parameter count, layers and vocabulary."""
+    return {
+        "class": built.class_name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "n_layers": len(find_layers(model)),
+        "vocab": built.vocab,
+    }
 
 
 def _as_run(wl: Workload) -> Workload:
@@ -196,6 +289,18 @@ def _timed_step(run: _Run, batch: tuple[Tensor, Tensor], device: str) -> tuple[f
     return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
+def _count_flops(run: _Run, batch: tuple[Tensor, Tensor]) -> int:
+    """FLOPs of one forward and backward of ``run`` (recomputation included); no optimizer step.
+
+    A step of its own: under ``FlopCounterMode`` the memory step's peak grew (module hooks keep tensors alive).
+    """
+    with FlopCounterMode(display=False) as counter:
+        _, loss = run.loss_fn(run.model, *batch)
+        loss.backward()
+    run.model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
 def _memory(run: _Run, batch: tuple[Tensor, Tensor], device: str, keep_grads: bool = False) -> tuple[int, int, int]:
     """(device peak, traced peak, saved activation bytes) of one step of ``run``."""
     traced = trace_module(run.model, batch, optimizer=run.optimizer, loss_fn=run.loss_fn, keep_grads=keep_grads)
@@ -219,11 +324,10 @@ def _resident_bytes(run: _Run) -> int:
     return sum(storages.values())
 
 
-def _row(spec: ModelSpec, wl: Workload, run: _Run, memory: tuple[int, int, int]) -> BenchRow:
+def _row(wl: Workload, run: _Run, memory: tuple[int, int, int], peak: float, overhead: float) -> BenchRow:
     fwd, bwd, opt = (statistics.median(t[i] for t in run.times) for i in range(3))
     steps = tuple(sum(t) for t in run.times)
     step = statistics.median(steps)
-    predicted = estimate(spec, _as_run(wl), run.policy)
     return BenchRow(
         policy=run.policy.describe(),
         peak=memory[0],
@@ -234,8 +338,8 @@ def _row(spec: ModelSpec, wl: Workload, run: _Run, memory: tuple[int, int, int])
         backward_s=bwd,
         optimizer_s=opt,
         tokens_per_s=wl.tokens / step,
-        predicted_overhead=predicted.overhead,
-        predicted_peak=predicted.peak,
+        predicted_overhead=overhead,
+        predicted_peak=peak,
         step_times=steps,
     )
 
@@ -267,10 +371,16 @@ def render_bench(r: BenchResult) -> str:
         "overhead", "predicted", "predicted peak",
     ]  # fmt: skip
     w, sp = r.workload, r.spec
+    size = (
+        f"{sp['n_layers']} layers, h={sp['hidden']}, {sp['n_heads']} heads, vocab {sp['vocab']}"
+        if "hidden" in sp
+        else f"{sp['class']}, {sp['n_layers']} layers, {sp['parameters']:,} parameters, vocab {sp['vocab']}"
+    )
     lines = [
-        f"{r.model} ({sp['n_layers']} layers, h={sp['hidden']}, {sp['n_heads']} heads, vocab {sp['vocab']}): "
+        f"{r.model} ({size}): "
         f"b={w['micro_batch']} s={w['seq_len']} {w['dtype']}, {w['attention']} attention, on {r.device}; "
         f"median of {r.steps} steps after {r.warmup} warm-up",
+        *(f"note: {n}" for n in r.notes),
         "",
         render_table(headers, rows),
         "",

@@ -9,13 +9,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from recompute.bench import bench, bench_parallel, bench_spec, render_bench, render_parallel_bench
+from recompute.bench import bench, bench_parallel, bench_source, render_bench, render_parallel_bench
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
-from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload
+from recompute.models.source import ModelSource
 from recompute.parallel import end_process_group
 
 __all__ = ["SIZE_FLAGS", "add_args", "add_size_args", "run", "size_overrides"]
@@ -35,7 +35,11 @@ def size_overrides(args: argparse.Namespace) -> dict[str, int | None]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="preset or hf:NAME (default: GPT-2 at 6 layers, h 384, 6 heads: CPU-sized)")
+    p.add_argument(
+        "--model",
+        help="preset, hf:NAME, a transformers config.json (or its folder) or package.module:factory; the class it "
+        "names runs (default: GPT-2 at 6 layers, h 384, 6 heads: CPU-sized)",
+    )
     add_size_args(p)
     add_workload_args(p, seq_len=256, micro_batch=4, dtype="fp32", device=None)
     p.add_argument("--policies", default="none,block", help="comma-separated; the first is the reference")
@@ -47,25 +51,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec, hf = bench_spec(args.model, **size_overrides(args))
+    source = bench_source(args.model, **size_overrides(args))
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     policies = csv(args.policies) + ([args.plan] if args.plan else [])
     for name in policies:
         Policy.parse(name)
-    wl = workload_from(args, spec)
+    wl = workload_from(args, source)
     if wl.tp > 1 or wl.dp > 1:
-        return _run_parallel(args, spec, wl, policies, hf)
+        return _run_parallel(args, source, wl, policies)
     runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
     with progress_bar("bench") as progress:
-        result = bench(spec, wl, policies, **runs, hf=hf, progress=progress)
+        result = bench(source, wl, policies, **runs, progress=progress)
     emit_json(result.to_dict()) if args.json else print(render_bench(result))
     return 0
 
 
-def _run_parallel(args: argparse.Namespace, spec: ModelSpec, wl: Workload, policies: list[str], hf: bool) -> int:
+def _run_parallel(args: argparse.Namespace, source: ModelSource, wl: Workload, policies: list[str]) -> int:
     """``bench --tp/--dp`` under torchrun: every rank measures, rank 0 prints."""
-    if hf:
-        raise ConfigError("--tp/--dp bench recompute's reference GPT/Llama (recompute.parallel); drop the hf: model")
+    spec = source.spec
+    if spec is None or source.hf:
+        raise ConfigError(
+            f"--tp/--dp bench recompute's reference GPT/Llama (recompute.parallel), not {source.origin}; "
+            "drop --tp/--dp, or bench a preset"
+        )
     runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
     with progress_bar("bench", enabled=_rank() == 0) as progress:
         result = bench_parallel(spec, wl, policies, **runs, argv=args.argv, progress=progress)

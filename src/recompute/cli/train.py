@@ -8,14 +8,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from recompute.checkpointing import find_layers
 from recompute.cli._common import add_field_args, csv, emit_json, writable
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
-from recompute.core.spec import ModelSpec
+from recompute.models.source import build_source
 from recompute.train import compare_train, plot_losses, render_compare, train
 from recompute.train.config import TrainConfig
-from recompute.train.loop import build_spec
+from recompute.train.loop import build_spec, train_source
 
 __all__ = ["add_compare_args", "add_train_args", "run_compare", "run_train"]
 
@@ -43,7 +44,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 0  # under torchrun, rank 0 reports
     last = result.metrics[-1]
     print(
-        f"trained {result.spec.name} ({args.policy}) for {last.step + 1} steps: final loss {last.loss:.4f}, "
+        f"trained {result.name}, {result.built} ({args.policy}) for {last.step + 1} steps: final loss {last.loss:.4f}, "
         f"{result.config.micro_batch * result.config.seq_len / result.median_step_time:,.0f} tokens/s; "
         f"metrics, checkpoints and sample in {args.out}"
     )
@@ -51,10 +52,19 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_policy(pol: Policy, spec: ModelSpec) -> None:
-    pol.per_layer(spec.n_layers)
-    if pol.model is not None and pol.model != spec.name:
-        raise ConfigError(f"the plan {pol.describe()!r} was made for {pol.model!r}, not {spec.name!r}; plan this model")
+def _check_policy(pol: Policy, name: str, n_layers: int) -> None:
+    pol.per_layer(n_layers)
+    if pol.model is not None and pol.model != name:
+        raise ConfigError(f"the plan {pol.describe()!r} was made for {pol.model!r}, not {name!r}; plan this model")
+
+
+def _name_and_layers(config: TrainConfig) -> tuple[str, int]:
+    """The model's name and layer count, before any work (a factory is built on the meta device to count)."""
+    source = train_source(config)
+    if source.spec is not None:
+        spec = build_spec(config, vocab=1)
+        return spec.name, spec.n_layers
+    return source.name, source.n_layers or len(find_layers(build_source(source, device="meta").model))
 
 
 def _check_out_folder(out: str) -> None:
@@ -80,9 +90,9 @@ def run_compare(args: argparse.Namespace) -> int:
     if twins := sorted({p for p in policies if policies.count(p) > 1}):
         raise ConfigError(f"--policies names {twins[0]!r} twice; give each policy once")
     _check_out_folder(args.out)
-    spec = build_spec(_config(args, "policy", "resume"), vocab=1)  # the layer count and name, before any work
+    name, n_layers = _name_and_layers(_config(args, "policy", "resume"))
     for p in policies:
-        _check_policy(Policy.parse(p), spec)  # every policy and plan fits the model, before training the first
+        _check_policy(Policy.parse(p), name, n_layers)  # every policy and plan fits the model, before training
     png = writable(args.png, "--png", "loss.png") if args.png else Path(args.out) / "loss.png"
     if args.tp > 1 or args.dp > 1 or args.sp:
         raise ConfigError("compare-train runs one process; drop --tp/--sp/--dp (recompute train takes them)")

@@ -33,7 +33,12 @@ def run(args: argparse.Namespace) -> int:
         if not csv(value):
             raise ConfigError(f"{flag} {value!r} names nothing to check; give a comma-separated list, or drop it")
     for name in csv(args.models):
-        resolve_model(name)
+        if name not in PRESETS and ":" in name:  # a factory: resolve_model knows presets and config paths only
+            raise ConfigError(
+                f"--models {name!r}: validate holds the analytic model, which describes presets, to their traces; "
+                f"measure a factory's class with `recompute trace --model {name}`"
+            )
+        resolve_model(name)  # a config.json is refused in one line that points to trace
     for name in csv(args.policies):
         Policy.parse(name)
     lengths = [_length(s) for s in csv(args.seq_lens)] if args.seq_lens else None

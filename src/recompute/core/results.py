@@ -62,6 +62,8 @@ class BenchResult:
     warmup: int
     device: str
     rows: tuple[BenchRow, ...]
+    notes: tuple[str, ...] = ()
+    """The first names the class built and its source; then where the predicted columns come from."""
 
     @property
     def reference(self) -> BenchRow:
@@ -87,7 +89,8 @@ class BenchResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchResult:
         rows = tuple(BenchRow.from_dict(r) for r in data["rows"])
-        return cls(**{**{k: data[k] for k in ("model", "spec", "workload", "steps", "warmup", "device")}, "rows": rows})
+        given = {k: data[k] for k in ("model", "spec", "workload", "steps", "warmup", "device")}
+        return cls(**given, rows=rows, notes=tuple(data.get("notes", ())))
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,8 @@ def resolve_model(name: str) -> ModelSpec:
         raise ConfigError(
             f"{name!r} is a transformers config: the closed-form model describes recompute's reference GPT-2 and "
             "Llama, and transformers' own class keeps other tensors (several times more for a GPT-2 config); drop "
-            f"--analytic to use the class's measured profile (recompute profile --model {name})"
+            f"--analytic to use the class's measured profile (recompute profile --model {name}; trace, verify, bench "
+            "and train build the class too)"
         )
     raise ConfigError(f"{name!r} is not a known model or a config.json path; known models: {', '.join(PRESETS)}")
 

@@ -1,7 +1,8 @@
 """Training checkpoints: written atomically, verified tensor by tensor, passed over or refused when damaged.
 
 A checkpoint holds the model and optimizer state, the step, the RNG state (so dropout continues as if the
-run had not stopped), the config (a resumed run must match it), the metrics so far and a CRC-32 of every
+run had not stopped), the config and the model's source (``loop.source_id``: a config.json's content hash; a
+resumed run must match both), the metrics so far and a CRC-32 of every
 tensor (Note: [checksums] ``torch.load`` does not check the CRC-32s in the zip that ``torch.save`` writes (a bit flipped
 in a weight's bytes in the file loads silently: ``tests/test_train.py`` does it), and DCP stores none. So a
 checkpoint stores the CRC-32 of each tensor's bytes as saved (model, optimizer, RNG; a rank's local shards under
@@ -89,15 +90,24 @@ def _mismatch(saved: dict[str, str], tree: Any, whose: str = "") -> str | None:
 
 
 def save_checkpoint(
-    out: Path, step: int, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, metrics: list[Any]
+    out: Path,
+    step: int,
+    config: TrainConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    metrics: list[Any],
+    *,
+    source: str = "",
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and keep only the newest ``config.keep``.
+
+    ``source`` says what model it is (``loop.source_id``); ``load_latest`` refuses it for another.
 
     A one-process run writes ``checkpoints/step_{step}.pt``; a torchrun run (``config.parallel``), on every
     rank, the folder ``checkpoints/step_{step}`` (the module's docstring).
     """
     if config.parallel:
-        return _save_sharded(out, step, config, model, opt, metrics)
+        return _save_sharded(out, step, config, model, opt, metrics, source)
     folder = out / CHECKPOINTS
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -106,7 +116,8 @@ def save_checkpoint(
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    state = {"format": FORMAT, "step": step, "config": config.to_dict(), **tensors, "metrics": metrics}
+    state = {"format": FORMAT, "step": step, "config": config.to_dict(), "source": source, **tensors}
+    state["metrics"] = metrics
     state["checksums"] = checksums(tensors)
     path = folder / f"step_{step:07d}.pt"
     atomic_write(path, lambda f: torch.save(state, f))  # a run killed mid-write leaves the previous checkpoint
@@ -120,8 +131,12 @@ def _prune(out: Path, keep: int) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def load_latest(out: Path, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer) -> Resumed:
+def load_latest(
+    out: Path, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, *, source: str = ""
+) -> Resumed:
     """Restore the newest checkpoint in ``out`` that verifies into ``model`` and ``opt``.
+
+    ``source`` is this run's model (``loop.source_id``); a checkpoint of another is refused.
 
     Newer ones that are unreadable or fail their checksums are passed over (``Resumed.passed_over``).
 
@@ -134,7 +149,7 @@ def load_latest(out: Path, config: TrainConfig, model: nn.Module, opt: torch.opt
     passed_over: list[str] = []
     for path in reversed(found):
         try:
-            step, metrics = (_load_sharded if path.is_dir() else _load_file)(path, config, model, opt)
+            step, metrics = (_load_sharded if path.is_dir() else _load_file)(path, config, model, opt, source)
         except _Damaged as e:
             passed_over.append(f"checkpoint {str(path)!r} is {e}")
             continue
@@ -143,7 +158,9 @@ def load_latest(out: Path, config: TrainConfig, model: nn.Module, opt: torch.opt
     raise ConfigError(f"{passed_over[0]}, and {older}; start over with --overwrite instead of --resume")
 
 
-def _load_file(path: Path, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list[Any]]:
+def _load_file(
+    path: Path, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, source: str
+) -> tuple[int, list[Any]]:
     """Check and restore a one-file checkpoint (nothing is restored unless every checksum matches)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -152,6 +169,7 @@ def _load_file(path: Path, config: TrainConfig, model: nn.Module, opt: torch.opt
     except Exception as e:  # torch.load raises many kinds for a truncated or foreign file
         raise _Damaged(_unreadable(e)) from e
     _check_same_run(state["config"], config, path)
+    _check_same_model(state.get("source"), source, path)
     if state["format"] == FORMAT:  # Note: [checksums]
         problem = _mismatch(state.get("checksums", {}), {k: state[k] for k in TENSORS})
         if problem:
@@ -173,6 +191,15 @@ def _check_same_run(saved: dict[str, Any], config: TrainConfig, path: Path) -> N
         raise ConfigError(f"{str(path)!r} was written by a different run ({pairs}); resume with the same options")
 
 
+def _check_same_model(saved: str | None, source: str, path: Path) -> None:
+    """Refuse a checkpoint of another model (one written before sources were recorded passes: no record)."""
+    if saved and saved != source:
+        raise ConfigError(
+            f"{str(path)!r} was written for another model ({saved} -> {source}); resume with the model it was "
+            "trained on, or start over with --overwrite"
+        )
+
+
 def _unreadable(e: Exception) -> str:
     return f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
 
@@ -181,7 +208,13 @@ def _unreadable(e: Exception) -> str:
 
 
 def _save_sharded(
-    out: Path, step: int, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, metrics: list[Any]
+    out: Path,
+    step: int,
+    config: TrainConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    metrics: list[Any],
+    source: str,
 ) -> Path:
     """Every rank: its shards and their checksums into ``step_{step}.tmp``; then rank 0 renames the folder."""
     import torch.distributed as dist
@@ -200,7 +233,7 @@ def _save_sharded(
     dcp.save(state, checkpoint_id=tmp)
     _write_json(tmp / _checksum_file(), checksums(state))
     if main:
-        run = {"format": SHARDED_FORMAT, "step": step, "config": config.to_dict(), "metrics": metrics}
+        run = {"format": SHARDED_FORMAT, "step": step, "config": config.to_dict(), "source": source, "metrics": metrics}
         _write_json(tmp / RUN_FILE, run)
     dist.barrier()  # every rank's shards and checksums are in tmp
     if main:
@@ -224,7 +257,7 @@ def _checksum_file() -> str:
 
 
 def _load_sharded(
-    path: Path, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer
+    path: Path, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, source: str
 ) -> tuple[int, list[Any]]:
     """Every rank: the run record, the config check, its shards, their checksums, its RNG state (collective).
 
@@ -238,6 +271,7 @@ def _load_sharded(
     run, problem = _read_run(path)
     _agree(problem)
     _check_same_run(run["config"], config, path)
+    _check_same_model(run.get("source"), source, path)
     model_state, optim_state = get_state_dict(model, opt)  # the layout to load into (optimizer state included)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state, "rng": _rng_state()}
     try:

@@ -130,6 +130,7 @@ def plot_losses(runs: Sequence[RunResult], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     spec = runs[0].spec
+    model = f"{spec.name} ({spec.n_layers} layers, h={spec.hidden})" if spec is not None else runs[0].name
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     styles = ["-", "--", ":", "-."]
     for i, run in enumerate(runs):
@@ -137,7 +138,7 @@ def plot_losses(runs: Sequence[RunResult], path: str | Path) -> None:
     ax.set(
         xlabel="step",
         ylabel="training loss",
-        title=f"{spec.name} ({spec.n_layers} layers, h={spec.hidden}): loss under each policy, same seed",
+        title=f"{model}: loss under each policy, same seed",
     )
     ax.grid(alpha=0.3)
     ax.legend()

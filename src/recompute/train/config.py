@@ -18,9 +18,16 @@ def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run of a reference GPT-2 or Llama with a recomputation policy."""
+    """One training run of a model (a preset, a transformers config.json, a factory) with a recomputation policy."""
 
-    model: str = field(default="gpt2", metadata=_opt("--model", "preset whose architecture to train"))
+    model: str = field(
+        default="gpt2",
+        metadata=_opt(
+            "--model",
+            "preset (resized by --layers/--hidden/--heads), hf:NAME, a transformers config.json (or its folder) or "
+            "package.module:factory (trained as it is: the class it names)",
+        ),
+    )
     n_layers: int | None = field(default=4, metadata=_opt("--layers", "layers (overrides the preset; 0 keeps it)"))
     hidden: int | None = field(default=256, metadata=_opt("--hidden", "hidden size (overrides; 0 keeps it)"))
     n_heads: int | None = field(default=4, metadata=_opt("--heads", "attention heads (overrides; 0 keeps it)"))

@@ -5,6 +5,12 @@ order (a pure function of seed and step, see ``TokenStream``) and dropout (the g
 checkpoint saves). Recomputation replays dropout masks (``preserve_rng_state``), so runs under any policy
 produce the same losses.
 
+The model is the class ``--model`` names (``recompute.models.source``): a preset's reference GPT-2 or Llama
+(``hf:NAME``: transformers' class of that shape), resized by ``--layers/--hidden/--heads`` and given the
+tokenizer's vocabulary; or, built as it is, the class ``AutoModelForCausalLM.from_config`` makes for a
+transformers config.json, or a factory's module. Its loss convention is ``BuiltModel.loss_fn``. Checkpoints
+record the source (``source_id``: the config's content hash) and a resume with another one is refused.
+
 Under torchrun (``--tp``/``--dp``, see ``distributed``) every rank builds the model from the same seed, then
 ``recompute.parallel.parallelize`` (tensor and sequence parallel, FSDP2 over dp), then ``recompute.apply``,
 then the optimizer. Each rank draws its own dropout masks, so losses equal a single process's at dropout 0
@@ -15,6 +21,8 @@ shards.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import sys
@@ -30,19 +38,20 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from recompute.checkpointing import apply
-from recompute.core.errors import require
+from recompute.core.errors import ConfigError, require
 from recompute.core.progress import Progress, no_progress
-from recompute.core.spec import ModelSpec
+from recompute.core.spec import ModelSpec, hf_config_dict
 from recompute.core.table import mib
-from recompute.models import build_model
+from recompute.models.loss import LossFn, hf_loss
+from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
 from recompute.train.checkpoint import load_latest, save_checkpoint
-from recompute.train.config import TrainConfig
+from recompute.train.config import TrainConfig, flag
 from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
 from recompute.train.distributed import Ranks, start
 from recompute.train.run_files import METRICS, SAMPLE, append_metrics, atomic_write, check_out, clear_run, write_metrics
 
-__all__ = ["RunResult", "StepMetrics", "build_spec", "lr_at", "train"]
+__all__ = ["RunResult", "StepMetrics", "build_spec", "lr_at", "source_id", "train", "train_source"]
 
 
 @dataclass(frozen=True)
@@ -63,12 +72,17 @@ class RunResult:
     """What a run produced: its metrics, where it wrote them, and the sample."""
 
     config: TrainConfig
-    spec: ModelSpec
+    spec: ModelSpec | None
+    """The preset's spec as trained (resized, the tokenizer's vocabulary); ``None`` for a config or factory."""
     metrics: list[StepMetrics] = field(default_factory=list)
     sample: str = ""
     resumed_from: int = 0
     rank: int = 0
     """This process's rank under torchrun (0 alone prints and writes the run's files)."""
+    name: str = ""
+    """The model's name: the preset, the config file's stem or folder, or ``module:factory``."""
+    built: str = ""
+    """The class built and its source: ``transformers.MixtralForCausalLM built from mixtral/config.json``."""
 
     @property
     def losses(self) -> list[float]:
@@ -86,10 +100,55 @@ class RunResult:
         return times[len(times) // 2]
 
 
+def train_source(config: TrainConfig) -> ModelSource:
+    """What ``--model`` names (before the tokenizer is known): a preset, a config.json or a factory.
+
+    Raises:
+        ConfigError: an unknown model; for a config or factory, a size or dropout option (it is built as it is)
+            or ``--tp/--dp`` (``recompute.parallel`` splits recompute's reference models).
+    """
+    source = resolve_source(config.model)
+    if source.spec is not None and not source.hf:
+        return source
+    if source.spec is None:
+        default = TrainConfig()
+        sizes = ("n_layers", "hidden", "n_heads", "dropout")
+        given = [n for n in sizes if getattr(config, n) not in (None, getattr(default, n))]
+        if given:
+            raise ConfigError(
+                f"{flag(given[0])} resizes presets; {config.model} is trained as it is: edit its config (or factory)"
+            )
+    require(
+        not config.parallel,
+        f"--tp/--dp train recompute's reference GPT/Llama (recompute.parallel), not {source.origin}; "
+        "drop --tp/--dp, or train a preset",
+    )
+    return source
+
+
+def source_id(source: ModelSource, config: TrainConfig) -> str:
+    """What a checkpoint records of the model's source, so that a resume with another one is refused.
+
+    A preset: its name (the sizes are options, checked with the others). A config.json: a hash of its content
+    (keys sorted; SHA-256, 16 hex digits), so the same path with an edited config is another model. A factory:
+    its name and a hash of its parameters' names, shapes and dtypes.
+    """
+    if source.spec is not None:
+        return f"{'hf:' if source.hf else ''}{source.spec.name}"
+    if source.config is not None:
+        text = json.dumps(hf_config_dict(config.model), sort_keys=True)
+        return f"config sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    model = build_source(source, device="meta").model
+    shapes = json.dumps([(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()])
+    return f"factory {source.name} sha256:{hashlib.sha256(shapes.encode()).hexdigest()[:16]}"
+
+
 def build_spec(config: TrainConfig, vocab: int) -> ModelSpec:
     """The preset with the size overrides and the tokenizer's vocabulary."""
     dropout = {} if config.dropout is None else {"dropout": config.dropout}
-    preset = ModelSpec.from_name(config.model, **dropout)
+    source = resolve_source(config.model)
+    assert source.spec is not None, "build_spec takes presets; train_source says what else --model names"
+    preset = ModelSpec.from_name(source.spec.name, **dropout)
     spec = preset.resized(n_layers=config.n_layers, hidden=config.hidden, n_heads=config.n_heads, vocab=vocab)
     require(
         config.seq_len <= spec.max_positions,
@@ -155,6 +214,7 @@ class _Peak:
 
 def _step(
     model: nn.Module,
+    loss_fn: LossFn,
     opt: torch.optim.Optimizer,
     stream: TokenStream,
     step: int,
@@ -175,7 +235,7 @@ def _step(
         x, y = ranks.share(x), ranks.share(y)  # this data-parallel rank's rows
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
         with autocast:
-            _, loss = model(x.to(device), y.to(device))
+            _, loss = loss_fn(model, x.to(device), y.to(device))
         (loss / config.grad_accum).backward()
         total += loss.item() / config.grad_accum
     if config.grad_clip:
@@ -226,41 +286,75 @@ def train(
             processes, or t not dividing the heads (and the sequence, with --sp).
     """
     check_out(config)  # before any work: never mix this run's files with an earlier run's
+    source = train_source(config)
     device = _device(config)
     text = load_text(config.data, config.dataset, seed=config.seed)
     tok = make_tokenizer(config.tokenizer, text)
     stream = TokenStream(torch.tensor(tok.encode(text), dtype=torch.long))
-    spec = build_spec(config, tok.vocab_size)
-    ranks = start(config, spec)
+    spec = build_spec(config, tok.vocab_size) if source.spec is not None else None
+    if spec is not None:
+        source = ModelSource.preset(spec, hf=source.hf)
+    ranks = start(config, spec) if spec is not None else Ranks()
     if config.overwrite and ranks.main:
         clear_run(Path(config.out))
     torch.manual_seed(config.seed)  # the same weights, and dropout generator, on every rank
-    model = build_model(spec, attention=config.attention, device=device)
+    built = _build(source, config, tok.vocab_size, device)
+    model = built.model
     if ranks.mesh is not None:
         parallelize(model, ranks.mesh, sp=config.sp)
     apply(model, config.policy)
     opt = _optimizer(model, config)
-    result = RunResult(config=config, spec=spec, rank=ranks.rank)
+    result = RunResult(
+        config=config,
+        spec=spec,
+        rank=ranks.rank,
+        name=source.name,
+        built=f"{built.class_name} built from {source.origin}",
+    )
     _run(
         model,
+        built.loss_fn,
         opt,
         stream,
         config,
         result,
         ranks,
         device,
+        source=source_id(source, config),
         on_step=on_step,
         progress=progress if ranks.main else no_progress,
     )
-    result.sample = sample(model, tok, config, device)
+    result.sample = sample(model, tok, config, device, hf=built.loss_fn is hf_loss)
     if ranks.main:
         atomic_write(Path(config.out) / SAMPLE, lambda f: f.write((result.sample + "\n").encode()))
     ranks.wait_for_all()
     return result
 
 
+def _build(source: ModelSource, config: TrainConfig, vocab: int, device: torch.device) -> BuiltModel:
+    """``source`` built on ``device`` (random weights from the seed already set); its vocabulary checked.
+
+    Raises:
+        ConfigError: the sequence is longer than the model's positions, or its vocabulary is smaller than the
+            tokenizer's.
+    """
+    limit = source.max_positions
+    require(
+        limit is None or config.seq_len <= limit,
+        f"--seq-len {config.seq_len} exceeds the model's {limit} positions",
+    )
+    built = build_source(source, attention=config.attention, device=device)
+    require(
+        built.vocab >= vocab,
+        f"the {config.tokenizer} tokenizer makes ids below {vocab} but {source.origin} has a vocabulary of "
+        f"{built.vocab}; give the model a vocab_size of {vocab} or more",
+    )
+    return built
+
+
 def _run(
     model: nn.Module,
+    loss_fn: LossFn,
     opt: torch.optim.Optimizer,
     stream: TokenStream,
     config: TrainConfig,
@@ -268,6 +362,7 @@ def _run(
     ranks: Ranks,
     device: torch.device,
     *,
+    source: str,
     on_step: Callable[[int], None] | None,
     progress: Progress,
 ) -> None:
@@ -275,13 +370,13 @@ def _run(
     out = Path(config.out)
     first = 0
     if config.resume:
-        first = _resume(out, config, model, opt, result, ranks)
+        first = _resume(out, config, model, opt, result, ranks, source)
     out.mkdir(parents=True, exist_ok=True)
     model.train()
     for step in range(first, config.steps):
         t0 = time.perf_counter()
         with _Peak(model, opt, device, on=step == 0) as peak:
-            loss = ranks.mean(_step(model, opt, stream, step, config, peak, ranks))
+            loss = ranks.mean(_step(model, loss_fn, opt, stream, step, config, peak, ranks))
         dt = time.perf_counter() - t0
         tokens = config.micro_batch * config.seq_len * config.grad_accum
         m = StepMetrics(step, loss, lr_at(step, config), dt, tokens / dt, peak.bytes)
@@ -292,16 +387,22 @@ def _run(
         progress(_label(m), step + 1, config.steps)
         done = step + 1
         if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
-            save_checkpoint(out, done, config, model, opt, [x.__dict__ for x in result.metrics])
+            save_checkpoint(out, done, config, model, opt, [x.__dict__ for x in result.metrics], source=source)
         if on_step is not None:
             on_step(step)
 
 
 def _resume(
-    out: Path, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, result: RunResult, ranks: Ranks
+    out: Path,
+    config: TrainConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    result: RunResult,
+    ranks: Ranks,
+    source: str,
 ) -> int:
     """Restore the newest checkpoint that verifies; returns its step. Says on stderr which ones it passed over."""
-    resumed = load_latest(out, config, model, opt)
+    resumed = load_latest(out, config, model, opt, source=source)
     result.metrics, result.resumed_from = [StepMetrics(**m) for m in resumed.metrics], resumed.step
     if ranks.main:
         for line in resumed.passed_over:
@@ -312,15 +413,28 @@ def _resume(
 
 @torch.no_grad()
 def sample(
-    model: nn.Module, tok: Tokenizer, config: TrainConfig, device: torch.device, prompt: str = "Once upon a time"
+    model: nn.Module,
+    tok: Tokenizer,
+    config: TrainConfig,
+    device: torch.device,
+    prompt: str = "Once upon a time",
+    *,
+    hf: bool = False,
 ) -> str:
-    """Generate ``config.sample_tokens`` tokens after ``prompt`` (temperature 0.8, top-40, seeded)."""
+    """Generate ``config.sample_tokens`` tokens after ``prompt`` (temperature 0.8, top-40, seeded).
+
+    ``hf``: ``model`` is a transformers causal LM (``model(input_ids=...).logits``).
+    """
     was_training = model.training
     model.eval()
     g = torch.Generator(device=device).manual_seed(config.seed)
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long, device=device)
     for _ in range(config.sample_tokens):
-        logits = _last_logits(model, ids[:, -config.seq_len :], multiple=config.tp if config.sp else 1)
+        window = ids[:, -config.seq_len :]
+        if hf:
+            logits = model(input_ids=window, use_cache=False).logits[:, -1, :]
+        else:
+            logits = _last_logits(model, window, multiple=config.tp if config.sp else 1)
         logits = logits.float() / 0.8  # (1, v)
         top = torch.topk(logits, min(40, logits.size(-1)))
         probs = torch.softmax(top.values, dim=-1)
@@ -337,6 +451,7 @@ def _last_logits(model: nn.Module, ids: Tensor, *, multiple: int) -> Tensor:
     hides from the positions before. Vocabulary-parallel logits (a DTensor) are gathered.
     """
     s = ids.size(1)
-    logits, _ = model(F.pad(ids, (0, -s % multiple)))
+    padded = F.pad(ids, (0, -s % multiple))
+    logits, _ = model(padded) if hasattr(model, "spec") else model(padded, padded)  # a factory takes targets
     last = logits[:, s - 1, :]  # (b, v)
     return last.full_tensor() if isinstance(last, DTensor) else last
