@@ -83,6 +83,8 @@ _NOT_MODELLED = {
 """Config keys whose feature has no field, and what it is (``None``: read or harmless). A key counts only when
 it is switched on (truthy) and differs from what the family's class does anyway."""
 
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "moe_intermediate_size", "num_experts_per_tok")
+
 _FAMILY_ALLOWS = {"gpt_neox": {"attention_bias"}}
 """Keys of ``_NOT_MODELLED`` a family's fields cover (GPT-NeoX: biases everywhere, ``bias``)."""
 
@@ -136,8 +138,8 @@ def _pattern_problems(kind: str, raw: dict[str, Any]) -> set[str]:
     types = set(raw.get("layer_types") or ())
     if types - {"full_attention"} and kind != "gemma2":  # Gemma 2 runs eager attention: a window saves the same
         problems.add("sliding-window layers")
-    if kind == "qwen3_moe" and int(raw.get("decoder_sparse_step") or 1) != 1 and not raw.get("num_experts"):
-        problems.add("a sparse step without experts")
+    if not FAMILIES[kind].get("n_experts") and any(raw.get(k) for k in _EXPERT_KEYS):
+        problems.add("mixture-of-experts layers")  # the class would ignore them: the config means another model
     return problems
 
 

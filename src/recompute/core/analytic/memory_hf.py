@@ -10,8 +10,8 @@ micro-batch, e bytes per activation element, h hidden, q_dim = a*d and kv_dim = 
   the input dtype on the CPU); GPT-NeoX's two parallel LayerNorms share one input;
 - SDPA keeps q, k, v, its output and an fp32 log-sum-exp; its output is the output projection's input
   (the same storage) unless the Q/K/V projection is fused and rotary made new contiguous q/k (Phi-3,
-  GPT-NeoX). With a sliding window shorter than the sequence SDPA gets an explicit mask, which turns off its
-  grouped-query path: K and V are repeated to all heads. Eager attention repeats K and V too, keeps the fp32
+  GPT-NeoX). With a sliding window shorter than the sequence SDPA gets an explicit mask (b*s*s, kept by each
+  layer) which turns off its grouped-query path: K and V are repeated to all heads. Eager attention repeats K and V too, keeps the fp32
   softmax and its cast to e (Gemma 2 also the tanh of its soft-capping);
 - Note: [core_attn in transformers' classes] recompute checkpoints the class's attention function, which
   keeps its positional inputs: q, k and v before any repeat, and the mask (one storage, the first layer's);
@@ -72,7 +72,8 @@ def _attention(spec: ModelSpec, wl: Workload) -> dict[str, float]:
     copied = spec.fused_qkv and spec.position == "rotary"  # rotary made contiguous q/k: SDPA's output is copied
     if spec.fused_qkv and spec.position == "learned":  # GPT-2: q/k/v views of the fused output; q and v copied
         qkv = e * T * ((qd + 2 * kd) + (qd + kd)) / t
-    return {"qkv": qkv, "scores": 4 * a * T / t, "attn_out": (2 if copied else 1) * e * T * qd / t}
+    mask = b * s * s * e if windowed else 0  # each layer's SDPA keeps its own copy of the mask
+    return {"qkv": qkv, "scores": 4 * a * T / t + mask, "attn_out": (2 if copied else 1) * e * T * qd / t}
 
 
 def _core_kept(spec: ModelSpec, wl: Workload, layer: int) -> float:
@@ -144,9 +145,8 @@ def hf_layer_parts(spec: ModelSpec, wl: Workload, layer: int) -> dict[str, float
 
 
 def hf_shared_tables(spec: ModelSpec, wl: Workload) -> float:
-    """Tensors every layer reads but the first saves (one storage): rotary cos and sin, a sliding-window mask."""
+    """Tensors every layer reads but the first saves (one storage): rotary cos and sin."""
     e, s = wl.element_bytes, wl.seq_len
     rope_bytes = 4 if spec.norm == "rmsnorm_fp32" else e  # OLMo 2 applies its rotary in fp32
     rope = 2 * s * spec.rotary_dim * rope_bytes if spec.position == "rotary" else 0
-    windowed = 0 < spec.sliding_window < s and not _eager(spec, wl)
-    return rope + (wl.micro_batch * s * s * e if windowed else 0)
+    return rope
