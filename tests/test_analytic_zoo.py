@@ -23,7 +23,6 @@ from recompute.core.errors import ConfigError
 from recompute.core.spec import spec_from_config
 from recompute.models.source import resolve_source
 from recompute.trace import trace
-
 from test_zoo import SIZE, ZOO
 
 transformers = pytest.importorskip("transformers")

@@ -180,7 +180,9 @@ def spec_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mlp_fields(kind: str, raw: dict[str, Any]) -> dict[str, Any]:
-    act = str(_first(raw, "hidden_activation", "hidden_act", "activation_function", default=_ACTIVATION.get(kind, "silu")))
+    act = str(
+        _first(raw, "hidden_activation", "hidden_act", "activation_function", default=_ACTIVATION.get(kind, "silu"))
+    )
     gated = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu": "geglu"}
     plain = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu_new"}
     table = gated if kind in _GATED else plain

@@ -139,7 +139,9 @@ class ModelSpec:
             f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads}) for grouped-query attention",
         )
         if self.d_ff == 0:
-            object.__setattr__(self, "d_ff", 4 * self.hidden if self.mlp in ("gelu", "gelu_new") else _llama_ffn(self.hidden))
+            object.__setattr__(
+                self, "d_ff", 4 * self.hidden if self.mlp in ("gelu", "gelu_new") else _llama_ffn(self.hidden)
+            )
         positive_int("d_ff", self.d_ff, at_most=2**24)
         if self.rotary_dim == 0:
             object.__setattr__(self, "rotary_dim", self.head_dim)
@@ -304,5 +306,3 @@ def hf_config_dict(config: Any) -> dict[str, Any]:
     if hasattr(config, "to_dict"):
         return dict(config.to_dict())
     raise ConfigError(f"expected a transformers config, a dict or a config.json path; got {type(config).__name__}")
-
-

@@ -11,8 +11,8 @@ micro-batch, e bytes per activation element, h hidden, q_dim = a*d and kv_dim = 
 - SDPA keeps q, k, v, its output and an fp32 log-sum-exp; its output is the output projection's input
   (the same storage) unless the Q/K/V projection is fused and rotary made new contiguous q/k (Phi-3,
   GPT-NeoX). With a sliding window shorter than the sequence SDPA gets an explicit mask (b*s*s, kept by each
-  layer) which turns off its grouped-query path: K and V are repeated to all heads. Eager attention repeats K and V too, keeps the fp32
-  softmax and its cast to e (Gemma 2 also the tanh of its soft-capping);
+  layer) which turns off its grouped-query path: K and V are repeated to all heads. Eager attention repeats
+  K and V too, keeps the fp32 softmax and its cast to e (Gemma 2 also the tanh of its soft-capping);
 - Note: [core_attn in transformers' classes] recompute checkpoints the class's attention function, which
   keeps its positional inputs: q, k and v before any repeat, and the mask (one storage, the first layer's);
   the output projection's input stays, SDPA's output is replayed;
