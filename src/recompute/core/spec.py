@@ -222,6 +222,9 @@ class ModelSpec:
             given["d_ff"] = 0
         if ("hidden" in given or "n_heads" in given) and "head_dim" not in given:
             given["head_dim"] = 0
+        if "head_dim" in given and "rotary_dim" not in given:  # keep the rotated fraction of each head
+            width = given["head_dim"] or given.get("hidden", self.hidden) // given.get("n_heads", self.n_heads)
+            given["rotary_dim"] = self.rotary_dim * width // self.head_dim
         heads = given.get("n_heads", self.n_heads)
         if "n_kv_heads" not in given and (self.n_kv_heads == self.n_heads or heads % self.n_kv_heads):
             given["n_kv_heads"] = 0
