@@ -223,7 +223,8 @@ class ModelSpec:
         if ("hidden" in given or "n_heads" in given) and "head_dim" not in given:
             given["head_dim"] = 0
         if "head_dim" in given and "rotary_dim" not in given:  # keep the rotated fraction of each head
-            width = given["head_dim"] or given.get("hidden", self.hidden) // given.get("n_heads", self.n_heads)
+            heads = given.get("n_heads", self.n_heads)
+            width = given["head_dim"] or (given.get("hidden", self.hidden) // heads if heads else 0)
             given["rotary_dim"] = self.rotary_dim * width // self.head_dim
         heads = given.get("n_heads", self.n_heads)
         if "n_kv_heads" not in given and (self.n_kv_heads == self.n_heads or heads % self.n_kv_heads):
