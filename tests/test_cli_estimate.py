@@ -70,8 +70,13 @@ def test_a_config_path_is_not_estimated_as_a_proxy(capsys: pytest.CaptureFixture
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert ModelSpec.from_hf_config(tmp_path / "config.json").name == "gpt2"  # the shape reads
     code, out, err = run(capsys, "estimate", "--model", str(tmp_path / "config.json"), "--analytic", "--json")
-    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1  # no proxy figure for the real class
-    assert f"recompute profile --model {tmp_path / 'config.json'}" in err
+    assert code == 0, err  # the closed form of transformers' GPT-2, not recompute's reference model
+    assert json.loads(out)["model"]["mlp"] == "gelu_new"
+    cfg.update(model_type="deepseek_v3", kv_lora_rank=512)  # latent attention: not modelled
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run(capsys, "estimate", "--model", str(tmp_path / "config.json"), "--analytic", "--json")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1  # no dense guess
+    assert "recompute profile" in err
 
 
 BAD_INPUT = {

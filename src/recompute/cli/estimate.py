@@ -20,7 +20,7 @@ from recompute.cli._common import (
 from recompute.cli._profiled import add_profile_args, profile_for, wants_profile
 from recompute.cli.render import render_estimate, render_profile
 from recompute.core.analytic import estimate, estimate_policies
-from recompute.core.spec import resolve_model
+from recompute.core.spec import analytic_model
 from recompute.core.table import gib
 
 __all__ = ["add_args", "run"]
@@ -37,7 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if wants_profile(args):
         return _run_profiled(args)
-    spec = resolve_model(args.model)
+    spec = analytic_model(args.model)
     wl = workload_from(args, spec)
     rows, chosen = estimate_policies(spec, wl), estimate(spec, wl, policy_from(args))
     if args.json:

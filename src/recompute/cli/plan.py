@@ -21,7 +21,7 @@ from recompute.core.hardware import gpu_by_name, usable_bytes
 from recompute.core.plan import parse_budget, plan
 from recompute.core.policy import Policy
 from recompute.core.profile import ProfilePlan, plan_profile
-from recompute.core.spec import ModelSpec, resolve_model
+from recompute.core.spec import ModelSpec, analytic_model
 from recompute.core.table import gib
 from recompute.core.workload import Workload
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     output = writable(args.output, "--output", "plan.json") if args.output else None
     if wants_profile(args):
         return _run_profiled(args, budget, output)
-    spec = resolve_model(args.model)
+    spec = analytic_model(args.model)
     wl = workload_from(args, spec)
     traced = _traced_peak(spec, wl) if args.trace else None
     result = plan(spec, wl, budget, measured=args.bench, traced_peak=traced)

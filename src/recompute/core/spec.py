@@ -12,15 +12,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 from recompute.core.errors import ConfigError, one_of, positive_int, require
+from recompute.core.hf_config import spec_fields
 from recompute.core.presets import PRESETS
 from recompute.core.results import read_json
 
-__all__ = ["ModelSpec", "hf_config_dict", "resolve_model"]
+__all__ = ["ModelSpec", "analytic_model", "hf_config_dict", "resolve_model", "spec_from_config"]
 
-MLPKind = Literal["gelu", "swiglu"]
-NormKind = Literal["layernorm", "rmsnorm"]
+MLPKind = Literal["gelu", "gelu_new", "swiglu", "geglu"]
+NormKind = Literal["layernorm", "rmsnorm", "rmsnorm_fp32", "gemma_rmsnorm"]
 PositionKind = Literal["learned", "rotary"]
+ResidualKind = Literal["pre", "post", "sandwich", "parallel"]
+QKNormKind = Literal["", "head", "full"]
+MLPS: tuple[str, ...] = ("gelu", "gelu_new", "swiglu", "geglu")
+NORMS: tuple[str, ...] = ("layernorm", "rmsnorm", "rmsnorm_fp32", "gemma_rmsnorm")
 
+
+HF_SOURCE = "a transformers config"
+"""How ``from_hf_config`` marks ``ModelSpec.source``."""
 
 SIZE_LIMITS = {"hidden": 2**20, "n_layers": 2**14, "n_heads": 2**16, "vocab": 2**24, "max_positions": 2**24}
 """The largest value each size takes: far beyond any model (larger is a typo that would hang the work)."""
@@ -50,9 +58,12 @@ class ModelSpec:
     vocab: int = 50257
     """v: vocabulary size."""
     mlp: MLPKind = "gelu"
-    """``gelu`` (two matmuls, GPT) or ``swiglu`` (gate, up and down matmuls, Llama)."""
+    """``gelu`` (two matmuls, GPT; one fused GELU op), ``gelu_new`` (GPT-2's tanh GELU written out in ops, which
+    saves four d_ff-wide tensors), ``swiglu`` (gate, up and down matmuls, Llama) or ``geglu`` (the same with
+    a tanh GELU gate, Gemma)."""
     norm: NormKind = "layernorm"
-    """``layernorm`` (GPT) or ``rmsnorm`` (Llama)."""
+    """``layernorm`` (GPT) or ``rmsnorm`` (Llama); for transformers' classes also ``rmsnorm_fp32`` (the weight
+    applied in fp32 before the cast back, OLMo 2) and ``gemma_rmsnorm`` (the same with (1 + w), Gemma)."""
     position: PositionKind = "learned"
     """``learned`` position embeddings (GPT) or ``rotary`` (Llama)."""
     dropout: float = 0.1
@@ -67,6 +78,37 @@ class ModelSpec:
     """Epsilon of the normalisation layers."""
     rope_theta: float = 10000.0
     """Base of the rotary embedding frequencies (rotary models only)."""
+    residual: ResidualKind = "pre"
+    """Where the norms sit: ``pre`` (x + f(norm(x)), GPT/Llama), ``post`` (x + norm(f(x)), OLMo 2), ``sandwich``
+    (x + norm(f(norm(x))), Gemma 2: four norms) or ``parallel`` (x + attn(norm1(x)) + mlp(norm2(x)), GPT-NeoX)."""
+    qk_norm: QKNormKind = ""
+    """RMSNorm on queries and keys: ``head`` (per head over head_dim, Qwen3), ``full`` (over all of Q and of K,
+    OLMo 2), or ``""`` (none)."""
+    qkv_bias: bool = False
+    """Biases on the Q, K and V projections only (Qwen2); ``bias`` puts them on every linear and norm."""
+    fused_qkv: bool = False
+    """One Q/K/V projection (Phi-3, GPT-NeoX): with rotary positions SDPA's output is then copied before the
+    output projection."""
+    rotary_dim: int = 0
+    """Rotated width of each head (GPT-NeoX rotates a quarter); 0 means head_dim."""
+    attn_softcap: float = 0.0
+    """Soft-capping of the attention logits, c * tanh(x / c) (Gemma 2); 0: none."""
+    eager_only: bool = False
+    """The class refuses SDPA (Gemma 2 in transformers 5): ``flash`` runs its eager attention."""
+    sliding_window: int = 0
+    """Tokens each query sees (Mistral); 0: all. Shorter than the sequence, SDPA gets an explicit mask."""
+    n_experts: int = 0
+    """E: routed experts of each MoE layer; 0 (the default): every MLP is dense."""
+    top_k: int = 0
+    """k: experts each token is routed to (MoE only)."""
+    d_expert: int = 0
+    """Inner width of one expert; 0 means ``d_ff`` (Mixtral). Dense layers of an MoE model keep ``d_ff``."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of an MoE model whose MLP is dense (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``)."""
+    norm_topk: bool = False
+    """The router renormalises the top-k probabilities (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
+    fp32_routing: bool = False
+    """The routing weights reach the experts in fp32 (Mixtral) rather than cast to the activation dtype."""
     name: str = "custom"
     """Preset name, or ``custom``."""
     source: str = field(default="", compare=False)
@@ -75,9 +117,11 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for name in ("hidden", "n_layers", "n_heads", "vocab", "max_positions"):
             positive_int(name, getattr(self, name), at_most=SIZE_LIMITS[name])
-        one_of("mlp", self.mlp, ("gelu", "swiglu"))
-        one_of("norm", self.norm, ("layernorm", "rmsnorm"))
+        one_of("mlp", self.mlp, MLPS)
+        one_of("norm", self.norm, NORMS)
         one_of("position", self.position, ("learned", "rotary"))
+        one_of("residual", self.residual, ("pre", "post", "sandwich", "parallel"))
+        one_of("qk_norm", self.qk_norm, ("", "head", "full"))
         require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.head_dim == 0:
             require(
@@ -95,8 +139,58 @@ class ModelSpec:
             f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads}) for grouped-query attention",
         )
         if self.d_ff == 0:
-            object.__setattr__(self, "d_ff", 4 * self.hidden if self.mlp == "gelu" else _llama_ffn(self.hidden))
+            object.__setattr__(
+                self, "d_ff", 4 * self.hidden if self.mlp in ("gelu", "gelu_new") else _llama_ffn(self.hidden)
+            )
         positive_int("d_ff", self.d_ff, at_most=2**24)
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.n_experts == 0:
+            require(self.top_k == 0 and not self.dense_layers, "top_k and dense_layers need n_experts > 0")
+            return
+        positive_int("n_experts", self.n_experts, at_most=2**16)
+        require(
+            1 <= self.top_k <= self.n_experts,
+            f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})",
+            fields=("top_k",),
+        )
+        if self.d_expert == 0:
+            object.__setattr__(self, "d_expert", self.d_ff)
+        positive_int("d_expert", self.d_expert, at_most=2**24)
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+        require(
+            all(0 <= i < self.n_layers for i in self.dense_layers),
+            f"dense_layers must be layer indices below {self.n_layers}",
+            fields=("dense_layers",),
+        )
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP has a gate (three matmuls: SwiGLU, GeGLU)."""
+        return self.mlp in ("swiglu", "geglu")
+
+    @property
+    def transformers(self) -> bool:
+        """Whether this spec describes transformers' own class (read from a config), not recompute's models."""
+        return self.source.startswith(HF_SOURCE)
+
+    @property
+    def reference(self) -> bool:
+        """Whether recompute's reference GPT/Llama can build this spec (no transformers-only feature)."""
+        return (
+            self.mlp in ("gelu", "swiglu")
+            and self.norm in ("layernorm", "rmsnorm")
+            and (self.residual, self.qk_norm, self.n_experts, self.sliding_window) == ("pre", "", 0, 0)
+            and not (self.qkv_bias or self.fused_qkv or self.attn_softcap or self.eager_only)
+            and self.rotary_dim == self.head_dim
+        )
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer`` routes its tokens to experts."""
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     @property
     def q_dim(self) -> int:
@@ -128,6 +222,10 @@ class ModelSpec:
             given["d_ff"] = 0
         if ("hidden" in given or "n_heads" in given) and "head_dim" not in given:
             given["head_dim"] = 0
+        if "head_dim" in given and "rotary_dim" not in given:  # keep the rotated fraction of each head
+            heads = given.get("n_heads", self.n_heads)
+            width = given["head_dim"] or (given.get("hidden", self.hidden) // heads if heads else 0)
+            given["rotary_dim"] = self.rotary_dim * width // self.head_dim
         heads = given.get("n_heads", self.n_heads)
         if "n_kv_heads" not in given and (self.n_kv_heads == self.n_heads or heads % self.n_kv_heads):
             given["n_kv_heads"] = 0
@@ -146,19 +244,42 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any, *, name: str | None = None) -> ModelSpec:
-        """Build a spec from a Hugging Face config object, a config dict, or a config.json path (no network).
+        """The spec of transformers' class for a config object, a config dict, or a config.json path (no network).
 
-        Reads GPT-2 style keys (``n_embd``, ``n_layer``, ...) and Llama style keys (``hidden_size``,
-        ``num_hidden_layers``, ``num_key_value_heads``, ...), so other decoder-only configs that use either
-        naming work too.
+        Reads the architectures in ``recompute.core.hf_config.FAMILIES`` (dense and MoE); anything else is
+        refused in one line that names ``recompute profile`` / ``recompute trace``.
+
+        Raises:
+            ConfigError: unreadable, not covered, or a feature the analytic model does not model.
         """
         raw = hf_config_dict(config)
-        _check_modelled(raw)
         return cls(
-            **_from_hf_dict(raw),
+            **spec_fields(raw),
             name=name or str(raw.get("_name_or_path") or raw.get("model_type") or "hf"),
             source=f"{HF_SOURCE} ({raw.get('model_type')})",
         )
+
+
+def spec_from_config(config: Any, *, name: str | None = None) -> ModelSpec:
+    """``ModelSpec.from_hf_config``: the analytic model's spec of a transformers config (``--analytic``).
+
+    Example:
+        >>> spec_from_config({"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
+        ...     "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+        ...     "vocab_size": 128}).n_experts
+        8
+    """
+    return ModelSpec.from_hf_config(config, name=name)
+
+
+def analytic_model(name: str) -> ModelSpec:
+    """``--analytic``: a preset, or the spec of a config.json the closed-form model covers (``spec_from_config``).
+
+    Raises:
+        ConfigError: an unknown name, or a config with a feature the closed form does not model (the message
+            names ``recompute profile``, which measures the real class).
+    """
+    return spec_from_config(name, name=Path(name).stem) if Path(name).exists() else resolve_model(name)
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -174,10 +295,9 @@ def resolve_model(name: str) -> ModelSpec:
     if path.exists():
         ModelSpec.from_hf_config(path)  # an unreadable or unmodelled config gets its own one-line refusal first
         raise ConfigError(
-            f"{name!r} is a transformers config: the closed-form model describes recompute's reference GPT-2 and "
-            "Llama, and transformers' own class keeps other tensors (several times more for a GPT-2 config); drop "
-            f"--analytic to use the class's measured profile (recompute profile --model {name}; trace, verify, bench "
-            "and train build the class too)"
+            f"{name!r} is a transformers config: this command's formulas are held to presets; estimate and plan "
+            f"take it (its measured profile: recompute profile --model {name}, or --analytic), and trace, verify, "
+            "bench and train build its class"
         )
     raise ConfigError(f"{name!r} is not a known model or a config.json path; known models: {', '.join(PRESETS)}")
 
@@ -200,87 +320,3 @@ def hf_config_dict(config: Any) -> dict[str, Any]:
     if hasattr(config, "to_dict"):
         return dict(config.to_dict())
     raise ConfigError(f"expected a transformers config, a dict or a config.json path; got {type(config).__name__}")
-
-
-HF_SOURCE = "a transformers config"
-"""How ``from_hf_config`` marks ``ModelSpec.source``."""
-
-MODELLED_TYPES = ("llama", "gpt2")
-"""The transformers ``model_type``s a ``ModelSpec`` describes exactly (tests hold it to their classes)."""
-
-_BEYOND_THE_SPEC = {
-    "num_local_experts": "mixture-of-experts layers",
-    "num_experts": "mixture-of-experts layers",
-    "n_routed_experts": "mixture-of-experts layers",
-    "moe_intermediate_size": "mixture-of-experts layers",
-    "kv_lora_rank": "low-rank latent attention",
-    "q_lora_rank": "low-rank latent attention",
-}
-"""Config keys whose feature the spec has no field for, and what the feature is."""
-
-
-def _check_modelled(raw: dict[str, Any]) -> None:
-    """Refuse, in one line, a config whose architecture a ``ModelSpec`` would describe only approximately.
-
-    Note: [no silent proxy] a config of another architecture (MoE, gated GELU, extra q/k norms, fused
-    projections, ...) read into a dense Llama or GPT-2 shape gives figures for a model the user does not
-    train. recompute models what it holds to the real class and refuses the rest.
-    """
-    kind = raw.get("model_type")
-    if raw.get("is_encoder_decoder") or "text_config" in raw or "vision_config" in raw or "encoder" in raw:
-        raise ConfigError(
-            f"{kind or 'this config'} is not a decoder-only language model (encoder-decoder or multimodal); "
-            "recompute models decoder-only causal LMs"
-        )
-    if kind is None:
-        raise ConfigError("the config has no model_type; pass a transformers config.json of a decoder-only causal LM")
-    beyond = sorted({what for key, what in _BEYOND_THE_SPEC.items() if raw.get(key)})
-    if kind not in MODELLED_TYPES or beyond:
-        extra = f" ({', '.join(beyond)})" if beyond else ""
-        raise ConfigError(
-            f"model_type {kind!r}{extra} is not modelled exactly by recompute's analytic model, which covers "
-            f"{', '.join(MODELLED_TYPES)}; refusing rather than estimating it as a dense Llama or GPT-2"
-        )
-
-
-def _first(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if raw.get(key) is not None:
-            return raw[key]
-    return default
-
-
-def _from_hf_dict(raw: dict[str, Any]) -> dict[str, Any]:
-    hidden = _first(raw, "hidden_size", "n_embd", "d_model")
-    layers = _first(raw, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _first(raw, "num_attention_heads", "n_head")
-    if hidden is None or layers is None or heads is None:
-        raise ConfigError(
-            "HF config lacks hidden_size/n_embd, num_hidden_layers/n_layer or num_attention_heads/n_head; "
-            "is it a decoder-only transformer config?"
-        )
-    act = str(_first(raw, "hidden_act", "activation_function", default="gelu"))
-    gated = act in ("silu", "swish") or raw.get("model_type") in ("llama", "mistral", "qwen2", "qwen3")
-    learned = raw.get("model_type") in ("gpt2", "gpt_neo", "opt", "gpt_bigcode") or "n_positions" in raw
-    dropout = max(
-        float(_first(raw, key, default=0.0))
-        for key in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout")
-    )
-    return dict(
-        hidden=hidden,
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=_first(raw, "num_key_value_heads", default=0),
-        head_dim=_first(raw, "head_dim", default=0),
-        d_ff=_first(raw, "intermediate_size", "n_inner", "ffn_dim", default=0),
-        vocab=_first(raw, "vocab_size", default=50257),
-        mlp="swiglu" if gated else "gelu",
-        norm="layernorm" if "layer_norm_epsilon" in raw or not gated else "rmsnorm",
-        position="learned" if learned else "rotary",
-        dropout=dropout,
-        tied_embeddings=bool(_first(raw, "tie_word_embeddings", default=True)),
-        bias=bool(_first(raw, "attention_bias", "bias", default=not gated)),
-        max_positions=_first(raw, "max_position_embeddings", "n_positions", "n_ctx", default=2048),
-        norm_eps=float(_first(raw, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", default=1e-5)),
-        rope_theta=float(_first(raw, "rope_theta", default=10000.0)),
-    )

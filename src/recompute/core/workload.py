@@ -26,7 +26,15 @@ __all__ = [
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-LIMITS = {"micro_batch": 2**20, "seq_len": 2**24, "tp": 2**16, "pp": 2**16, "interleave": 2**10, "dp": 2**20}
+LIMITS = {
+    "micro_batch": 2**20,
+    "seq_len": 2**24,
+    "tp": 2**16,
+    "pp": 2**16,
+    "interleave": 2**10,
+    "dp": 2**20,
+    "ep": 2**16,
+}
 """The largest value each size field takes (far beyond any real run: larger means a typo, e.g. 1e30)."""
 
 ATTENTIONS = ("eager", "flash")
@@ -61,6 +69,17 @@ class Workload:
         default=None, metadata=_opt("--microbatches", "micro-batches per step (default: p, a full pipeline)")
     )
     dp: int = field(default=1, metadata=_opt("--dp", "d: data-parallel size (shards the distributed optimizer)"))
+    ep: int = field(
+        default=1, metadata=_opt("--ep", "expert-parallel size: each rank holds E/ep experts of an MoE model")
+    )
+    capacity_factor: float = field(
+        default=1.0,
+        metadata=_opt(
+            "--capacity-factor",
+            "tokens an expert rank receives, as a multiple of the expected load of even routing (1); at most "
+            "ep*min(k, E/ep)/k, the worst case without a cap",
+        ),
+    )
     precision: str | None = field(
         default=None,
         metadata=_opt(
@@ -112,6 +131,12 @@ class Workload:
         )
         if self.sp:
             check_sequence_split(self.seq_len, self.tp)
+        require(
+            1.0 <= self.capacity_factor <= 2**16,
+            f"capacity_factor must be at least 1 (the expected load), got {self.capacity_factor!r}; "
+            "dropping tokens is not modelled",
+            fields=("capacity_factor",),
+        )
 
     @property
     def element_bytes(self) -> int:
@@ -144,6 +169,24 @@ class Workload:
             f"interleave {m} needs the {L} layers to split into p*m = {p * m} equal chunks",
             fields=("interleave",),
         )
+        require(
+            self.ep == 1 or (spec.n_experts > 0 and spec.n_experts % self.ep == 0),
+            f"ep {self.ep} must divide the {spec.n_experts} experts of {spec.name}"
+            + ("; use ep = 1 for a dense model" if spec.n_experts == 0 else ""),
+            fields=("ep",),
+        )
+
+    def routed_tokens(self, spec: ModelSpec) -> float:
+        """Token copies one expert rank runs through its experts per MoE layer (Note: [expected load]).
+
+        Note: [expected load] each of the ep ranks routes its b*s tokens to k experts each; spread evenly, a
+        rank receives b*s*k copies whatever ep is (transformers' grouped-matmul path runs exactly that many
+        without expert parallelism). ``capacity_factor`` scales it, up to the worst case of every token of
+        all ep ranks choosing this rank's E/ep experts: ep*b*s*min(k, E/ep).
+        """
+        k, per_rank = spec.top_k, spec.n_experts // self.ep
+        worst = self.ep * min(k, per_rank) / k
+        return self.tokens * k * min(self.capacity_factor, worst)
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as plain JSON-ready values."""

@@ -50,6 +50,11 @@ def build_model(
         ConfigError: an unknown attention, or a position kind the architecture does not have.
     """
     one_of("attention", attention, ATTENTIONS)
+    if not spec.reference:
+        raise ConfigError(
+            f"{spec.name} has features of transformers' classes (experts, q/k norms, ...) that recompute's reference "
+            "GPT/Llama do not build; build it from its config.json (`--model config.json`)"
+        )
     cls = model_class(spec)
     position = "learned" if cls is GPT else "rotary"
     if spec.position != position:

@@ -102,6 +102,12 @@ def _check_traceable(source: ModelSource, wl: Workload) -> None:
         "(recompute estimate models pipeline and data parallelism)",
         fields=("pp", "dp"),
     )
+    require(
+        wl.ep == 1 and wl.capacity_factor == 1.0,
+        "trace runs transformers' experts on one rank, where every routed token copy is computed whatever the "
+        "routing; drop ep and capacity_factor (recompute estimate models expert parallelism)",
+        fields=("ep", "capacity_factor"),
+    )
     if source.spec is not None and not source.hf:
         wl.check(source.spec)
         return

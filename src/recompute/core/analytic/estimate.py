@@ -13,7 +13,7 @@ from recompute.core.analytic.flops import layer_flops, model_flops, recompute_fl
 from recompute.core.analytic.memory import PART_GROUP, LayerActivations, layer_activations, outer_activations
 from recompute.core.analytic.params import ModelStates, layer_params, model_states, norm_params
 from recompute.core.policy import POLICIES, Policy, check_analytic
-from recompute.core.spec import HF_SOURCE, ModelSpec
+from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload
 
 __all__ = [
@@ -110,12 +110,12 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     check_analytic(pol)
     per_layer = pol.per_layer(spec.n_layers)
     stage = _stage_layers(spec, wl, per_layer)
-    la = layer_activations(spec, wl)
+    las = _stage_activations(spec, wl, len(stage))
     outer = outer_activations(spec, wl, last_stage=wl.pp == 1)
     k = in_flight(wl)
 
     activations: dict[str, float] = {}
-    for name, count in Counter(stage).items():
+    for (name, la), count in Counter(zip(stage, las)).items():
         for part, value in la.stored_by_component(name).items():
             group = PART_GROUP.get(part, part)
             activations[group] = activations.get(group, 0.0) + k * count * value
@@ -124,7 +124,7 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     states = model_states(spec, wl)
     grads = gradient_arrival(spec, wl, states)
     peak_act, phase = _peak_activations(
-        la, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits, grads
+        las, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits, grads
     )
     resident = resident_states(wl, states)
     peak_act, phase = max((peak_act, phase), after_backward(spec, wl, states, outer.embedding * k + outer.kept_logits))
@@ -142,8 +142,16 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     )
 
 
+def _stage_activations(spec: ModelSpec, wl: Workload, n: int) -> list[LayerActivations]:
+    """Each layer's activations on the first stage (they differ for transformers' classes: the first layer's
+    shared tables, dense and MoE layers)."""
+    if not spec.transformers:
+        return [layer_activations(spec, wl)] * n
+    return [layer_activations(spec, wl, i) for i in range(n)]
+
+
 def _peak_activations(
-    la: LayerActivations,
+    las: list[LayerActivations],
     stage: tuple[str, ...],
     k: float,
     embedding: float,
@@ -158,15 +166,14 @@ def _peak_activations(
     below j still stored, other micro-batches in flight, layer j's recompute transient and workspace, and
     the logits the training loop still holds, and the gradients made so far (``GradientArrival``).
     """
-    by_policy = {name: la.stored(name) for name in set(stage)}
-    stored = [by_policy[name] for name in stage]
+    stored = [la.stored(name) for la, name in zip(las, stage)]
     others = (k - 1) * sum(stored)
     best, phase = others + sum(stored) + embedding + head + loss, "loss"
     below = 0.0
     for j, name in enumerate(stage):
         below += stored[j]
         made = grads.before(j, len(stage))
-        value = others + below + la.transient(name) + la.workspace + embedding + kept_logits + made
+        value = others + below + las[j].transient(name) + las[j].workspace + embedding + kept_logits + made
         if value > best:
             best, phase = value, f"backward of layer {j}"
     return best, phase
@@ -196,9 +203,10 @@ def gradient_arrival(spec: ModelSpec, wl: Workload, states: ModelStates) -> Grad
     if wl.keep_grads:
         return GradientArrival(0.0, 0.0)
     per = states.gradients / states.params if states.params else 0.0
-    lp = layer_params(spec)
+    n = -(-spec.n_layers // wl.pp)
+    layer = sum(layer_params(spec, i).per_rank(wl.tp, wl.ep) for i in range(n)) / n  # the stage's mean layer
     head = norm_params(spec) + spec.vocab * spec.hidden / wl.tp  # final norm; output layer (or tied embedding)
-    return GradientArrival(head=head * per if wl.pp == 1 else 0.0, layer=(lp.sharded / wl.tp + lp.replicated) * per)
+    return GradientArrival(head=head * per if wl.pp == 1 else 0.0, layer=layer * per)
 
 
 def resident_states(wl: Workload, states: ModelStates) -> float:
@@ -251,11 +259,15 @@ def _notes(spec: ModelSpec, wl: Workload, pol: Policy) -> tuple[str, ...]:
     if wl.pp > 1:
         layers = -(-spec.n_layers // wl.pp)
         notes.append(f"first pipeline stage: {layers} layers x {in_flight(wl):g} micro-batches in flight")
-    if spec.source.startswith(HF_SOURCE):
+    if spec.transformers:
         notes.append(
-            "from a transformers config: the formulas count recompute's reference layers of this shape, not "
-            "transformers' own class, which keeps other tensors (several times more for a GPT-2 config); "
-            "`recompute trace --model config.json` measures that class"
+            "from a transformers config: the formulas count what transformers' class saves (held to its trace, "
+            "docs/analytic.md)"
+        )
+    if spec.n_experts:
+        notes.append(
+            f"experts: {spec.n_experts // wl.ep} of {spec.n_experts} per rank (ep {wl.ep}), top-{spec.top_k}, "
+            f"{wl.routed_tokens(spec) / (wl.tokens * spec.top_k):g} x the expected load per rank"
         )
     if pol.save_ops or pol.offload:
         notes.append("op-level save lists and CPU offload are not modelled analytically; use `recompute trace`")

@@ -76,16 +76,27 @@ class LayerFlops:
         return self.recomputed(policy) / (3 * self.forward)
 
 
-def layer_flops(spec: ModelSpec, wl: Workload) -> LayerFlops:
-    """Forward FLOPs of one transformer layer (per tensor-parallel rank, one micro-batch)."""
+def layer_flops(spec: ModelSpec, wl: Workload, layer: int | None = None) -> LayerFlops:
+    """Forward FLOPs of one transformer layer (per tensor-parallel rank, one micro-batch).
+
+    An MoE layer (``layer``: its index; ``None``: the last layer) counts its router, 2bshE, and only the
+    experts each token is routed to: 6Rh*d_expert for the R = b*s*k token copies a rank runs at the expected
+    load (``Workload.routed_tokens``), not all E experts.
+    """
     s, b, h, t = wl.seq_len, wl.micro_batch, spec.hidden, wl.tp
     bs = b * s
+    index = spec.n_layers - 1 if layer is None else layer
+    if spec.is_moe(index):
+        R = wl.routed_tokens(spec)
+        mlp, mlp_out = 2 * bs * h * spec.n_experts + 6 * R * h * spec.d_expert / t, 2 * R * h * spec.d_expert / t
+    else:
+        mlp, mlp_out = (6 if spec.gated else 4) * bs * h * spec.d_ff / t, 2 * bs * h * spec.d_ff / t
     return LayerFlops(
         attn_proj=2 * bs * h * (2 * spec.q_dim + 2 * spec.kv_dim) / t,
         attn_core=4 * b * s * s * spec.q_dim / t,
-        mlp=(6 if spec.mlp == "swiglu" else 4) * bs * h * spec.d_ff / t,
+        mlp=mlp,
         out_proj=2 * bs * h * spec.q_dim / t,
-        mlp_out=2 * bs * h * spec.d_ff / t,
+        mlp_out=mlp_out,
         dropout=spec.dropout > 0,
         fused_core=wl.attention == "flash" and not (wl.device == "cpu" and spec.dropout > 0),
     )
@@ -98,13 +109,18 @@ def logits_flops(spec: ModelSpec, wl: Workload) -> float:
 
 def model_flops(spec: ModelSpec, wl: Workload) -> float:
     """Model FLOPs of one micro-batch's forward and backward: 3 * (L layers + logits). Independent of policy."""
-    return 3 * (spec.n_layers * layer_flops(spec, wl).forward + logits_flops(spec, wl))
+    if not spec.n_experts:
+        return 3 * (spec.n_layers * layer_flops(spec, wl).forward + logits_flops(spec, wl))
+    layers = sum(layer_flops(spec, wl, i).forward for i in range(spec.n_layers))
+    return 3 * (layers + logits_flops(spec, wl))
 
 
 def recompute_flops(spec: ModelSpec, wl: Workload, policies: tuple[str, ...]) -> float:
     """FLOPs replayed in the backward for one micro-batch, given one policy name per layer."""
-    lf = layer_flops(spec, wl)
-    return sum(lf.recomputed(p) for p in policies)
+    if not spec.n_experts:
+        lf = layer_flops(spec, wl)
+        return sum(lf.recomputed(p) for p in policies)
+    return sum(layer_flops(spec, wl, i).recomputed(p) for i, p in enumerate(policies))
 
 
 def hardware_flops(spec: ModelSpec, wl: Workload, policies: tuple[str, ...]) -> float:

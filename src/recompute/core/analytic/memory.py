@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from recompute.core.analytic.memory_hf import hf_layer_parts, hf_shared_tables
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload
 
 __all__ = ["LayerActivations", "OuterActivations", "layer_activations", "outer_activations", "paper_layer_bytes"]
 
-ATTENTION = ("attn_in", "qkv", "scores", "attn_out", "attn_drop")
-MLP = ("mlp_in", "mlp_hidden", "mlp_drop")
+ATTENTION = ("attn_in", "qk_norm", "qkv", "scores", "attn_out", "attn_drop", "tables")
+MLP = ("mlp_in", "router", "mlp_hidden", "mlp_drop")
 NORMS = ("norms", "norm_stats")
 GROUPS = {"attention": ATTENTION, "mlp": MLP, "norms": NORMS}
 PART_GROUP = {part: group for group, parts in GROUPS.items() for part in parts}
@@ -67,6 +68,18 @@ class LayerActivations:
     """The layer input, the one tensor full recomputation keeps (it is the first norm's saved input)."""
     workspace: float
     """Largest scratch the layer's backward allocates at once (gradients of its widest tensors)."""
+    qk_norm: float = 0.0
+    """The q/k norms' saved tensors (Qwen3, OLMo 2; transformers' classes only)."""
+    router: float = 0.0
+    """An MoE layer's router: fp32 softmax over the experts, top-k indices (and its renormalisation)."""
+    tables: float = 0.0
+    """Rotary cos/sin and a sliding-window mask that every layer reads and the first saves (transformers)."""
+    core_kept: float | None = None
+    """What ``core_attn`` keeps in place of ``qkv`` and ``attn_out`` when that differs (transformers' classes:
+    the checkpointed attention function's q, k, v as passed, before any repeat; the output projection's input;
+    in the first layer the mask passed to it)."""
+    block_extra: float = 0.0
+    """Beyond ``layer_in``, what a whole-layer checkpoint keeps (GPT-2's eager mask, passed positionally)."""
 
     def group(self, name: str) -> float:
         """Bytes of one component group: ``attention``, ``mlp`` or ``norms``."""
@@ -88,8 +101,12 @@ class LayerActivations:
     def stored_by_component(self, policy: str) -> dict[str, float]:
         """``stored`` split into components; ``checkpoint`` is a recomputed region's kept input."""
         parts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layer_in", "workspace")}
+        parts.pop("core_kept")
+        parts.pop("block_extra")
         if policy == "core_attn":
             parts["scores"] = 0.0  # Q, K, V (its inputs) stay stored; only the s^2 / lse terms go
+            if self.core_kept is not None:
+                parts.update(qkv=self.core_kept, attn_out=0.0)
         if policy in ("attn", "attn+mlp"):
             parts.update({c: 0.0 for c in ATTENTION}, checkpoint=self.attn_in)
         if policy in ("mlp", "attn+mlp"):
@@ -97,7 +114,7 @@ class LayerActivations:
             parts["checkpoint"] = parts.get("checkpoint", 0.0) + self.mlp_in
         if policy == "block":
             parts = {c: 0.0 for c in parts}
-            parts["checkpoint"] = self.layer_in
+            parts["checkpoint"] = self.layer_in + self.block_extra
         return parts
 
     def transient(self, policy: str) -> float:
@@ -132,8 +149,16 @@ def _sdpa_math_on_cpu(spec: ModelSpec, wl: Workload) -> bool:
     return wl.attention == "flash" and wl.device == "cpu" and spec.dropout > 0
 
 
-def layer_activations(spec: ModelSpec, wl: Workload) -> LayerActivations:
-    """Activation bytes of one layer, per tensor-parallel rank, for one micro-batch (Korthikanti Table 2)."""
+def layer_activations(spec: ModelSpec, wl: Workload, layer: int | None = None) -> LayerActivations:
+    """Activation bytes of one layer, per tensor-parallel rank, for one micro-batch (Korthikanti Table 2).
+
+    For a spec read from a transformers config, what that class saves (``memory_hf``): layer ``layer``
+    (``None``: the last, a layer without the tables the first one saves for all).
+    """
+    if spec.transformers:
+        index = spec.n_layers - 1 if layer is None else layer
+        tables = hf_shared_tables(spec, wl) if index == 0 else 0.0
+        return LayerActivations(**hf_layer_parts(spec, wl, index), tables=tables)
     s, b, h, a, t, e = wl.seq_len, wl.micro_batch, spec.hidden, spec.n_heads, wl.tp, wl.element_bytes
     f, r = spec.d_ff, (t if wl.sp else 1)  # r divides what sequence parallelism splits and TP alone does not
     sbh, sb = s * b * h, s * b

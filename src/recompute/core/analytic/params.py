@@ -1,7 +1,10 @@
 """Parameter counts and model-state bytes (parameters, gradients, optimizer) by precision mode.
 
-Counts follow the modules recompute builds (and Hugging Face's GPT-2 / Llama): biases and LayerNorm shifts
-only where ``spec.bias``. Bytes per parameter follow Megatron-LM's theoretical_memory_usage.py.
+Counts follow the modules recompute builds and transformers' classes (held to ``num_parameters()`` of each
+covered architecture, built on the meta device): biases and LayerNorm shifts only where ``spec.bias``, Q/K/V
+biases where ``spec.qkv_bias``, q/k norm weights, two to four norms per layer (``spec.residual``), and an MoE
+layer's router (E x h) and E experts of three (h x d_expert) matrices. With expert parallelism over ep ranks a
+rank holds E/ep experts. Bytes per parameter follow Megatron-LM's theoretical_memory_usage.py.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from recompute.core.workload import Workload
 __all__ = [
     "LayerParams",
     "ModelStates",
+    "active_params",
     "bytes_per_param",
     "layer_params",
     "model_states",
@@ -30,10 +34,16 @@ class LayerParams:
     """Weights of the column/row-parallel linears and the column-parallel biases (divided by t)."""
     replicated: int
     """Norm weights/shifts and the row-parallel output biases (kept whole on every tensor-parallel rank)."""
+    experts: int = 0
+    """Weights of the routed experts (divided by ep, and by t as Megatron's expert tensor parallelism does)."""
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.experts
+
+    def per_rank(self, tp: int = 1, ep: int = 1) -> int:
+        """Parameters one rank holds with tensor parallelism t and expert parallelism ep."""
+        return self.sharded // tp + self.replicated + self.experts // (ep * tp)
 
 
 def norm_params(spec: ModelSpec) -> int:
@@ -41,15 +51,29 @@ def norm_params(spec: ModelSpec) -> int:
     return 2 * spec.hidden if spec.norm == "layernorm" and spec.bias else spec.hidden
 
 
-def layer_params(spec: ModelSpec) -> LayerParams:
-    """Parameters of one layer: attention (Q, K, V, output), MLP, two norms."""
+NORMS_PER_LAYER = {"pre": 2, "post": 2, "parallel": 2, "sandwich": 4}
+"""Norms of one layer by where they sit (Gemma 2's sandwich: before and after each sub-block)."""
+
+
+def qk_norm_params(spec: ModelSpec) -> int:
+    """Weights of the q/k norms: one head_dim each (per head, Qwen3), or all of Q and K (OLMo 2)."""
+    return {"": 0, "head": 2 * spec.head_dim, "full": spec.q_dim + spec.kv_dim}[spec.qk_norm]
+
+
+def layer_params(spec: ModelSpec, layer: int = 0) -> LayerParams:
+    """Parameters of layer ``layer``: attention (Q, K, V, output), the MLP or the experts and router, norms."""
     h, f = spec.hidden, spec.d_ff
-    qkv = h * (spec.q_dim + 2 * spec.kv_dim)
+    qkv_width = spec.q_dim + 2 * spec.kv_dim
+    qkv = h * qkv_width + (qkv_width if spec.qkv_bias or spec.bias else 0)
     out = spec.q_dim * h
-    mlp = (3 if spec.mlp == "swiglu" else 2) * h * f
-    col_bias = (spec.q_dim + 2 * spec.kv_dim + (2 if spec.mlp == "swiglu" else 1) * f) if spec.bias else 0
+    norms = NORMS_PER_LAYER[spec.residual] * norm_params(spec) + qk_norm_params(spec)
     row_bias = 2 * h if spec.bias else 0
-    return LayerParams(sharded=qkv + out + mlp + col_bias, replicated=2 * norm_params(spec) + row_bias)
+    if spec.is_moe(layer):
+        router = spec.n_experts * h
+        experts = spec.n_experts * 3 * h * spec.d_expert
+        return LayerParams(sharded=qkv + out, replicated=norms + router, experts=experts)
+    mlp = (3 if spec.gated else 2) * h * f + (((2 if spec.gated else 1) * f) if spec.bias else 0)
+    return LayerParams(sharded=qkv + out + mlp, replicated=norms + row_bias)
 
 
 def embedding_params(spec: ModelSpec) -> int:
@@ -63,8 +87,18 @@ def head_params(spec: ModelSpec) -> int:
 
 
 def n_params(spec: ModelSpec) -> int:
-    """Total parameters of the model (tied embeddings counted once)."""
-    return spec.n_layers * layer_params(spec).total + embedding_params(spec) + head_params(spec)
+    """Total parameters of the model (tied embeddings counted once): transformers' ``num_parameters()``."""
+    layers = sum(layer_params(spec, i).total for i in range(spec.n_layers))
+    return layers + embedding_params(spec) + head_params(spec)
+
+
+def active_params(spec: ModelSpec) -> int:
+    """Parameters one token passes through: an MoE layer counts its top-k experts, not all E."""
+    total = n_params(spec)
+    for i in range(spec.n_layers):
+        if spec.is_moe(i):
+            total -= (spec.n_experts - spec.top_k) * 3 * spec.hidden * spec.d_expert
+    return total
 
 
 def bytes_per_param(precision: str, dp: int = 1) -> dict[str, float]:
@@ -105,8 +139,8 @@ def stage_params(spec: ModelSpec, wl: Workload) -> int:
     the final norm and the output layer. Linear weights divide by t; norms and row-parallel biases do not.
     """
     layers = -(-spec.n_layers // wl.pp)
-    lp = layer_params(spec)
-    count = layers * (lp.sharded // wl.tp + lp.replicated) + embedding_params(spec) // wl.tp
+    held = sum(layer_params(spec, i).per_rank(wl.tp, wl.ep) for i in range(layers))
+    count = held + embedding_params(spec) // wl.tp
     if wl.pp == 1:
         untied = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
         count += untied // wl.tp + norm_params(spec)
