@@ -20,6 +20,7 @@ from recompute import Workload
 from recompute.checkpointing import apply, find_layers
 from recompute.cli import main
 from recompute.core.errors import ConfigError
+from recompute.core.policy import ALL_POLICIES
 from recompute.models.source import ModelSource, build_source, resolve_source
 from recompute.trace import trace
 from recompute.verification import verify
@@ -109,10 +110,17 @@ def test_trace_equals_a_real_step(kind: str, tmp_path: Path) -> None:
     assert type(model).__module__.startswith("transformers.models")
 
 
-@pytest.mark.parametrize("policy", ["block", "attn+mlp"])
+@pytest.mark.parametrize("policy", list(ALL_POLICIES))
 def test_verify_is_bit_exact(kind: str, policy: str, tmp_path: Path) -> None:
+    """Every policy that applies keeps the gradients bit-equal; the one that does not (``experts`` on a dense
+    MLP) is refused in one line."""
     torch.manual_seed(0)
     model = build_source(resolve_source(str(config_json(kind, tmp_path)))).model
+    if policy == "experts" and "num_experts_per_tok" not in ZOO[kind]:
+        with pytest.raises(ConfigError) as refused:
+            verify(model, policy, micro_batch=2, seq_len=16)
+        assert "\n" not in str(refused.value) and "experts" in str(refused.value)
+        return
     result = verify(model, policy, micro_batch=2, seq_len=16)
     assert result.passed and result.bit_exact, result
 

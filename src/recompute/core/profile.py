@@ -49,6 +49,7 @@ __all__ = [
     "cache_path",
     "cached",
     "plan_profile",
+    "smallest_peak",
 ]
 
 FORMAT = "recompute.profile/1"
@@ -341,6 +342,11 @@ class ProfilePlan:
 
 
 def _fits(profile: Profile, budget: float, *, costs: bool = True) -> Composed | None:
+    """``_search``'s chosen assignment alone."""
+    return _search(profile, budget, costs=costs)[0]
+
+
+def _search(profile: Profile, budget: float, *, costs: bool = True) -> tuple[Composed | None, list[Composed]]:
     """The least-cost assignment whose composed peak is at most ``budget``, or None (exact; module docstring).
 
     A state is (what the layers below the current one hold, cost so far, the current layer's policy); a layer's
@@ -348,36 +354,47 @@ def _fits(profile: Profile, budget: float, *, costs: bool = True) -> Composed | 
     States with the same current policy are pruned to their Pareto set; every constraint grows with the held
     bytes, so nothing that could lead to a cheaper fitting plan is dropped. ``costs=False`` ignores the costs:
     the least held bytes per policy are all that feasibility needs.
+
+    Also returns the Pareto front of (peak, cost) among the final states: plans that fit, for the frontier.
     """
     import numpy as np
 
     n = profile.n_layers
-    if max(profile.fixed.values(), default=0) > budget:
-        return None
+    fixed = max(profile.fixed.values(), default=0)
+    if fixed > budget:
+        return None, []
+
+    names_of = [list(k.policies) for k in profile.kinds]
+    dk = [np.array([k.forward_delta[p] for p in names_of[j]], dtype=float) for j, k in enumerate(profile.kinds)]
+    rc = [
+        np.array([k.recompute_flops(p) if costs else 0 for p in names_of[j]], dtype=float)
+        for j, k in enumerate(profile.kinds)
+    ]
+    tables = {}  # per link: what the layer holds and its backward delta, (its policy, the next one's)
+    for key, link in profile.links.items():
+        a, b = (int(x) for x in key.split(">"))
+        tables[key] = tuple(
+            np.array([[link[p][q][f] for q in names_of[b]] for p in names_of[a]], dtype=float) for f in (0, 1)
+        )
 
     def options(i: int) -> tuple[list[str], np.ndarray, np.ndarray]:
-        kind = profile.kind_of(i)
-        names = list(kind.policies)
-        forward = profile.base_forward[i] + np.array([kind.forward_delta[p] for p in names], dtype=float)
-        cost = np.array([kind.recompute_flops(p) if costs else 0 for p in names], dtype=float)
-        return names, forward, cost
+        k = profile.layer_kind[i]
+        return names_of[k], profile.base_forward[i] + dk[k], rc[k]
 
     names, forward, cost = options(0)
     ok = forward <= budget
     prefix, total, last = np.zeros(int(ok.sum())), cost[ok], np.flatnonzero(ok)
+    peak = np.maximum(forward[ok], fixed)  # the highest phase so far, carried for the frontier
     steps: list[tuple[np.ndarray, np.ndarray, list[str]]] = [(np.full(len(last), -1), last, names)]
     for i in range(1, n):
-        prev_names, (names, forward, cost) = steps[-1][2], options(i)
-        link = profile.link(i - 1)
-        held = np.array([[link[p][q][0] for q in names] for p in prev_names], dtype=float)
-        back = profile.base_backward[i - 1] + np.array(
-            [[link[p][q][1] for q in names] for p in prev_names], dtype=float
-        )
-        parents_all, options_all, prefix_all, total_all = [], [], [], []
+        names, forward, cost = options(i)
+        held, back = tables[f"{profile.layer_kind[i - 1]}>{profile.layer_kind[i]}"]
+        back = back + profile.base_backward[i - 1]
+        parents_all, options_all, prefix_all, total_all, peak_all = [], [], [], [], []
         for o in range(len(names)):
             new_prefix = prefix + held[last, o]
-            fits = (prefix + back[last, o] <= budget) & (new_prefix + forward[o] <= budget)
-            idx = np.flatnonzero(fits)
+            high = np.maximum(prefix + back[last, o], new_prefix + forward[o])
+            idx = np.flatnonzero(high <= budget)
             if idx.size == 0:
                 continue
             m, c = new_prefix[idx], total[idx] + cost[o]
@@ -388,62 +405,58 @@ def _fits(profile: Profile, budget: float, *, costs: bool = True) -> Composed | 
             options_all.append(np.full(len(keep), o))
             prefix_all.append(m[keep])
             total_all.append(c[keep])
+            peak_all.append(np.maximum(peak[idx[keep]], high[idx[keep]]))
         if not parents_all:
-            return None
+            return None, []
         parents = np.concatenate(parents_all)
         last = np.concatenate(options_all)
-        prefix, total = np.concatenate(prefix_all), np.concatenate(total_all)
+        prefix, total, peak = np.concatenate(prefix_all), np.concatenate(total_all), np.concatenate(peak_all)
         steps.append((parents, last, names))
     names = steps[-1][2]
     end = np.array([profile.last[p] for p in names], dtype=float)  # (options, 3)
     high = np.maximum.reduce(
         [profile.base_backward[n - 1] + end[:, 0], profile.head_forward + end[:, 1], profile.head_backward + end[:, 2]]
     )
-    ok_end = prefix + high[last] <= budget
-    if not ok_end.any():
-        return None
-    index = int(np.flatnonzero(ok_end)[np.argmin(total[ok_end])])
-    chosen: list[str] = []
-    for parents, opts, step_names in reversed(steps):
-        chosen.append(step_names[int(opts[index])])
-        index = int(parents[index])
-    return profile.compose(chosen[::-1])
+    final = np.maximum(peak, prefix + high[last])
+    fit = np.flatnonzero(final <= budget)
+    if fit.size == 0:
+        return None, []
+
+    def layers(index: int) -> Composed:
+        chosen: list[str] = []
+        for parents, opts, step_names in reversed(steps):
+            chosen.append(step_names[int(opts[index])])
+            index = int(parents[index])
+        return profile.compose(chosen[::-1])
+
+    order = fit[np.lexsort((total[fit], final[fit]))]
+    best_before = np.concatenate(([np.inf], np.minimum.accumulate(total[order])[:-1]))
+    front = [layers(int(i)) for i in order[total[order] < best_before]]
+    return layers(int(fit[np.argmin(total[fit])])), front
 
 
-def _smallest_peak(profile: Profile) -> float:
+def smallest_peak(profile: Profile) -> float:
     """The smallest achievable peak: bisection on the budget, each tried by ``_fits`` without costs."""
     lo, hi = 0.0, float(profile.compose(["none"] * profile.n_layers).peak)
-    while hi - lo > max(1.0, hi * 1e-9):
+    while hi - lo > max(1.0, hi * 1e-7):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if _fits(profile, mid, costs=False) is not None else (mid, hi)
     return hi
 
 
-def plan_profile(profile: Profile, budget: float, *, frontier_points: int = 12) -> ProfilePlan:
+def plan_profile(profile: Profile, budget: float) -> ProfilePlan:
     """The least-cost per-layer policy whose exact composed peak fits ``budget`` bytes.
 
     Raises:
         ConfigError: nothing fits; the message gives the smallest achievable peak.
     """
-    chosen = _fits(profile, budget)
-    smallest = _smallest_peak(profile)
+    chosen, front = _search(profile, budget)
     if chosen is None:
         raise ConfigError(
             f"no plan fits {budget / GiB:.1f} GiB: the smallest achievable peak of {profile.model} at "
             f"b={profile.workload.get('micro_batch')} s={profile.workload.get('seq_len')} is "
-            f"{gib(smallest)} (by its profile); use a smaller micro-batch or sequence, or more GPUs",
+            f"{gib(smallest_peak(profile))} (by its profile); use a smaller micro-batch or sequence, or more GPUs",
             fields=("budget",),
         )
-    top = profile.compose(["none"] * profile.n_layers).peak
-    points: dict[tuple[str, ...], Composed] = {}
-    for j in range(frontier_points):
-        fit = _fits(profile, smallest + (top - smallest) * j / max(1, frontier_points - 1))
-        if fit is not None:
-            points[fit.layers] = fit
-    ordered = sorted(points.values(), key=lambda c: (c.peak, c.recompute_flops))
-    front: list[Composed] = []
-    for c in ordered:
-        if not front or c.recompute_flops < front[-1].recompute_flops:
-            front.append(c)
     uniform = {p: profile.compose([p] * profile.n_layers) for p in profile.applicable()}
     return ProfilePlan(profile=profile, budget=budget, chosen=chosen, frontier=tuple(front), uniform=uniform)
