@@ -5,12 +5,13 @@ Two kinds of step, both traced like ``trace`` (nothing allocated):
 1. the whole model under ``none``: every layer's forward and backward peak, what each keeps, the head's and
    the fixed phases, the model states and the step's FLOPs;
 2. per pair of kinds that follow each other in the model, and per pair of policies (the layer's, the next
-   one's), a short model: a copy of the first layer of each kind under ``none`` (so what layers share, such
-   as rotary tables or one attention type's mask, is kept by those, as by the first such layer in the whole
-   model), the measured layer and the one after it (taken from the whole model with their own settings:
-   attention type, dense or MoE MLP), and a copy of the last layer. A layer's backward depends on how the
-   next one hands it the gradient, so its figures are measured per policy of the next layer; the last
-   layer's, per policy, with the head after it. A policy a layer cannot take is recorded with its reason.
+   one's), a short model: a copy of the first layer of each kind under the layer's policy where it applies
+   (so what layers share, such as rotary tables or one attention type's mask, is kept by those, as by the
+   first such layer in the whole model), the measured layer and the one after it (taken from the whole
+   model with their own settings: attention type, dense or MoE MLP), and a copy of the last layer. A
+   layer's backward depends on how the next one hands it the gradient, so its figures are measured per
+   policy of the next layer; the last layer's, per policy, with the head after it. A policy a layer cannot
+   take is recorded with its reason.
 
 What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
 start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
@@ -113,14 +114,18 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
         ok = [[p for p in profiled_policies() if p not in refused[k]] for k in range(lead)]
         pairs = sorted({(kind_of[i], kind_of[i + 1]) for i in range(n - 1)})
         runs: list[tuple[tuple[Any, ...], list[int], int, tuple[str, ...]]] = []
+
+        def leads(p: str) -> tuple[str, ...]:
+            """The leading layers run the measured layer's policy where they take it: what layers share is
+            then kept by them under that policy, as by the model's first layers when every layer runs it."""
+            return tuple(p if p in ok[k] else "none" for k in range(lead))
+
         for a, b in pairs:  # a layer of kind a at a generic position, followed by one of kind b
             picks = [*reps, reps[a], reps[b], n - 1]
-            runs += [
-                (("pair", a, b, p, q), picks, lead, ("none",) * lead + (p, q, "none")) for p in ok[a] for q in ok[b]
-            ]
+            runs += [(("pair", a, b, p, q), picks, lead, (*leads(p), p, q, "none")) for p in ok[a] for q in ok[b]]
         picks = [*reps, n - 1] if n > 1 else [0]  # the last layer, with the head after it
         x_last = len(picks) - 1
-        runs += [(("last", p), picks, x_last, ("none",) * x_last + (p,)) for p in ok[kind_of[-1]]]
+        runs += [(("last", p), picks, x_last, (*leads(p)[:x_last], p)) for p in ok[kind_of[-1]]]
         shorts = {tuple(picks): _short_model(whole, layers, picks) for _, picks, _, _ in runs}  # while on meta
         progress("profile", 0, len(runs) + 1)
         base, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
