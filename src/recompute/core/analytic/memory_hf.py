@@ -10,7 +10,7 @@ micro-batch, e bytes per activation element, h hidden, q_dim = a*d and kv_dim = 
   the input dtype on the CPU); GPT-NeoX's two parallel LayerNorms share one input;
 - SDPA keeps q, k, v, its output and an fp32 log-sum-exp; its output is the output projection's input
   (the same storage) unless the Q/K/V projection is fused and rotary made new contiguous q/k (Phi-3,
-  GPT-NeoX). With a sliding window shorter than the sequence SDPA gets an explicit mask (b*s*s, kept by each
+  GPT-NeoX). With a sliding window no longer than the sequence SDPA gets an explicit mask (b*s*s, kept by each
   layer) which turns off its grouped-query path: K and V are repeated to all heads. Eager attention repeats
   K and V too, keeps the fp32 softmax and its cast to e (Gemma 2 also the tanh of its soft-capping);
 - Note: [core_attn in transformers' classes] recompute checkpoints the class's attention function, which
@@ -67,7 +67,7 @@ def _attention(spec: ModelSpec, wl: Workload) -> dict[str, float]:
     if m:  # Note: [SDPA with dropout on the CPU] the math path: fp32 copies of q, k, v, softmax, mask, output
         qkv = e * T * (qd + 2 * kd) / t
         return {"qkv": qkv, "scores": (3 * 4 * ass + 4 * T * 3 * qd / t) - qkv, "attn_out": e * T * qd / t}
-    windowed = 0 < spec.sliding_window < s
+    windowed = 0 < spec.sliding_window <= s  # transformers masks when kv_length >= the window
     qkv = e * T * (3 * qd if windowed else qd + 2 * kd) / t
     copied = spec.fused_qkv and spec.position == "rotary"  # rotary made contiguous q/k: SDPA's output is copied
     if spec.fused_qkv and spec.position == "learned":  # GPT-2: q/k/v views of the fused output; q and v copied
@@ -82,7 +82,7 @@ def _core_kept(spec: ModelSpec, wl: Workload, layer: int) -> float:
     qkv = e * T * (qd + 2 * kd)
     if spec.fused_qkv and spec.position == "learned":
         qkv += e * T * (qd + kd)  # GPT-2: contiguous copies of q and v beside the fused output
-    masked = _eager(spec, wl) or 0 < spec.sliding_window < wl.seq_len
+    masked = _eager(spec, wl) or 0 < spec.sliding_window <= wl.seq_len
     first = layer == 0 or (spec.eager_only and layer == 1)  # Gemma 2: a sliding and a full layer, a mask each
     mask = wl.micro_batch * wl.seq_len**2 * e if masked and first else 0
     return (qkv + e * T * qd) / t + mask
