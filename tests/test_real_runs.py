@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from recompute.bench import bench, bench_source
 from recompute.cli import main
@@ -22,7 +22,7 @@ from recompute.core.workload import Workload
 from recompute.trace import trace
 from recompute.train import TrainConfig, train
 from recompute.train.run_files import checkpoints
-from test_zoo import ZOO
+from test_zoo import ZOO, TinyLM
 
 pytest.importorskip("transformers")
 
@@ -32,29 +32,12 @@ TRAIN = ["--steps", "4", "--seq-len", "32", "--micro-batch", "2", "--warmup", "1
 TRAIN += ["--device", "cpu", "--checkpoint-every", "2"]
 
 
-class _ByteLM(nn.Module):
-    """A factory's model in recompute's convention (``forward(idx, targets) -> (logits, loss)``), ``vocab`` ids."""
-
-    def __init__(self, vocab: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
-        self.head = nn.Linear(16, vocab)
-
-    def forward(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = x + block(x)
-        logits = self.head(x)
-        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def byte_factory() -> nn.Module:
-    return _ByteLM(256)
+    return TinyLM(256)
 
 
 def small_factory() -> nn.Module:
-    return _ByteLM(32)
+    return TinyLM(32)
 
 
 def config_json(kind: str, folder: Path, **changes: Any) -> str:
@@ -97,8 +80,8 @@ def test_bench_runs_a_factory(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "--model", f"{__name__}:small_factory", "--steps", "1", "--seq-len", "8", "--json"]
     assert main([*argv, "--micro-batch", "2", "--device", "cpu"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["spec"]["class"] == f"{__name__}._ByteLM" and data["spec"]["vocab"] == 32
-    assert data["notes"][0] == f"ran {__name__}._ByteLM built from {__name__}:small_factory"
+    assert data["spec"]["class"] == "test_zoo.TinyLM" and data["spec"]["vocab"] == 32
+    assert data["notes"][0] == f"ran test_zoo.TinyLM built from {__name__}:small_factory"
 
 
 @pytest.mark.parametrize(
@@ -154,7 +137,7 @@ def test_resume_with_another_config_is_refused(tmp_path: Path, capsys: pytest.Ca
 def test_train_runs_a_factory_and_records_it(tmp_path: Path) -> None:
     base = TrainConfig(model=f"{__name__}:byte_factory", steps=2, seq_len=16, micro_batch=2, sample_tokens=3)
     result = train(base.replace(out=str(tmp_path / "a"), device="cpu", warmup=1))
-    assert result.built == f"{__name__}._ByteLM built from {__name__}:byte_factory" and len(result.losses) == 2
+    assert result.built == f"test_zoo.TinyLM built from {__name__}:byte_factory" and len(result.losses) == 2
     saved = torch.load(checkpoints(tmp_path / "a")[-1], weights_only=True)["source"]
     assert saved.startswith(f"factory {__name__}:byte_factory sha256:")
     with pytest.raises(ConfigError, match=f"ids below 256 but {__name__}:small_factory has a vocabulary of 32"):

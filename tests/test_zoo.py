@@ -153,14 +153,14 @@ def test_layers_scaling_of_a_config(tmp_path: Path) -> None:
 # --- factories ------------------------------------------------------------------------------------------
 
 
-class _Tiny(nn.Module):
-    """A factory model in recompute's convention: ``forward(idx, targets) -> (logits, loss)``."""
+class TinyLM(nn.Module):
+    """A factory model in recompute's convention: ``forward(idx, targets) -> (logits, loss)``, ``vocab`` ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 32) -> None:
         super().__init__()
-        self.embed = nn.Embedding(32, 16)
+        self.embed = nn.Embedding(vocab, 16)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
-        self.head = nn.Linear(16, 32)
+        self.head = nn.Linear(16, vocab)
 
     def forward(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         x = self.embed(idx)
@@ -171,7 +171,7 @@ class _Tiny(nn.Module):
 
 
 def tiny_factory() -> nn.Module:
-    return _Tiny()
+    return TinyLM()
 
 
 def not_a_module() -> int:
@@ -181,7 +181,7 @@ def not_a_module() -> int:
 def test_factory_traces_and_verifies() -> None:
     source = resolve_source(f"{__name__}:tiny_factory")
     result = trace(source, Workload(seq_len=8, micro_batch=2, dtype="fp32", device="cpu"), "block")
-    assert result.n_layers == 2 and result.parameter_count == sum(p.numel() for p in _Tiny().parameters())
+    assert result.n_layers == 2 and result.parameter_count == sum(p.numel() for p in TinyLM().parameters())
     assert result.layers[0].components == {"checkpoint": 2 * 8 * 16 * 4}
     model = build_source(source).model
     assert verify(model, "block", seq_len=8).bit_exact
