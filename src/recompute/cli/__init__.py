@@ -41,6 +41,10 @@ COMMANDS: dict[str, Command] = {
         "profile",
         "each kind of layer of the real model under every policy: bytes kept and held, replay, FLOPs (fake tensors)",
     ),
+    "calibrate": Command(
+        "calibrate",
+        "measure this machine's device for the time model: matmul, attention, bandwidth, element-wise ops, overhead",
+    ),
     "validate": Command(
         "validate", "the analytic model against the trace for every preset, policy and attention: per-layer error"
     ),

@@ -15,7 +15,8 @@ from pathlib import Path
 from recompute.cli._common import add_model_args, add_workload_args, emit_json, workload_from, writable
 from recompute.cli._lazy import torch_floor
 from recompute.cli._profiled import add_profile_args, profile_for, wants_profile
-from recompute.cli.render import render_plan, render_profile_plan
+from recompute.cli._timed import preset_works, time_device, untimed_reason
+from recompute.cli.render import device_note, render_plan, render_profile_plan
 from recompute.core.errors import ConfigError, require
 from recompute.core.hardware import gpu_by_name, usable_bytes
 from recompute.core.plan import parse_budget, plan
@@ -23,6 +24,7 @@ from recompute.core.policy import Policy
 from recompute.core.profile import ProfilePlan, plan_profile
 from recompute.core.spec import ModelSpec, analytic_model
 from recompute.core.table import gib
+from recompute.core.timing import Device
 from recompute.core.workload import Workload
 
 __all__ = ["add_args", "run"]
@@ -37,9 +39,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     budget.add_argument("--gpu", help="a GPU name (e.g. h100-80gb): its usable memory is the budget")
     p.add_argument(
         "--cost",
-        choices=("flops", "measured"),
-        default="flops",
-        help="recompute cost: analytic FLOPs, or step times measured by `recompute bench` (--bench)",
+        choices=("time", "flops", "measured"),
+        default="time",
+        help="recompute cost: predicted time on the device (--gpu or --device-profile; default h100-80gb), "
+        "recomputed FLOPs, or step times measured by `recompute bench` (--bench)",
+    )
+    p.add_argument(
+        "--device-profile",
+        help="a `recompute calibrate -o` file: plan on predicted time on that device (default: --gpu's datasheet)",
     )
     p.add_argument("--bench", help="a `recompute bench --json` result of this model, for --cost measured")
     p.add_argument(
@@ -55,28 +62,58 @@ def run(args: argparse.Namespace) -> int:
     budget = float(usable_bytes(gpu_by_name(args.gpu))) if args.gpu else parse_budget(args.budget)
     if (args.cost == "measured") != (args.bench is not None):
         raise ConfigError("--cost measured needs --bench RESULTS.json (and --bench needs --cost measured)")
+    require(
+        args.cost == "time" or not args.device_profile,
+        "--device-profile prices time: drop it or use --cost time",
+        fields=("device_profile",),
+    )
+    device = time_device(args) if args.cost == "time" else None
     output = writable(args.output, "--output", "plan.json") if args.output else None
     if wants_profile(args):
-        return _run_profiled(args, budget, output)
+        return _run_profiled(args, budget, output, device)
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)
+    note = ""
+    times = None
+    if device is not None:
+        why_not = untimed_reason(args, wl)
+        if why_not:
+            note = f"planned on recomputed FLOPs: no time predicted with {why_not}"
+        else:
+            works = preset_works(spec, wl, quiet=args.json)
+            times = {name: work.seconds(device) for name, work in works.items()}
     traced = _traced_peak(spec, wl) if args.trace else None
-    result = plan(spec, wl, budget, measured=args.bench, traced_peak=traced)
+    result = plan(
+        spec,
+        wl,
+        budget,
+        measured=args.bench,
+        traced_peak=traced,
+        times=times,
+        time_device=device.label if device else "",
+    )
+    data = result.to_dict()
+    if times is not None and device is not None:
+        data["device"] = device.to_dict()
     if output:
-        output.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        output.write_text(json.dumps(data, indent=2) + "\n")
     if args.json:
-        emit_json(result.to_dict())
+        emit_json(data)
     else:
         print(render_plan(spec, wl, result))
+        if times is not None and device is not None:
+            print(device_note(device, wl))
+        if note:
+            print(f"note: {note}")
         if output:
             print(f"\nwrote {output}")
     return 0
 
 
-def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None) -> int:
-    require(args.cost == "flops", "--cost measured plans presets; a profiled model is planned on its FLOPs")
+def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, device: Device | None) -> int:
+    require(args.cost != "measured", "--cost measured plans presets; a profiled model is planned on predicted time")
     prof, wl = profile_for(args, quiet=args.json)
-    result = plan_profile(prof, budget)
+    result = plan_profile(prof, budget, device)
     traced = None
     if args.trace:
         result, traced = _fit_traced_profile(args.model, wl, result, budget)
@@ -108,7 +145,7 @@ def _fit_traced_profile(model: str, wl: Workload, result: ProfilePlan, budget: f
         if peak <= budget:
             return result, peak
         target -= peak - budget
-        result = plan_profile(result.profile, target)
+        result = plan_profile(result.profile, target, result.device)
     raise ConfigError(f"no plan's traced peak fits {gib(budget)}; raise the budget", fields=("budget",))
 
 

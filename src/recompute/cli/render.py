@@ -6,12 +6,32 @@ from collections.abc import Sequence
 
 from recompute.core.analytic.estimate import Estimate
 from recompute.core.plan import FrontierPoint, Plan
-from recompute.core.profile import Profile, ProfilePlan
+from recompute.core.profile import Composed, Profile, ProfilePlan
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table, size
+from recompute.core.timing import Device, Timing
 from recompute.core.workload import Workload
 
-__all__ = ["describe_workload", "layer_runs", "render_estimate", "render_plan", "render_profile", "render_profile_plan"]
+__all__ = [
+    "describe_workload",
+    "device_note",
+    "layer_runs",
+    "render_estimate",
+    "render_plan",
+    "render_profile",
+    "render_profile_plan",
+    "seconds",
+    "time_cells",
+]
+
+
+def device_note(device: Device, wl: Workload | None = None) -> str:
+    """One line saying where times are predicted and from what."""
+    kind = "calibrated" if device.source.startswith("calibrated") else "datasheet roofline"
+    traced = ""
+    if wl is not None and wl.device == "cuda" and device.kind != "cpu":
+        traced = "; kernels from the fake-tensor trace of the step"
+    return f"times: predicted on {device.label} ({kind}; see docs/time.md for what the model ignores){traced}"
 
 
 def describe_workload(spec: ModelSpec, wl: Workload) -> str:
@@ -29,11 +49,19 @@ def _saved_per_pct(base: Estimate, e: Estimate) -> str:
     return gib((base.activation_bytes - e.activation_bytes) / (100 * e.overhead))
 
 
-def render_estimate(spec: ModelSpec, wl: Workload, rows: Sequence[Estimate], chosen: Estimate) -> str:
-    """The policy table, then the breakdown of ``chosen``."""
+def render_estimate(
+    spec: ModelSpec,
+    wl: Workload,
+    rows: Sequence[Estimate],
+    chosen: Estimate,
+    times: Sequence[Timing] | None = None,
+    time_note: str = "",
+) -> str:
+    """The policy table (with predicted ``times`` per row when given), then the breakdown of ``chosen``."""
     base = next((e for e in rows if e.policy == "none"), rows[0])
+    timed = ["step time", "tokens/s", "time overhead"] if times else []
     table = render_table(
-        ["policy", "activations", "total", "peak", "overhead", "saved per 1% overhead"],
+        ["policy", "activations", "total", "peak", "FLOP overhead", *timed, "saved per 1% FLOPs"],
         [
             [
                 e.policy,
@@ -41,9 +69,10 @@ def render_estimate(spec: ModelSpec, wl: Workload, rows: Sequence[Estimate], cho
                 gib(e.total),
                 gib(e.peak),
                 f"{100 * e.overhead:.1f}%",
+                *(time_cells(times[i]) if times else []),
                 _saved_per_pct(base, e),
             ]
-            for e in rows
+            for i, e in enumerate(rows)
         ],
     )
     st = chosen.states
@@ -67,9 +96,24 @@ def render_estimate(spec: ModelSpec, wl: Workload, rows: Sequence[Estimate], cho
         "",
         f"FLOPs per micro-batch: model {chosen.model_flops:.3e}, recomputed {chosen.recompute_flops:.3e} "
         f"(+{100 * chosen.overhead:.1f}%)",
+        *([time_note] if time_note else []),
         *(f"note: {n}" for n in chosen.notes),
     ]
     return "\n".join(lines)
+
+
+def time_cells(t: Timing) -> list[str]:
+    """Step time, tokens/s and time overhead of one prediction, as table cells."""
+    return [seconds(t.step), f"{t.tokens_per_second:,.0f}", f"{100 * t.overhead:+.1f}%"]
+
+
+def seconds(value: float) -> str:
+    """``812 ms``, ``1.42 s``, ``37.1 us``."""
+    if value >= 1:
+        return f"{value:.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value * 1e6:.1f} us"
 
 
 def layer_runs(layers: Sequence[str]) -> str:
@@ -88,16 +132,20 @@ def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) 
     est = plan.estimate
     chosen = next(p for p in plan.frontier if p.cost == plan.cost and p.peak <= plan.budget)
     sample = sorted({*_sample(plan.frontier, points), chosen}, key=lambda p: p.peak)
+    over = "time overhead" if plan.timed else "overhead"
+    timed = ["step time", "tokens/s"] if plan.timed else []
+
+    def cells(p: FrontierPoint) -> list[str]:
+        step = plan.model_cost + p.cost
+        return [f"{100 * p.overhead:.1f}%", *([seconds(step), f"{plan.tokens / step:,.0f}"] if plan.timed else [])]
+
     frontier = render_table(
-        ["", "peak", "overhead", "plan (first pipeline stage)"],
-        [["*" if p is chosen else "", gib(p.peak), f"{100 * p.overhead:.1f}%", _counts(p.layers)] for p in sample],
+        ["", "peak", over, *timed, "plan (first pipeline stage)"],
+        [["*" if p is chosen else "", gib(p.peak), *cells(p), _counts(p.layers)] for p in sample],
     )
     uniform = render_table(
-        ["uniform policy", "peak", "overhead", "fits"],
-        [
-            [n, gib(p.peak), f"{100 * p.overhead:.1f}%", "yes" if p.peak <= plan.budget else "no"]
-            for n, p in plan.uniform.items()
-        ],
+        ["uniform policy", "peak", over, *timed, "fits"],
+        [[n, gib(p.peak), *cells(p), "yes" if p.peak <= plan.budget else "no"] for n, p in plan.uniform.items()],
     )
     return "\n".join(
         [
@@ -105,7 +153,7 @@ def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) 
             f"budget {gib(plan.budget)}; cost in {plan.cost_kind}",
             "",
             f"plan: {layer_runs(plan.policy.per_layer(spec.n_layers))}",
-            f"predicted peak {gib(est.peak)} ({est.peak_phase}), recompute overhead {100 * plan.overhead:.1f}%"
+            f"predicted peak {gib(est.peak)} ({est.peak_phase}), recompute {over} {100 * plan.overhead:.1f}%"
             + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else ""),
             render_table(
                 ["component", "bytes"],
@@ -136,8 +184,9 @@ def _flops(n: float) -> str:
     return f"{n / 1e12:.2f} TF" if abs(n) >= 1e11 else f"{n / 1e9:.2f} GF"
 
 
-def render_profile(profile: Profile) -> str:
-    """Every layer kind by policy: bytes saved and held, the replay's transient, FLOPs; then uniform peaks."""
+def render_profile(profile: Profile, device: Device | None = None) -> str:
+    """Every layer kind by policy: bytes saved and held, the replay's transient, FLOPs (and the replay's predicted
+    time on ``device``); then the uniform policies' peaks (and step times)."""
     w = profile.workload
     out = [
         f"{profile.model} ({profile.class_name}): b={w['micro_batch']} s={w['seq_len']} {w['dtype']} on "
@@ -152,6 +201,7 @@ def render_profile(profile: Profile) -> str:
                 size(kind.replay_transient(name)),
                 _flops(kind.recompute_flops(name)),
                 f"{kind.recompute_flops(name) / max(1, kind.forward_flops + kind.backward_flops['none']):.1%}",
+                *([seconds(kind.recompute_seconds(name, device))] if device else []),
             ]
             for name in kind.policies
         ]
@@ -159,40 +209,61 @@ def render_profile(profile: Profile) -> str:
             "",
             f"{kind.name}: {len(kind.layers)} layer{'s' if len(kind.layers) != 1 else ''}, "
             f"{kind.parameters:,} parameters each, forward {_flops(kind.forward_flops)}",
-            render_table(["policy", "saved", "held", "replay transient", "recompute", "of layer step"], rows),
+            render_table(
+                ["policy", "saved", "held", "replay transient", "recompute", "of layer step"]
+                + (["replay time"] if device else []),
+                rows,
+            ),
         ]
         out += [f"  {name}: cannot apply ({why})" for name, why in kind.refused.items()]
     uniform = [
         [name, gib(c.peak), c.peak_phase, gib(c.activations), f"{c.overhead(profile.step_flops):.1%}"]
+        + (_composed_time(c, profile.tokens) if device else [])
         for name in profile.applicable()
-        for c in [profile.compose([name] * profile.n_layers)]
+        for c in [profile.compose([name] * profile.n_layers, device)]
     ]
+    timed = ["step time", "tokens/s", "time overhead"] if device else []
     out += [
         "",
         f"whole step, every layer alike ({profile.parameter_count:,} parameters; step {_flops(profile.step_flops)}):",
-        render_table(["policy", "peak", "at", "activations", "recompute overhead"], uniform),
+        render_table(["policy", "peak", "at", "activations", "FLOP overhead", *timed], uniform),
         "",
         *(f"note: {n}" for n in profile.notes),
     ]
     return "\n".join(out)
 
 
+def _composed_time(c: Composed, tokens: int) -> list[str]:
+    if c.step_seconds is None or c.time_overhead is None:
+        return ["-", "-", "-"]
+    return time_cells(Timing("", c.step_seconds, tokens / c.step_seconds, c.time_overhead))
+
+
 def render_profile_plan(result: ProfilePlan) -> str:
-    """The chosen plan from a profile, the uniform policies and the frontier."""
+    """The chosen plan from a profile, the uniform policies and the frontier (times when planned on a device)."""
     p, c = result.profile, result.chosen
-    rows = [[name, gib(u.peak), f"{u.overhead(p.step_flops):.1%}"] for name, u in result.uniform.items()]
-    front = [[gib(f.peak), f"{f.overhead(p.step_flops):.1%}", _counts(f.layers)] for f in result.frontier]
+    timed = ["step time", "tokens/s", "time overhead"] if result.device else []
+
+    def cells(x: Composed) -> list[str]:
+        return [f"{x.overhead(p.step_flops):.1%}", *(_composed_time(x, p.tokens) if result.device else [])]
+
+    rows = [[name, gib(u.peak), *cells(u)] for name, u in result.uniform.items()]
+    front = [[gib(f.peak), *cells(f), _counts(f.layers)] for f in result.frontier]
+    cost = f"recompute {c.overhead(p.step_flops):.1%} of the step's FLOPs"
+    if result.device and c.step_seconds is not None and c.time_overhead is not None:
+        tokens = p.tokens / c.step_seconds
+        cost += f"; step {seconds(c.step_seconds)} ({c.time_overhead:+.1%} time), {tokens:,.0f} tokens/s"
     return "\n".join(
         [
             f"{p.model} ({p.class_name}), budget {gib(result.budget)}: from its profile {p.key} "
             f"(b={p.workload['micro_batch']} s={p.workload['seq_len']} {p.workload['dtype']})",
-            f"plan: {layer_runs(c.layers)}",
-            f"  peak {gib(c.peak)} ({c.peak_phase}), activations {gib(c.activations)}, "
-            f"recompute {result.overhead:.1%} of the step's FLOPs",
+            f"plan ({'least predicted time' if result.device else 'fewest recomputed FLOPs'}): {layer_runs(c.layers)}",
+            f"  peak {gib(c.peak)} ({c.peak_phase}), activations {gib(c.activations)}, {cost}",
             "",
-            render_table(["every layer", "peak", "overhead"], rows),
+            render_table(["every layer", "peak", "FLOP overhead", *timed], rows),
             "",
-            "frontier (peak vs recompute):",
-            render_table(["peak", "overhead", "layers"], front),
+            f"frontier (peak vs {'time' if result.device else 'recompute'}):",
+            render_table(["peak", "FLOP overhead", *timed, "layers"], front),
+            *([device_note(result.device)] if result.device else []),
         ]
     )

@@ -1,4 +1,4 @@
-"""GPUs as data rows: memory, peak dense bf16 FLOP/s, and how much of the memory a training step can use.
+"""GPUs as data rows: memory, dense matmul peaks by dtype, bandwidths, and how much of the memory a step can use.
 
 Each row names its sources. ``memory`` is the total the driver reports (``nvidia-smi``'s ``memory.total``,
 which is also what ``torch.cuda.get_device_properties(i).total_memory`` reports), not the marketing figure:
@@ -12,8 +12,20 @@ from dataclasses import dataclass
 
 from recompute.core.errors import ConfigError
 from recompute.core.table import GiB, MiB
+from recompute.core.timing import Curve, Device
 
-__all__ = ["CONTEXT_RESERVE", "FRAGMENTATION", "GPU", "GPUS", "gpu_by_name", "usable_bytes"]
+__all__ = [
+    "BANDWIDTH_SHARE",
+    "CONTEXT_RESERVE",
+    "FRAGMENTATION",
+    "GPU",
+    "GPUS",
+    "KERNEL_OVERHEAD",
+    "MATMUL_SHARE",
+    "datasheet_device",
+    "gpu_by_name",
+    "usable_bytes",
+]
 
 
 CONTEXT_RESERVE = 1 * GiB
@@ -27,11 +39,13 @@ cached but not reusable for the next size asked for. An allowance; ``expandable_
 
 _SMI = "nvidia-smi memory.total as logged publicly"
 _MODAL = "nvidia-smi memory.total per GPU type, modal-labs/modal-client PR #2797"
+_LENT = "nvidia-smi memory.total on the H100 the device tool lends (81559 MiB)"
+_PCIE4, _PCIE5 = 32e9, 64e9  # x16 per direction, as the PCI-SIG specifications state
 
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator model."""
+    """One accelerator model: memory, dense matmul peaks by dtype, memory bandwidth and host link."""
 
     name: str
     """Lower-case id used on the command line, e.g. ``h100-80gb``."""
@@ -42,7 +56,23 @@ class GPU:
     label: str
     """Marketing name."""
     source: str
-    """Where ``memory`` and ``peak_bf16`` come from."""
+    """Where the figures come from."""
+    peak_tf32: float = 0.0
+    """Dense TF32 tensor-core FLOP/s (what an fp32 matmul gets with ``allow_tf32``)."""
+    peak_fp32: float = 0.0
+    """fp32 FLOP/s without tensor cores (PyTorch's default for fp32 matmuls on NVIDIA GPUs); the matrix-core
+    fp32 rate on AMD."""
+    bandwidth: float = 0.0
+    """Device memory bandwidth, bytes per second."""
+    host_link: float = _PCIE4
+    """Host-to-device bandwidth per direction, bytes per second (the PCIe generation's x16 rate)."""
+    kind: str = "cuda"
+    """``cuda`` or ``rocm``: what ``torch`` calls the device either way is ``cuda``."""
+
+    @property
+    def peak_fp16(self) -> float:
+        """Dense fp16 tensor-core FLOP/s: the bf16 rate on every GPU listed."""
+        return self.peak_bf16
 
 
 GPUS: dict[str, GPU] = {
@@ -53,45 +83,144 @@ GPUS: dict[str, GPU] = {
             81559 * MiB,
             989.4e12,
             "NVIDIA H100 SXM5 80GB",
-            f"{_MODAL}; NVIDIA H100 datasheet (BF16 1,979 TFLOPS with sparsity)",
+            f"{_MODAL}; NVIDIA H100 datasheet (SXM: BF16 1,979 TFLOPS and TF32 989 with sparsity, FP32 67 TFLOPS, "
+            "3.35 TB/s, PCIe Gen5)",
+            peak_tf32=494.7e12,
+            peak_fp32=66.9e12,
+            bandwidth=3.35e12,
+            host_link=_PCIE5,
+        ),
+        GPU(
+            "h100-pcie-80gb",
+            81559 * MiB,
+            756.5e12,
+            "NVIDIA H100 PCIe 80GB",
+            f"{_LENT}, assumed the same for the PCIe card; NVIDIA H100 datasheet (PCIe: BF16 1,513 TFLOPS and TF32 "
+            "756 with sparsity, FP32 51 TFLOPS, 2 TB/s, PCIe Gen5)",
+            peak_tf32=378e12,
+            peak_fp32=51.2e12,
+            bandwidth=2.0e12,
+            host_link=_PCIE5,
         ),
         GPU(
             "h200-141gb",
             143771 * MiB,
             989.4e12,
             "NVIDIA H200 141GB",
-            f"{_SMI} (H200 NVL); NVIDIA H200 datasheet (BF16 1,979 TFLOPS with sparsity, SXM)",
+            f"{_SMI} (H200 NVL); NVIDIA H200 datasheet (SXM: BF16 1,979 TFLOPS and TF32 989 with sparsity, FP32 67 "
+            "TFLOPS, 4.8 TB/s, PCIe Gen5)",
+            peak_tf32=494.7e12,
+            peak_fp32=66.9e12,
+            bandwidth=4.8e12,
+            host_link=_PCIE5,
+        ),
+        GPU(
+            "b200-180gb",
+            183359 * MiB,
+            2.25e15,
+            "NVIDIA B200 180GB",
+            f"{_SMI}; NVIDIA HGX B200 datasheet (per GPU: FP16/BF16 4.5 PFLOPS and TF32 2.2 with sparsity, 8 TB/s); "
+            "FP32 without tensor cores 80 TFLOPS from NVIDIA's Blackwell architecture brief; PCIe Gen5 hosts",
+            peak_tf32=1.1e15,
+            peak_fp32=80e12,
+            bandwidth=8.0e12,
+            host_link=_PCIE5,
         ),
         GPU(
             "a100-80gb",
             81920 * MiB,
             312e12,
             "NVIDIA A100 SXM4 80GB",
-            f"{_MODAL}; NVIDIA A100 datasheet (BF16 312 TFLOPS, 624 with sparsity)",
+            f"{_MODAL}; NVIDIA A100 datasheet (BF16 312 TFLOPS, 624 with sparsity; TF32 156; FP32 19.5; 2,039 GB/s; "
+            "PCIe Gen4)",
+            peak_tf32=156e12,
+            peak_fp32=19.5e12,
+            bandwidth=2.039e12,
         ),
         GPU(
             "a100-40gb",
             40960 * MiB,
             312e12,
             "NVIDIA A100 40GB",
-            f"{_MODAL}; NVIDIA A100 datasheet (BF16 312 TFLOPS, 624 with sparsity)",
+            f"{_MODAL}; NVIDIA A100 datasheet (BF16 312 TFLOPS, 624 with sparsity; TF32 156; FP32 19.5; 1,555 GB/s; "
+            "PCIe Gen4)",
+            peak_tf32=156e12,
+            peak_fp32=19.5e12,
+            bandwidth=1.555e12,
         ),
         GPU(
             "l40s-48gb",
             46068 * MiB,
             362.05e12,
             "NVIDIA L40S 48GB",
-            f"{_MODAL}; NVIDIA L40S datasheet (BF16 362.05 TFLOPS, 733 with sparsity)",
+            f"{_MODAL}; NVIDIA L40S datasheet (BF16 362.05 TFLOPS, 733 with sparsity; TF32 183; FP32 91.6; 864 GB/s; "
+            "PCIe Gen4)",
+            peak_tf32=183e12,
+            peak_fp32=91.6e12,
+            bandwidth=864e9,
         ),
         GPU(
             "rtx4090-24gb",
             24564 * MiB,
             165.2e12,
             "NVIDIA GeForce RTX 4090 24GB",
-            f"{_SMI} (RLinf/RLinf issue #255); NVIDIA Ada Lovelace whitepaper (BF16 with FP32 accumulate 165.2 TFLOPS)",
+            f"{_SMI} (RLinf/RLinf issue #255); NVIDIA Ada Lovelace whitepaper (BF16 with FP32 accumulate 165.2 "
+            "TFLOPS, TF32 82.6, FP32 82.6, 1,008 GB/s, PCIe Gen4)",
+            peak_tf32=82.6e12,
+            peak_fp32=82.6e12,
+            bandwidth=1.008e12,
+        ),
+        GPU(
+            "mi300x-192gb",
+            196288 * MiB,
+            1307.4e12,
+            "AMD Instinct MI300X 192GB",
+            "rocm-smi VRAM total as logged publicly (205,822,885,888 bytes); AMD Instinct MI300X datasheet (BF16 "
+            "1,307.4 TFLOPS dense, TF32 653.7, FP32 matrix 163.4, 5.3 TB/s, PCIe Gen5)",
+            peak_tf32=653.7e12,
+            peak_fp32=163.4e12,
+            bandwidth=5.3e12,
+            host_link=_PCIE5,
+            kind="rocm",
         ),
     )
 }
+
+
+MATMUL_SHARE = 0.8
+"""Share of the datasheet's dense matmul peak a large matmul reaches: 798 of 989 TFLOP/s for an 8192-cube bf16
+product on the lent H100 SXM (``/work/.library/device/KINDS.md``, and ``recompute calibrate`` there,
+benchmarks/results/time_model_gpu.json). A stated allowance for a row not calibrated."""
+
+BANDWIDTH_SHARE = 0.9
+"""Share of the datasheet's memory bandwidth a large copy reaches (3.0 of 3.35 TB/s on the same H100)."""
+
+KERNEL_OVERHEAD = 6e-6
+"""Seconds of host work per eager PyTorch kernel on a GPU (dispatch plus launch); ``recompute calibrate``
+measures it."""
+
+
+def datasheet_device(gpu: str | GPU) -> Device:
+    """A roofline ``Device`` from a table row: flat rate curves at the datasheet peaks times the shares above.
+
+    An uncalibrated prediction: small ops run below these rates, so it is optimistic for small models; use
+    ``recompute calibrate`` on the device for figures to trust.
+    """
+    row = gpu_by_name(gpu)
+    matmul = {"bfloat16": row.peak_bf16, "float16": row.peak_fp16, "float32": row.peak_fp32 or row.peak_bf16 / 16}
+    compute = {f"matmul.{dt}": Curve.flat(MATMUL_SHARE * r) for dt, r in matmul.items()}
+    memory = Curve.flat(BANDWIDTH_SHARE * row.bandwidth)
+    return Device(
+        name=row.name,
+        kind=row.kind,
+        label=row.label,
+        compute=compute,
+        bandwidth={"memory": memory, "math": memory},
+        overhead=KERNEL_OVERHEAD,
+        host_link=row.host_link,
+        memory=row.memory,
+        source=f"datasheet: {row.source}; matmul at {MATMUL_SHARE:.0%} and bandwidth at {BANDWIDTH_SHARE:.0%} of peak",
+    )
 
 
 def gpu_by_name(name: str | GPU) -> GPU:

@@ -18,7 +18,7 @@ and repeated on every stage. Torch-free.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -109,12 +109,25 @@ class Plan:
     uniform: dict[str, FrontierPoint] = field(default_factory=dict)
     traced_peak: float | None = None
     """The chosen plan's peak by ``recompute.trace`` (``plan(..., traced=True)``), else ``None``."""
+    model_cost: float = 0.0
+    """The step's cost without recomputation, in the unit of ``cost`` (a step time when costs are seconds)."""
+    tokens: int = 0
+    """Tokens per micro-batch (b x s), for tokens/s when costs are seconds."""
+
+    @property
+    def timed(self) -> bool:
+        """Costs are seconds (predicted or measured): a point's step time is ``model_cost + cost``."""
+        return "seconds" in self.cost_kind
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file: ``Policy.from_dict`` reads its ``policy`` entry, so ``apply`` takes the file as is."""
 
         def point(p: FrontierPoint) -> dict[str, Any]:
-            return {"peak": p.peak, "cost": p.cost, "overhead": p.overhead, "layers": list(p.layers)}
+            out = {"peak": p.peak, "cost": p.cost, "overhead": p.overhead, "layers": list(p.layers)}
+            if self.timed:
+                step = self.model_cost + p.cost
+                out |= {"step_seconds": step, "tokens_per_second": self.tokens / step if step else None}
+            return out
 
         return {
             "format": "recompute.plan/1",
@@ -129,6 +142,7 @@ class Plan:
                 "activations": self.estimate.activations,
                 "overhead": self.overhead,
                 "cost": self.cost,
+                "model_cost": self.model_cost,
                 "traced_peak": self.traced_peak,
             },
             "frontier": [point(p) for p in self.frontier],
@@ -167,12 +181,22 @@ class _Chain:
         return self.states + max(self.k * S + self.loss_extra, top, bottom, self.after)
 
 
-def policy_costs(spec: ModelSpec, wl: Workload, measured: str | Path | None = None) -> tuple[dict[str, float], float]:
-    """Per-layer recompute cost of each policy and the model cost of a step, in FLOPs or measured seconds.
+def policy_costs(
+    spec: ModelSpec,
+    wl: Workload,
+    measured: str | Path | None = None,
+    times: Mapping[str, float] | None = None,
+) -> tuple[dict[str, float], float]:
+    """Per-layer recompute cost of each policy and the model cost of a step, in FLOPs or seconds.
 
     A measured file is a ``recompute bench --json`` result: its per-policy step times give each policy's
-    per-layer cost as (t_policy - t_none) / L.
+    per-layer cost as (t_policy - t_none) / L. ``times`` are predicted step times of each uniform policy
+    (``recompute.core.timing``), used the same way.
     """
+    if times is not None:
+        missing = [p for p in POLICIES if p not in times]
+        require(not missing, f"no predicted step time for {', '.join(missing)}")
+        return {p: max(0.0, (times[p] - times["none"]) / spec.n_layers) for p in POLICIES}, times["none"]
     if measured is None:
         lf = layer_flops(spec, wl)
         return {p: lf.recomputed(p) for p in POLICIES}, model_flops(spec, wl)
@@ -257,10 +281,16 @@ def _candidates(chain: _Chain) -> list[FrontierPoint]:
     return best
 
 
-def frontier(spec: ModelSpec, wl: Workload, *, measured: str | Path | None = None) -> list[FrontierPoint]:
+def frontier(
+    spec: ModelSpec,
+    wl: Workload,
+    *,
+    measured: str | Path | None = None,
+    times: Mapping[str, float] | None = None,
+) -> list[FrontierPoint]:
     """The Pareto frontier of predicted peak vs recompute cost, smallest peak first."""
     wl.check(spec)
-    return _candidates(_chain(spec, wl, *policy_costs(spec, wl, measured)))
+    return _candidates(_chain(spec, wl, *policy_costs(spec, wl, measured, times)))
 
 
 def _fitting(points: Sequence[FrontierPoint], budget: float) -> FrontierPoint | None:
@@ -293,11 +323,15 @@ def plan(
     *,
     measured: str | Path | None = None,
     traced_peak: Callable[[Policy], float] | None = None,
+    times: Mapping[str, float] | None = None,
+    time_device: str = "",
 ) -> Plan:
     """The least-cost per-layer policy whose predicted peak is at most ``budget`` bytes.
 
     Args:
         measured: a ``recompute bench --json`` result of this model: plan on its measured step times.
+        times: predicted step seconds of every uniform policy on ``time_device`` (``recompute.core.timing``):
+            plan on predicted time.
         traced_peak: the peak of a policy's real step, e.g. ``recompute.trace``'s on fake tensors (the CLI's
             ``plan --trace``); while the chosen plan's is over the budget, re-plan against a budget lowered by
             the overshoot. The analytic peak is within 0.7 % of the trace
@@ -308,7 +342,7 @@ def plan(
         ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
     """
     wl.check(spec)
-    chain = _chain(spec, wl, *policy_costs(spec, wl, measured))
+    chain = _chain(spec, wl, *policy_costs(spec, wl, measured, times))
     points = _candidates(chain)
     chosen = _fitting(points, budget)
     if chosen is None:
@@ -330,10 +364,16 @@ def plan(
         estimate=estimate(spec, wl, policy),
         cost=chosen.cost,
         overhead=chosen.overhead,
-        cost_kind="measured seconds" if measured else "FLOPs",
+        cost_kind="measured seconds"
+        if measured
+        else f"predicted seconds on {time_device or 'a device'}"
+        if times is not None
+        else "FLOPs",
         frontier=tuple(points),
         uniform=uniform,
         traced_peak=peak_of_trace,
+        model_cost=chain.model_cost,
+        tokens=wl.micro_batch * wl.seq_len,
     )
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from recompute.core.errors import ConfigError, require
 from recompute.core.table import GiB, gib
+from recompute.core.timing import Device, Op, StepWork, work_seconds
 
 __all__ = [
     "FORMAT",
@@ -52,7 +53,7 @@ __all__ = [
     "smallest_peak",
 ]
 
-FORMAT = "recompute.profile/1"
+FORMAT = "recompute.profile/2"
 
 PROFILED_WORKLOAD = ("micro_batch", "seq_len", "dtype", "attention", "device", "keep_grads")
 """The workload fields a profile depends on (one device: no parallelism)."""
@@ -78,10 +79,14 @@ def cache_key(model: dict[str, Any], workload: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """``$RECOMPUTE_CACHE``, default ``~/.cache/recompute``: measured profiles and step work are kept there."""
+    return Path(os.environ.get("RECOMPUTE_CACHE") or Path.home() / ".cache" / "recompute")
+
+
 def cache_path(key: str) -> Path:
-    """Where a profile is cached: ``$RECOMPUTE_CACHE/profiles/<key>.json`` (default ``~/.cache/recompute``)."""
-    root = Path(os.environ.get("RECOMPUTE_CACHE") or Path.home() / ".cache" / "recompute")
-    return root / "profiles" / f"{key}.json"
+    """Where a profile is cached: ``$RECOMPUTE_CACHE/profiles/<key>.json``."""
+    return cache_root() / "profiles" / f"{key}.json"
 
 
 def cached(key: str) -> Profile | None:
@@ -128,6 +133,10 @@ class LayerKind:
     """``forward_flops`` by op."""
     backward_ops: dict[str, dict[str, int]]
     """``backward_flops`` by op, by policy."""
+    forward_work: dict[str, tuple[Op, ...]] = field(default_factory=dict)
+    """Every kernel of the layer's forward phase by work signature, by policy (``recompute.core.timing``)."""
+    backward_work: dict[str, tuple[Op, ...]] = field(default_factory=dict)
+    """The same for its backward phase, the replay included."""
     refused: dict[str, str] = field(default_factory=dict)
     """Policies that cannot apply to this layer, with the reason."""
 
@@ -146,6 +155,14 @@ class LayerKind:
     def recompute_flops(self, policy: str) -> int:
         return self.backward_flops[policy] - self.backward_flops["none"]
 
+    def seconds(self, policy: str, device: Device) -> float:
+        """Predicted time of the layer's forward and backward (the replay included) under ``policy``."""
+        return work_seconds(self.forward_work[policy], device) + work_seconds(self.backward_work[policy], device)
+
+    def recompute_seconds(self, policy: str, device: Device) -> float:
+        """Predicted time ``policy`` adds to the layer: its replay, priced by the roofline of ``device``."""
+        return self.seconds(policy, device) - self.seconds("none", device)
+
     def replay_transient(self, policy: str) -> int:
         """Bytes the layer's backward peak holds beyond ``none``'s there, apart from what it keeps: the replay."""
         return self.backward_delta[policy] - self.held_delta(policy)
@@ -161,9 +178,21 @@ class Composed:
     activations: int
     """Bytes kept for the backward by the layers, the embedding and the head."""
     recompute_flops: int
+    recompute_seconds: float | None = None
+    """The replays' predicted time on the device the assignment was composed for (``compose(..., device)``)."""
+    step_seconds: float | None = None
+    """The whole step's predicted time there."""
 
     def overhead(self, step_flops: int) -> float:
         return self.recompute_flops / step_flops if step_flops else 0.0
+
+    @property
+    def time_overhead(self) -> float | None:
+        """Replay time over the time of the same step without it."""
+        if self.recompute_seconds is None or self.step_seconds is None:
+            return None
+        base = self.step_seconds - self.recompute_seconds
+        return self.recompute_seconds / base if base else 0.0
 
 
 @dataclass(frozen=True)
@@ -203,6 +232,10 @@ class Profile:
     head_kept: int
     step_flops: int
     """FLOPs of one step under ``none`` (forward and backward)."""
+    outer_work: dict[str, tuple[Op, ...]] = field(default_factory=dict)
+    """Every kernel of the phases outside the layers (embedding, head and loss, optimizer step), by phase."""
+    tokens: int = 0
+    """Tokens of the profiled step (micro-batch x sequence)."""
     notes: tuple[str, ...] = ()
     versions: dict[str, str] = field(default_factory=dict)
     seconds: float = field(default=0.0, compare=False)
@@ -218,12 +251,26 @@ class Profile:
         """The link of layer ``i`` to layer ``i + 1`` (``links``)."""
         return self.links[f"{self.layer_kind[i]}>{self.layer_kind[i + 1]}"]
 
+    def step_work(self, layers: Sequence[str]) -> StepWork:
+        """Every kernel of the step under a per-layer assignment: the phases outside the layers, then each
+        layer's under its policy (measured per kind, so exact for layers of one kind alike)."""
+        phases = dict(self.outer_work)
+        for i, name in enumerate(layers):
+            kind = self.kind_of(i)
+            phases[f"forward of layer {i}"] = kind.forward_work[name]
+            phases[f"backward of layer {i}"] = kind.backward_work[name]
+        return StepWork(phases, self.tokens)
+
+    def step_seconds(self, layers: Sequence[str], device: Device) -> float:
+        return self.step_work(layers).seconds(device)
+
     def applicable(self) -> tuple[str, ...]:
         """Policies every layer takes."""
         return tuple(p for p in self.kinds[0].policies if all(p in k.kept for k in self.kinds))
 
-    def compose(self, layers: Sequence[str]) -> Composed:
-        """The exact peak, activations and recompute FLOPs of a per-layer assignment (module docstring).
+    def compose(self, layers: Sequence[str], device: Device | None = None) -> Composed:
+        """The exact peak, activations and recompute FLOPs of a per-layer assignment (module docstring), and
+        with a ``device`` its predicted replay and step times there.
 
         Raises:
             ConfigError: the assignment has the wrong length or a policy a layer does not take.
@@ -256,7 +303,10 @@ class Profile:
                 phases["backward (head and loss)"] = self.head_backward + prefix + head_backward
         phase, peak = max(phases.items(), key=lambda kv: kv[1])
         kept = sum(self.base_kept) + saved + self.embedding_kept + self.head_kept
-        return Composed(tuple(layers), peak, phase, kept, flops)
+        if device is None:
+            return Composed(tuple(layers), peak, phase, kept, flops)
+        replay = sum(self.kind_of(i).recompute_seconds(name, device) for i, name in enumerate(layers))
+        return Composed(tuple(layers), peak, phase, kept, flops, replay, self.step_seconds(layers, device))
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, **asdict(self)}
@@ -265,7 +315,18 @@ class Profile:
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         require(data.get("format") == FORMAT, f"not a {FORMAT} file (format {data.get('format')!r})")
         body = {k: v for k, v in data.items() if k != "format"}
-        body["kinds"] = tuple(LayerKind(**{**k, "layers": tuple(k["layers"])}) for k in body["kinds"])
+        body["kinds"] = tuple(
+            LayerKind(
+                **{
+                    **k,
+                    "layers": tuple(k["layers"]),
+                    "forward_work": _works(k["forward_work"]),
+                    "backward_work": _works(k["backward_work"]),
+                }
+            )
+            for k in body["kinds"]
+        )
+        body["outer_work"] = _works(body["outer_work"])
         for key in ("layer_kind", "base_kept", "base_forward", "base_backward", "notes"):
             body[key] = tuple(body[key])
         body["links"] = {
@@ -294,6 +355,10 @@ class Profile:
             ) from None
 
 
+def _works(raw: dict[str, Any]) -> dict[str, tuple[Op, ...]]:
+    return {k: tuple((str(o[0]), str(o[1]), int(o[2]), int(o[3]), int(o[4])) for o in v) for k, v in raw.items()}
+
+
 @dataclass(frozen=True)
 class ProfilePlan:
     """The least-cost assignment that fits, from a profile, with the frontier and the uniform policies."""
@@ -303,29 +368,36 @@ class ProfilePlan:
     chosen: Composed
     frontier: tuple[Composed, ...]
     uniform: dict[str, Composed]
+    device: Device | None = None
+    """The device the plan's costs are predicted times on; None: the plan minimises recomputed FLOPs."""
 
     @property
     def overhead(self) -> float:
-        return self.chosen.overhead(self.profile.step_flops)
+        """The chosen plan's time overhead on the device, or its FLOP overhead."""
+        return _overhead(self.chosen, self.profile)
+
+    @property
+    def cost_kind(self) -> str:
+        return f"predicted seconds on {self.device.label}" if self.device else "FLOPs"
 
     def to_dict(self) -> dict[str, Any]:
         """A plan file: ``Policy.from_dict`` reads its ``policy`` entry, so ``apply`` takes the file as is."""
         p = self.profile
 
         def point(c: Composed) -> dict[str, Any]:
-            return {
-                "peak": c.peak,
-                "cost": c.recompute_flops,
-                "overhead": c.overhead(p.step_flops),
-                "layers": list(c.layers),
-            }
+            out = {"peak": c.peak, "cost": _cost(c), "overhead": _overhead(c, p), "layers": list(c.layers)}
+            if c.step_seconds is not None:
+                out |= {"step_seconds": c.step_seconds, "tokens_per_second": p.tokens / c.step_seconds}
+                out |= {"recompute_flops": c.recompute_flops, "flop_overhead": c.overhead(p.step_flops)}
+            return out
 
         return {
             "format": "recompute.plan/1",
             "model": p.model,
             "workload": p.workload,
             "budget": self.budget,
-            "cost_kind": "FLOPs",
+            "cost_kind": self.cost_kind,
+            "device": self.device.to_dict() if self.device else None,
             "source": f"profile {p.key} of {p.class_name} built from {p.origin}",
             "policy": {"format": "recompute.policy/1", "model": p.model, "layers": list(self.chosen.layers)},
             "predicted": {
@@ -333,7 +405,9 @@ class ProfilePlan:
                 "peak_phase": self.chosen.peak_phase,
                 "activations": self.chosen.activations,
                 "overhead": self.overhead,
-                "cost": self.chosen.recompute_flops,
+                "cost": _cost(self.chosen),
+                "step_seconds": self.chosen.step_seconds,
+                "tokens_per_second": p.tokens / self.chosen.step_seconds if self.chosen.step_seconds else None,
                 "traced_peak": None,
             },
             "frontier": [point(c) for c in self.frontier],
@@ -341,19 +415,31 @@ class ProfilePlan:
         }
 
 
+def _cost(c: Composed) -> float:
+    return c.recompute_seconds if c.recompute_seconds is not None else c.recompute_flops
+
+
+def _overhead(c: Composed, profile: Profile) -> float:
+    time = c.time_overhead
+    return time if time is not None else c.overhead(profile.step_flops)
+
+
 def _fits(profile: Profile, budget: float, *, costs: bool = True) -> Composed | None:
     """``_search``'s chosen assignment alone."""
     return _search(profile, budget, costs=costs)[0]
 
 
-def _search(profile: Profile, budget: float, *, costs: bool = True) -> tuple[Composed | None, list[Composed]]:
+def _search(
+    profile: Profile, budget: float, *, costs: bool = True, device: Device | None = None
+) -> tuple[Composed | None, list[Composed]]:
     """The least-cost assignment whose composed peak is at most ``budget``, or None (exact; module docstring).
 
     A state is (what the layers below the current one hold, cost so far, the current layer's policy); a layer's
     backward and what it holds depend on the next layer's policy, so both are settled when that is chosen.
     States with the same current policy are pruned to their Pareto set; every constraint grows with the held
     bytes, so nothing that could lead to a cheaper fitting plan is dropped. ``costs=False`` ignores the costs:
-    the least held bytes per policy are all that feasibility needs.
+    the least held bytes per policy are all that feasibility needs. The cost of a layer's policy is its
+    replay's predicted time on ``device``, or without one its recomputed FLOPs.
 
     Also returns the Pareto front of (peak, cost) among the final states: plans that fit, for the frontier.
     """
@@ -366,10 +452,13 @@ def _search(profile: Profile, budget: float, *, costs: bool = True) -> tuple[Com
 
     names_of = [list(k.policies) for k in profile.kinds]
     dk = [np.array([k.forward_delta[p] for p in names_of[j]], dtype=float) for j, k in enumerate(profile.kinds)]
-    rc = [
-        np.array([k.recompute_flops(p) if costs else 0 for p in names_of[j]], dtype=float)
-        for j, k in enumerate(profile.kinds)
-    ]
+
+    def layer_cost(k: LayerKind, p: str) -> float:
+        if not costs:
+            return 0.0
+        return k.recompute_seconds(p, device) if device is not None else float(k.recompute_flops(p))
+
+    rc = [np.array([layer_cost(k, p) for p in names_of[j]], dtype=float) for j, k in enumerate(profile.kinds)]
     tables = {}  # per link: what the layer holds and its backward delta, (its policy, the next one's)
     for key, link in profile.links.items():
         a, b = (int(x) for x in key.split(">"))
@@ -427,7 +516,7 @@ def _search(profile: Profile, budget: float, *, costs: bool = True) -> tuple[Com
         for parents, opts, step_names in reversed(steps):
             chosen.append(step_names[int(opts[index])])
             index = int(parents[index])
-        return profile.compose(chosen[::-1])
+        return profile.compose(chosen[::-1], device)
 
     order = fit[np.lexsort((total[fit], final[fit]))]
     best_before = np.concatenate(([np.inf], np.minimum.accumulate(total[order])[:-1]))
@@ -444,13 +533,14 @@ def smallest_peak(profile: Profile) -> float:
     return hi
 
 
-def plan_profile(profile: Profile, budget: float) -> ProfilePlan:
-    """The least-cost per-layer policy whose exact composed peak fits ``budget`` bytes.
+def plan_profile(profile: Profile, budget: float, device: Device | None = None) -> ProfilePlan:
+    """The least-cost per-layer policy whose exact composed peak fits ``budget`` bytes: least predicted time on
+    ``device`` (the replays priced by its roofline), or without one the fewest recomputed FLOPs.
 
     Raises:
         ConfigError: nothing fits; the message gives the smallest achievable peak.
     """
-    chosen, front = _search(profile, budget)
+    chosen, front = _search(profile, budget, device=device)
     if chosen is None:
         raise ConfigError(
             f"no plan fits {budget / GiB:.1f} GiB: the smallest achievable peak of {profile.model} at "
@@ -458,5 +548,5 @@ def plan_profile(profile: Profile, budget: float) -> ProfilePlan:
             f"{gib(smallest_peak(profile))} (by its profile); use a smaller micro-batch or sequence, or more GPUs",
             fields=("budget",),
         )
-    uniform = {p: profile.compose([p] * profile.n_layers) for p in profile.applicable()}
-    return ProfilePlan(profile=profile, budget=budget, chosen=chosen, frontier=tuple(front), uniform=uniform)
+    uniform = {p: profile.compose([p] * profile.n_layers, device) for p in profile.applicable()}
+    return ProfilePlan(profile, budget, chosen, tuple(front), uniform, device)

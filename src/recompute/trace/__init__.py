@@ -17,7 +17,8 @@ from recompute.trace._profile import cached_profile, profile, profile_key
 from recompute.trace._ranks import saved_bytes_per_layer
 from recompute.trace._render import render_trace
 from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
-from recompute.trace._run import trace, trace_layer, trace_module
+from recompute.trace._run import step_work, trace, trace_layer, trace_module
+from recompute.trace._work import cached_work
 
 __all__ = [
     "COMPONENTS",
@@ -25,11 +26,13 @@ __all__ = [
     "PartTrace",
     "TraceResult",
     "cached_profile",
+    "cached_work",
     "profile",
     "profile_key",
     "render_trace",
     "resolve_source",
     "saved_bytes_per_layer",
+    "step_work",
     "trace",
     "trace_layer",
     "trace_module",

@@ -13,6 +13,10 @@ PyTorch's formula table has no entry for two ops a CPU step runs; they are added
 conventions (2 FLOPs per multiply-add; attention counted as if no mask, as PyTorch counts SDPA):
 ``_scaled_dot_product_flash_attention_for_cpu`` (SDPA's CPU kernel, forward and backward) and
 ``_grouped_mm`` (transformers' MoE experts).
+
+It also files every kernel the step runs as a ``Work`` signature (op, dtype, FLOPs, bytes) under its phase,
+for the time model (``recompute.core.timing``): bytes are what the op reads (each input's memory span once)
+plus what it writes; views, and the allocations that run no kernel, are not kernels and are left out.
 """
 
 from __future__ import annotations
@@ -22,13 +26,21 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from recompute.trace._tracker import Phase, StepTracker
 
-__all__ = ["PhaseFlops"]
+__all__ = ["PhaseFlops", "op_name", "span", "tensors_of"]
 
 aten = torch.ops.aten
+
+_NO_KERNEL = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "resize_", "set_"}
+    | {"_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size"}
+    | {"_unsafe_view"}
+)
+"""Ops that allocate or read metadata and run no kernel (views are recognised by their schema)."""
 
 
 def _sdpa_cpu(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -57,21 +69,68 @@ _FORMULAS: dict[Any, Any] = {
 }
 
 
+def span(t: torch.Tensor) -> int:
+    """Bytes of memory a tensor covers: its elements for a dense one, less for a broadcast (stride 0) one."""
+    if t.numel() == 0:
+        return 0
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
+    return (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def op_name(func: Any, kwargs: dict[str, Any]) -> str:
+    """The op's name as the time model prices it: aten's, with GELU's tanh form told apart (three times the
+    cost of the erf form per element on a CPU)."""
+    name = str(func._overloadpacket).removeprefix("aten.")
+    if name in ("gelu", "gelu_backward") and kwargs.get("approximate") == "tanh":
+        return f"{name}[tanh]"
+    return name
+
+
+def tensors_of(inputs: Any, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The distinct tensors an op reads and the ones it writes that it did not read (in-place writes once)."""
+    seen: set[int] = set()
+    groups: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for group, leaves in zip(groups, (tree_leaves(inputs), tree_leaves(out))):
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                group.append(t)
+    return groups
+
+
+def _dtype(tensors: list[torch.Tensor]) -> str:
+    floating = next((t for t in tensors if t.is_floating_point()), None)
+    return str((floating if floating is not None else tensors[0]).dtype).removeprefix("torch.") if tensors else "-"
+
+
 class PhaseFlops(TorchDispatchMode):
-    """FLOPs by phase of the step and by op: ``by_phase[Phase][op name]``."""
+    """FLOPs by phase of the step and by op (``by_phase[Phase][op name]``), and every kernel's work signature
+    by phase (``work[Phase][(op, dtype, flops, bytes)]`` = how many times it ran)."""
 
     def __init__(self, tracker: StepTracker) -> None:
         super().__init__()
         self.tracker = tracker
         self.by_phase: dict[Phase, Counter[str]] = {}
+        self.work: dict[Phase, Counter[tuple[str, str, int, int]]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        name = op_name(func, kwargs)
         formula = _FORMULAS.get(func._overloadpacket)
-        if formula is not None:
-            flops = int(formula(*args, **kwargs, out_val=out))
-            if flops:
-                name = str(func._overloadpacket).removeprefix("aten.")
-                self.by_phase.setdefault(self.tracker.phase(), Counter())[name] += flops
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        phase = self.tracker.phase()
+        if flops:
+            self.by_phase.setdefault(phase, Counter())[name] += flops
+        if not func.is_view and name not in _NO_KERNEL and not name.startswith("prim."):
+            self._file(phase, name, flops, args, kwargs, out)
         return out
+
+    def _file(self, phase: Phase, name: str, flops: int, args: Any, kwargs: Any, out: Any) -> None:
+        inputs, outputs = tensors_of((args, kwargs), out)
+        tensors = outputs + inputs
+        if not tensors or not (outputs or name.endswith("_")):  # metadata queries return no tensor
+            return
+        nbytes = sum(span(t) for t in tensors)
+        self.work.setdefault(phase, Counter())[name, _dtype(tensors), flops, nbytes] += 1

@@ -46,6 +46,7 @@ from recompute.core.profile import (
 )
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
+from recompute.core.timing import work_list
 from recompute.core.workload import Workload
 from recompute.models.source import BuiltModel, ModelSource
 from recompute.runtime import TORCH_DTYPES, resolve_device
@@ -255,7 +256,10 @@ def _kind(
     ref, x = mine["none"]
     fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
     kept, held, comps, ops, d_f, d_b, b_flops, b_ops = {}, {}, {}, {}, {}, {}, {}, {}
+    f_work, b_work = {}, {}
     for name, (rec, _) in mine.items():
+        f_work[name] = work_list(rec.work.get(fwd, {}))
+        b_work[name] = work_list(rec.work.get(bwd, {}))
         records_x = [r for r in rec.saved if r.layer == x]
         kept[name] = sum(r.nbytes for r in records_x)
         held[name] = _held(rec, x)
@@ -280,6 +284,8 @@ def _kind(
         backward_flops=b_flops,
         forward_ops=f_ops,
         backward_ops=b_ops,
+        forward_work=f_work,
+        backward_work=b_work,
         refused=dict(refused),
     )
 
@@ -396,6 +402,12 @@ def _assemble(
         embedding_kept=_saved(base, -1),
         head_kept=_saved(base, -2),
         step_flops=sum(sum(ops.values()) for ph, ops in base.flops.items() if ph.stage != "optimizer"),
+        outer_work={
+            str(ph): work_list(w)
+            for ph, w in sorted(base.work.items(), key=lambda kv: kv[0].order())
+            if ph not in layer_phases
+        },
+        tokens=wl.micro_batch * wl.seq_len,
         notes=tuple(notes),
         versions=library_versions(),
         seconds=seconds,

@@ -9,11 +9,13 @@ Nothing is allocated, so Llama-3.1-70B at s = 8192 traces on a laptop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -21,6 +23,7 @@ from recompute.checkpointing import applied_policy, apply, find_layers
 from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.policy import Policy
 from recompute.core.spec import ModelSpec
+from recompute.core.timing import StepWork, scale_work, work_list
 from recompute.core.workload import Workload
 from recompute.models.loss import LossFn, lm_loss
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
@@ -31,7 +34,7 @@ from recompute.trace._result import PartTrace, TraceResult, from_record, part_tr
 from recompute.trace._scale import scale_record
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
 
-__all__ = ["trace", "trace_layer", "trace_module"]
+__all__ = ["step_work", "trace", "trace_layer", "trace_module"]
 
 
 def trace(
@@ -85,6 +88,78 @@ def trace(
         seconds=time.perf_counter() - start,
         parameter_count=n_params,
     )
+
+
+def step_work(
+    model: ModelSpec | ModelSource | str,
+    wl: Workload,
+    policy: Policy | str = "none",
+    *,
+    layers: int | None = None,
+    hf: bool = False,
+) -> StepWork:
+    """Every kernel of one training step of ``model`` under ``policy``, by phase: the trace's step of the real
+    class with each op's FLOPs and bytes filed (``recompute.core.timing`` prices it on a device).
+
+    ``layers``: trace this many layers and one more and scale (``scale_work``), as ``trace`` does; identical
+    layers only (a preset). One device's step: tensor parallelism is refused (its communication is not
+    modelled). A CUDA step on a machine without CUDA is traced on the CPU: the same kernels but for the
+    attention kernel's name and the dropout masks' dtype. SDPA's dropout is then traced as part of the fused
+    kernel, as a GPU runs it (the CPU's fused kernels take no dropout and would fall back to the math path).
+
+    Raises:
+        ConfigError: as ``trace``.
+    """
+    source = _source_of(model, hf)
+    require(wl.tp == 1, "the time model prices one device's step; drop --tp", fields=("tp",))
+    foreach = wl.device == "cuda"  # AdamW's multi-tensor kernels, PyTorch's default on CUDA
+    stand_in = wl.device == "cuda" and not torch.cuda.is_available()
+    if stand_in:
+        wl = dataclasses.replace(wl, device="cpu")
+    _check_traceable(source, wl)
+    pol = Policy.parse(policy)
+    device = resolve_device(wl.device)
+    n = source.n_layers or _count_layers(source, wl)
+    tokens = wl.micro_batch * wl.seq_len
+    with _fused_dropout() if stand_in else contextlib.nullcontext():
+        if layers is not None and layers < n - 1:
+            _check_scalable(source, pol, layers)
+            small, big = (_work(source, wl, pol, k, device, foreach) for k in (layers, layers + 1))
+            return scale_work(StepWork(small, tokens), StepWork(big, tokens), layers, n)
+        return StepWork(_work(source, wl, pol, n, device, foreach), tokens)
+
+
+@contextlib.contextmanager
+def _fused_dropout() -> Iterator[None]:
+    """SDPA without its dropout argument while tracing: a GPU's fused attention kernels apply dropout inside, the
+    CPU's take none (the step would fall back to the math path: s^2 probabilities and a separate dropout).
+
+    The function is swapped on ``torch.nn.functional`` (models look it up at call time), so a checkpoint's
+    replay in the backward sees it too."""
+    sdpa = F.scaled_dot_product_attention
+
+    def without_dropout(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+            args = (*args[:4], 0.0, *args[5:])
+        else:
+            kwargs["dropout_p"] = 0.0
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = without_dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+def _work(
+    source: ModelSource, wl: Workload, pol: Policy, n: int, device: str, foreach: bool
+) -> dict[str, tuple[Any, ...]]:
+    with fake_kernels():
+        built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
+        record, _, _ = step_built(built, wl, pol, device=device, flops=True, foreach=foreach)
+    ordered = sorted(record.work.items(), key=lambda kv: kv[0].order())
+    return {str(ph): work_list(w) for ph, w in ordered}
 
 
 def _source_of(model: ModelSpec | ModelSource | str, hf: bool) -> ModelSource:
@@ -175,14 +250,16 @@ def _step(source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
 
 
 def step_built(
-    built: BuiltModel, wl: Workload, pol: Policy, *, device: str, flops: bool = False
+    built: BuiltModel, wl: Workload, pol: Policy, *, device: str, flops: bool = False, foreach: bool | None = None
 ) -> tuple[StepRecord, BuiltModel, int]:
-    """One fake step of a model built on the meta device (made fake here, in place), and its parameter count."""
+    """One fake step of a model built on the meta device (made fake here, in place), and its parameter count.
+
+    ``foreach``: AdamW's implementation (None: PyTorch's default for the device)."""
     stack, mode = _prepare(built, wl, pol, device=device)
     model = built.model
     n_params = sum(p.numel() for p in model.parameters())  # each parameter once, tied ones too
     with mode:
-        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach)
         prime_optimizer(model, optimizer)
         batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device)
         record = run_step(model, batch, optimizer, stack, loss_fn=built.loss_fn, keep_grads=wl.keep_grads, flops=flops)

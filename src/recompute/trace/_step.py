@@ -44,6 +44,8 @@ class StepRecord:
     """Bytes allocated when each layer's first forward begins."""
     flops: dict[Phase, dict[str, int]] = field(default_factory=dict)
     """FLOPs of each phase by op (``run_step(..., flops=True)``; a layer's replay is in its backward phase)."""
+    work: dict[Phase, dict[tuple[str, str, int, int], int]] = field(default_factory=dict)
+    """Every kernel of each phase by work signature (op, dtype, FLOPs, bytes): how many ran (``flops=True``)."""
 
     @property
     def peak(self) -> tuple[int, Phase]:
@@ -138,6 +140,7 @@ def run_step(
         layer_deltas=tuple(deltas.get(i, 0) for i in range(len(layers))),
         layer_starts=tuple(starts.get(i, 0) for i in range(len(layers))),
         flops={ph: dict(c) for ph, c in counter.by_phase.items()} if counter else {},
+        work={ph: dict(c) for ph, c in counter.work.items()} if counter else {},
     )
 
 
