@@ -34,6 +34,7 @@ from recompute.core.progress import Progress, no_progress
 from recompute.core.results import BenchResult, BenchRow
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table
+from recompute.core.timing import Device, Timing, timing
 from recompute.core.workload import Workload
 from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
@@ -47,7 +48,7 @@ from recompute.runtime import (
     resolve_device,
     sync,
 )
-from recompute.trace import TraceResult, trace, trace_module
+from recompute.trace import TraceResult, step_work, trace, trace_module
 from recompute.verification import CPU_PARAM_LIMIT, verify_spec
 
 __all__ = ["CPU_GPT2", "BenchResult", "BenchRow", "bench", "bench_source", "bench_spec", "render_bench"]
@@ -119,8 +120,12 @@ def bench(
     seed: int = 0,
     hf: bool = False,
     progress: Progress = no_progress,
+    device_profile: Device | None = None,
 ) -> BenchResult:
     """Time and measure real training steps of ``spec`` under each policy (see the module docstring).
+
+    ``device_profile``: this device's calibration (``recompute calibrate``); each row then also carries the time
+    model's predicted step time and time overhead, from the fake-tensor trace of the same step.
 
     ``spec`` is a preset's ``ModelSpec`` or any ``ModelSource`` (a transformers config, a factory): the class it
     names is what runs. ``hf=True`` runs the ``transformers`` model of a ``ModelSpec`` instead of recompute's.
@@ -148,7 +153,11 @@ def bench(
     )
     device = resolve_device(wl.device)
     pols = [Policy.parse(p) for p in policies]
+    if device_profile is not None:
+        gpu = torch.cuda.get_device_name() if device == "cuda" else None
+        device_profile.check_runs_on(device, gpu, threads=torch.get_num_threads())
     predicted = _preflight(source, wl, pols, device)
+    timings = _predicted_times(source, wl, pols, device_profile) if device_profile is not None else None
     runs, built = [], None
     for pol in pols:
         torch.manual_seed(seed)
@@ -184,6 +193,11 @@ def bench(
     rows = tuple(
         _row(wl, run, mem, peak, over) for run, mem, peak, over in zip(runs, memory, predicted.peaks, overheads)
     )
+    if timings is not None:
+        rows = tuple(
+            dataclasses.replace(row, predicted_step_s=t.step, predicted_time_overhead=t.overhead)
+            for row, t in zip(rows, timings)
+        )
     return BenchResult(
         model=source.name,
         spec=source.spec.to_dict() if source.spec is not None else _described(runs[0].model, built),
@@ -192,8 +206,20 @@ def bench(
         warmup=warmup,
         device=device_name(device),
         rows=rows,
-        notes=(f"ran {built.class_name} built from {source.origin}", *built.notes, predicted.note),
+        notes=(
+            f"ran {built.class_name} built from {source.origin}",
+            *built.notes,
+            predicted.note,
+            *([f"predicted times: {device_profile.source}"] if device_profile is not None else []),
+        ),
     )
+
+
+def _predicted_times(source: ModelSource, wl: Workload, pols: Sequence[Policy], device: Device) -> list[Timing]:
+    """Each policy's predicted step time and time overhead, against the predicted step under ``none``."""
+    base = step_work(source, wl, "none")
+    plain = Policy("none")
+    return [timing(base if pol == plain else step_work(source, wl, pol), base, device) for pol in pols]
 
 
 def _preflight(source: ModelSource, wl: Workload, pols: Sequence[Policy], device: str) -> _Predicted:
@@ -351,6 +377,15 @@ def _pct(x: float) -> str:
 def render_bench(r: BenchResult) -> str:
     """The policy table, then the headline pair (peak drop, step-time increase) of each policy."""
     ref = r.reference
+    timed = all(row.predicted_step_s is not None for row in r.rows)
+
+    def time_cells(row: BenchRow) -> list[str]:
+        if not timed:
+            return []
+        assert row.predicted_step_s is not None and ref.predicted_step_s is not None
+        over = "ref" if row is ref else _pct(row.predicted_step_s / ref.predicted_step_s - 1)
+        return [f"{row.predicted_step_s * 1e3:,.0f}", over]
+
     rows = [
         [
             row.policy,
@@ -361,14 +396,15 @@ def render_bench(r: BenchResult) -> str:
             f"{row.forward_s * 1e3:,.0f} / {row.backward_s * 1e3:,.0f} / {row.optimizer_s * 1e3:,.0f}",
             f"{row.tokens_per_s:,.0f}",
             "ref" if row is ref else _pct(r.overhead(row)),
+            *time_cells(row),
             "ref" if row is ref else _pct(row.predicted_overhead - ref.predicted_overhead),
             gib(row.predicted_peak),
         ]
         for row in r.rows
     ]
     headers = [
-        "policy", "peak", "vs ref", "activations", "step ms", "fwd / bwd / opt ms", "tokens/s",
-        "overhead", "predicted", "predicted peak",
+        "policy", "peak", "vs ref", "activations", "step ms", "fwd / bwd / opt ms", "tokens/s", "overhead",
+        *(["predicted ms", "predicted (time)"] if timed else []), "predicted (FLOPs)", "predicted peak",
     ]  # fmt: skip
     w, sp = r.workload, r.spec
     size = (
@@ -386,9 +422,12 @@ def render_bench(r: BenchResult) -> str:
         "",
     ]
     for row in r.rows[1:]:
+        predicted = f"predicted from FLOPs: {100 * (row.predicted_overhead - ref.predicted_overhead):.1f}%"
+        if timed:
+            assert row.predicted_step_s is not None and ref.predicted_step_s is not None
+            predicted = f"predicted time: {100 * (row.predicted_step_s / ref.predicted_step_s - 1):.1f}%, {predicted}"
         lines.append(
             f"{row.policy} vs {ref.policy}: peak memory {100 * r.peak_drop(row):.1f}% lower, "
-            f"step time {100 * r.overhead(row):.1f}% higher (predicted from FLOPs: "
-            f"{100 * (row.predicted_overhead - ref.predicted_overhead):.1f}%)"
+            f"step time {100 * r.overhead(row):.1f}% higher ({predicted})"
         )
     return "\n".join(lines)

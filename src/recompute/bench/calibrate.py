@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,11 +34,12 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from recompute.core.errors import ConfigError
+from recompute.core.profile import cache_root
 from recompute.core.progress import Progress, no_progress
 from recompute.core.timing import Curve, Device
 from recompute.trace._flops import span, tensors_of
 
-__all__ = ["ELEMENTWISE", "calibrate", "local_device_label"]
+__all__ = ["ELEMENTWISE", "cached_calibration", "calibrate", "local_device_label"]
 
 aten = torch.ops.aten
 
@@ -360,6 +362,23 @@ def _named_ops(bench: _Bench) -> Points:
             out.setdefault(name, []).append((nbytes, bench.rate(nbytes, partial(fn, *args))))
         bench.tick(f"element-wise ops {4 * n} B")
     return out
+
+
+def cached_calibration(device: str, *, progress: Progress = no_progress) -> Device:
+    """A quick calibration of this machine's ``device`` (and thread count), kept under
+    ``$RECOMPUTE_CACHE/devices``: what ``bench`` predicts times with when given no device profile."""
+    label = local_device_label(device)
+    threads = "" if device == "cuda" else f"-{torch.get_num_threads()}t"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{platform.node()}-{label}{threads}")
+    path = cache_root() / "devices" / f"{name}.json"
+    if path.is_file():
+        try:
+            return Device.load(path)
+        except ConfigError:
+            pass  # an unreadable cache entry is measured again
+    found = calibrate(device, quick=True, progress=progress)
+    found.save(path)
+    return found
 
 
 def _host_memory() -> int | None:

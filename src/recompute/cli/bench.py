@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 
 from recompute.bench import bench, bench_parallel, bench_source, render_bench, render_parallel_bench
+from recompute.bench.calibrate import cached_calibration
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, require
 from recompute.core.policy import Policy
+from recompute.core.timing import Device
 from recompute.core.workload import Workload
 from recompute.models.source import ModelSource
 from recompute.parallel import end_process_group
@@ -47,6 +49,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per policy, after warm-up (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per policy (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default: 0)")
+    p.add_argument(
+        "--device-profile",
+        help="this device's `recompute calibrate -o` file, for predicted step times (default: a quick calibration "
+        "of this device, cached)",
+    )
+    p.add_argument("--no-time", action="store_true", help="no predicted step times (no calibration, no trace)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -60,8 +68,16 @@ def run(args: argparse.Namespace) -> int:
     if wl.tp > 1 or wl.dp > 1:
         return _run_parallel(args, source, wl, policies)
     runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
+    require(not (args.no_time and args.device_profile), "--no-time and --device-profile exclude each other")
+    device = None
+    if not args.no_time:
+        device = Device.load(args.device_profile) if args.device_profile else None
+        if device is not None:
+            device.check_runs_on(args.device, threads=torch.get_num_threads())
     with progress_bar("bench") as progress:
-        result = bench(source, wl, policies, **runs, progress=progress)
+        if not args.no_time and device is None:
+            device = cached_calibration(args.device, progress=progress)
+        result = bench(source, wl, policies, **runs, progress=progress, device_profile=device)
     emit_json(result.to_dict()) if args.json else print(render_bench(result))
     return 0
 

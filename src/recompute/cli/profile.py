@@ -12,8 +12,9 @@ import json
 
 from recompute.cli._common import add_model_args, add_workload_args, emit_json, workload_from, writable
 from recompute.cli._lazy import torch_floor
+from recompute.cli._timed import add_time_args, time_device
 from recompute.cli.progress import progress_bar
-from recompute.cli.render import render_profile
+from recompute.cli.render import device_note, render_profile
 from recompute.core.profile import cache_path
 
 __all__ = ["add_args", "run"]
@@ -24,10 +25,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument("-o", "--output", help="also write the profile here (plan --profile takes it)")
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    add_time_args(p)
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    device = None if args.no_time else time_device(args)
     trace = torch_floor("recompute.trace")
     source = trace.resolve_source(args.model)
     wl = workload_from(args, source)
@@ -45,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result.to_dict())
     else:
-        print(render_profile(result))
+        print(render_profile(result, device))
+        if device is not None:
+            print(device_note(device, wl))
         if output:
             print(f"\nwrote {output}")
     return 0

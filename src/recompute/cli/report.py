@@ -1,6 +1,7 @@
 """``recompute report``: the workshop page from recompute's own numbers, one self-contained HTML file.
 
-plotly and matplotlib (optional) are imported when the page is drawn; torch only for ``--trace``.
+plotly and matplotlib (optional) are imported when the page is drawn; torch for ``--trace`` and for the savings
+table's predicted times (a fake-tensor trace of the step, cached; ``--no-time`` leaves them out).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Any
 
 from recompute.cli._common import add_model_args, add_workload_args, workload_from, writable
 from recompute.cli._lazy import torch_floor
+from recompute.cli._timed import preset_works, time_device, untimed_reason
 from recompute.core.errors import ConfigError
 from recompute.core.hardware import GPUS, gpu_by_name
 from recompute.core.spec import ModelSpec, resolve_model
-from recompute.core.workload import Workload
+from recompute.core.timing import Timing, timing
+from recompute.core.workload import ATTENTIONS, Workload
 from recompute.report.data import build_report
 from recompute.report.extras import bench_section, plan_section, trace_section
 from recompute.report.html import render_html
@@ -47,6 +50,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bench", metavar="RESULTS.json", help="a `recompute bench` result: measured next to predicted")
     p.add_argument("--plan", metavar="PLAN.json", help="a `recompute plan -o` file: the plan per layer and frontier")
+    p.add_argument(
+        "--device-profile",
+        help="a `recompute calibrate -o` file: the savings table's predicted times on it (default: --gpu's datasheet)",
+    )
+    p.add_argument(
+        "--no-time", action="store_true", help="no predicted times in the savings table (no trace of the step)"
+    )
     p.add_argument("-o", "--output", default="report.html", help="the HTML file to write (default: report.html)")
     p.add_argument("--png", metavar="DIR", help="also write the main charts as PNG files into DIR (matplotlib)")
 
@@ -78,6 +88,19 @@ def _sections(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[s
     return sections
 
 
+def _times(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str, dict[str, Timing]] | None:
+    """Each policy's predicted timing at the savings table's length, per attention (None with --no-time)."""
+    device = time_device(args)
+    at = dataclasses.replace(wl, seq_len=min(wl.seq_len, spec.max_positions))
+    if untimed_reason(args, at):
+        return None
+    out = {}
+    for attention in ATTENTIONS:
+        works = preset_works(spec, dataclasses.replace(at, attention=attention))
+        out[attention] = {p: timing(works[p], works["none"], device) for p in works}
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Compute the report, render it, write the HTML (and PNGs); print one line saying what was written."""
     _require_extra("plotly", *(["matplotlib"] if args.png else []))
@@ -89,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     spec = resolve_model(args.model)
     wl = _workload(args, spec)
     wl.check(spec)
-    report = build_report(spec, wl, gpu=args.gpu, sections=_sections(args, spec, wl))
+    report = build_report(spec, wl, gpu=args.gpu, sections=_sections(args, spec, wl), times=_times(args, spec, wl))
     try:
         out.write_text(render_html(report), encoding="utf-8")
     except OSError as e:

@@ -43,6 +43,10 @@ class BenchRow:
     """Analytic peak (``recompute estimate``) for the same workload."""
     step_times: tuple[float, ...] = ()
     """Every timed step's seconds, in order (their spread is the machine's noise)."""
+    predicted_step_s: float | None = None
+    """The time model's step time (``recompute.core.timing``) on the device profile bench was given."""
+    predicted_time_overhead: float | None = None
+    """The time model's overhead: predicted step time over the predicted step without recomputation."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchRow:

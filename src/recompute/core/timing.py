@@ -227,11 +227,12 @@ class Device:
                 f"`recompute calibrate -o {p.name}`"
             ) from None
 
-    def check_runs_on(self, kind: str, name: str | None = None) -> None:
-        """Refuse to predict a step measured on another kind of device (bench on a CPU with an H100's profile).
+    def check_runs_on(self, kind: str, name: str | None = None, *, threads: int | None = None) -> None:
+        """Refuse to predict a step measured on another kind of device (bench on a CPU with an H100's profile),
+        another GPU than the one calibrated, or a CPU with other threads than calibrated.
 
         Raises:
-            ConfigError: ``kind`` (and ``name``, when given and both are calibrated GPUs) differ.
+            ConfigError: ``kind``, ``name`` (both calibrated GPUs) or ``threads`` (a CPU) differ.
         """
         if self.kind != kind:
             raise ConfigError(
@@ -242,6 +243,11 @@ class Device:
             raise ConfigError(
                 f"the device profile was calibrated on {self.label}, this step runs on {name}; "
                 "calibrate this device with `recompute calibrate -o device.json`"
+            )
+        if kind == "cpu" and threads and self.threads and threads != self.threads:
+            raise ConfigError(
+                f"the device profile was calibrated with {self.threads} CPU thread(s), this step runs with {threads}; "
+                f"calibrate again with `recompute calibrate --threads {threads} -o device.json`"
             )
 
 

@@ -169,6 +169,7 @@ PAGE_JS = r"""
       cell(tr, fmtGiB(r.saved));
       cell(tr, "+" + pct(r.overhead));
       cell(tr, r.per_percent === null ? "–" : fmtGiB(r.per_percent));
+      cell(tr, r.time_overhead === null ? "–" : "+" + pct(r.time_overhead));
       body.appendChild(tr);
     });
     byId("savings-verdict").textContent = verdict(rows);

@@ -8,6 +8,7 @@ Torch-free and plotly-free.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from recompute.core.hardware import GPU, gpu_by_name, usable_bytes
 from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
 from recompute.core.spec import ModelSpec
+from recompute.core.timing import Timing
 from recompute.core.workload import ATTENTIONS, Workload
 
 __all__ = [
@@ -115,6 +117,10 @@ class SavingRow:
     """Recompute FLOPs over the step's model FLOPs (``Estimate.overhead``), a fraction."""
     per_percent: float | None
     """``saved`` per 1 % of overhead, in bytes; None when nothing is recomputed."""
+    time_overhead: float | None = None
+    """The time model's overhead on the report's device (``recompute.core.timing``); None when not predicted."""
+    step_seconds: float | None = None
+    """The time model's step time there."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,7 @@ def _policy_memory(estimates: list[Estimate]) -> PolicyMemory:
     )
 
 
-def _savings(spec: ModelSpec, wl: Workload) -> list[SavingRow]:
+def _savings(spec: ModelSpec, wl: Workload, times: Mapping[str, Timing] | None = None) -> list[SavingRow]:
     base = estimate(spec, wl, "none").activation_bytes
     rows = []
     for name in POLICIES:
@@ -155,12 +161,29 @@ def _savings(spec: ModelSpec, wl: Workload) -> list[SavingRow]:
             continue
         est = estimate(spec, wl, name)
         saved = base - est.activation_bytes
-        rows.append(SavingRow(name, saved, est.overhead, saved / (100 * est.overhead) if est.overhead else None))
+        t = times.get(name) if times else None
+        rows.append(
+            SavingRow(
+                name,
+                saved,
+                est.overhead,
+                saved / (100 * est.overhead) if est.overhead else None,
+                t.overhead if t else None,
+                t.step if t else None,
+            )
+        )
     return rows
 
 
-def model_series(spec: ModelSpec, wl: Workload, *, table_seq_len: int) -> ModelSeries:
-    """All of one model's series under ``wl`` (its ``seq_len`` and ``attention`` are swept).
+def model_series(
+    spec: ModelSpec,
+    wl: Workload,
+    *,
+    table_seq_len: int,
+    times: Mapping[str, Mapping[str, Timing]] | None = None,
+) -> ModelSeries:
+    """All of one model's series under ``wl`` (its ``seq_len`` and ``attention`` are swept); ``times``: per
+    attention and policy, the predicted timing at ``table_seq_len`` for the savings table.
 
     Raises:
         ConfigError: ``wl`` cannot run ``spec`` (``Workload.check``).
@@ -182,7 +205,7 @@ def model_series(spec: ModelSpec, wl: Workload, *, table_seq_len: int) -> ModelS
         memory={a: {p: _policy_memory(e) for p, e in by_policy.items()} for a, by_policy in ests.items()},
         overhead={p: [e.overhead for e in ests["eager"][p]] for p in POLICIES},
         layer_overhead={p: [lo[p] for lo in per_layer] for p in POLICIES},
-        savings={a: _savings(spec, at_table[a]) for a in ATTENTIONS},
+        savings={a: _savings(spec, at_table[a], (times or {}).get(a)) for a in ATTENTIONS},
         activations={a: estimate(spec, at_table[a], "none").activation_bytes for a in ATTENTIONS},
     )
 
@@ -251,11 +274,13 @@ def build_report(
     *,
     gpu: str | GPU = "h100-80gb",
     sections: dict[str, Any] | None = None,
+    times: Mapping[str, Mapping[str, Timing]] | None = None,
 ) -> Report:
     """Compute every series of the page for ``spec`` and its family under ``wl``.
 
     ``wl.seq_len`` is where the savings table is taken (clipped to each size's context); the charts sweep
-    ``sequence_lengths``. ``wl.attention`` only picks what the page shows first.
+    ``sequence_lengths``. ``wl.attention`` only picks what the page shows first. ``times``: ``spec``'s predicted
+    timings per attention and policy at the table's length (the other sizes show none).
 
     Raises:
         ConfigError: unknown GPU, or ``wl`` cannot run ``spec`` itself (other sizes that it cannot run are
@@ -265,7 +290,8 @@ def build_report(
     models, skipped = {}, {}
     for member in family(spec):
         try:
-            models[member.name] = model_series(member, wl, table_seq_len=wl.seq_len)
+            own = times if member.name == spec.name else None
+            models[member.name] = model_series(member, wl, table_seq_len=wl.seq_len, times=own)
         except ConfigError as e:
             if member.name == spec.name:
                 raise

@@ -139,7 +139,8 @@ def _analytic_sections(report: Report) -> list[str]:
             "Memory saved per % of compute overhead",
             "<span id='savings-caption'></span>",
             "<table><thead><tr><th>policy</th><th>memory saved</th><th>compute overhead</th>"
-            "<th>saved per 1 % overhead</th></tr></thead><tbody id='savings-body'></tbody></table>"
+            "<th>saved per 1 % overhead</th><th>time overhead (predicted)</th></tr></thead>"
+            "<tbody id='savings-body'></tbody></table>"
             "<p class='verdict' id='savings-verdict'></p>",
         ),
         section(

@@ -65,8 +65,9 @@ _FORMULAS: dict[Any, Any] = {
     **flop_registry,
     aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_sdpa_cpu),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_sdpa_cpu_backward),
-    aten._grouped_mm: shape_wrapper(_grouped_mm),
 }
+if hasattr(aten, "_grouped_mm"):  # PyTorch 2.8 and later
+    _FORMULAS[aten._grouped_mm] = shape_wrapper(_grouped_mm)
 
 
 def span(t: torch.Tensor) -> int:
