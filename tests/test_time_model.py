@@ -1,0 +1,296 @@
+"""The time model: kernels filed from the fake-tensor trace, priced by a roofline on a device; device profiles,
+the datasheet table, calibration, and the commands that show predicted time. Whether the predictions hold is
+measured by benchmarks/time_model.py (real steps, paired ratios), not here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from recompute import ModelSpec, Workload
+from recompute.cli import main
+from recompute.core.errors import ConfigError
+from recompute.core.hardware import BANDWIDTH_SHARE, GPUS, MATMUL_SHARE, datasheet_device
+from recompute.core.policy import POLICIES
+from recompute.core.profile import Profile, plan_profile
+from recompute.core.timing import Curve, Device, StepWork, merge, mixed_timing, op_class, timing
+from recompute.trace import profile, step_work
+
+SPEC = ModelSpec.from_name("gpt2", hidden=64, n_layers=4, n_heads=4, vocab=512, max_positions=128)
+LLAMA = ModelSpec.from_name("llama3.1-8b", hidden=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab=512)
+WL = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu", precision="fp32")
+
+
+def flat_device(kind: str = "cpu", overhead: float = 1e-6) -> Device:
+    """A device with round rates: 1 TFLOP/s for every product, 100 GB/s for everything else."""
+    return Device(
+        name="test",
+        kind=kind,
+        label="test device",
+        compute={"matmul.float32": Curve.flat(1e12)},
+        bandwidth={"memory": Curve.flat(1e11)},
+        overhead=overhead,
+    )
+
+
+# --- the roofline ---------------------------------------------------------------------------------------------
+
+
+def test_curve_interpolates_log_log_and_is_flat_beyond_its_ends() -> None:
+    c = Curve(((1e6, 1e9), (1e8, 1e11)))
+    assert c(1e3) == 1e9 and c(1e12) == 1e11
+    assert math.isclose(c(1e7), 1e10)  # halfway in log size is halfway in log rate
+    with pytest.raises(ConfigError, match="positive"):
+        Curve(((0.0, 1.0),))
+    with pytest.raises(ConfigError, match="at least one"):
+        Curve(())
+
+
+@pytest.mark.parametrize(
+    ("name", "flops", "cls"),
+    [
+        ("mm", 10, "matmul"),
+        ("bmm", 10, "matmul"),
+        ("_scaled_dot_product_flash_attention_for_cpu", 10, "attention"),
+        ("_scaled_dot_product_cudnn_attention_backward", 10, "attention"),
+        ("gelu", 0, "math"),
+        ("gelu_backward[tanh]", 0, "math"),
+        ("native_layer_norm_backward", 0, "math"),
+        ("_softmax", 0, "math"),
+        ("add", 0, "memory"),
+        ("copy_", 0, "memory"),
+        ("bernoulli_", 0, "memory"),
+    ],
+)
+def test_op_class(name: str, flops: int, cls: str) -> None:
+    assert op_class(name, flops) == cls
+
+
+def test_roofline_pinned() -> None:
+    cpu, gpu = flat_device("cpu"), flat_device("cuda")
+    compute_bound = ("mm", "float32", 2_000_000_000, 1_000_000, 3)  # 2 ms of FLOPs, 10 us of bytes
+    memory_bound = ("mm", "float32", 1_000_000, 100_000_000, 1)  # 1 us of FLOPs, 1 ms of bytes
+    tiny = ("add", "float32", 0, 100, 5)  # 1 ns of bytes
+    assert math.isclose(cpu.seconds(compute_bound), 3 * (2e-3 + 1e-6))  # the CPU adds the host's overhead
+    assert math.isclose(gpu.seconds(compute_bound), 3 * 2e-3)  # a GPU hides it behind the kernel
+    assert math.isclose(cpu.seconds(memory_bound), 1e-3 + 1e-6)
+    assert math.isclose(gpu.seconds(tiny), 5 * 1e-6)  # launch-bound: the host's issue time
+    named = dataclasses.replace(cpu, ops={"add": Curve.flat(1e9)})  # a calibrated op's own rate comes first
+    assert math.isclose(named.seconds(("add", "float32", 0, 1_000_000, 1)), 1e-3 + 1e-6)
+
+
+def test_datasheet_devices_are_the_table_times_stated_shares() -> None:
+    for name, gpu in GPUS.items():
+        assert gpu.bandwidth > 0 and gpu.peak_tf32 > 0 and gpu.peak_fp32 > 0 and gpu.host_link > 0, name
+        d = datasheet_device(name)
+        assert d.rate("matmul", "bfloat16", 1e12) == MATMUL_SHARE * gpu.peak_bf16
+        assert d.rate("memory", "bfloat16", 1e9) == BANDWIDTH_SHARE * gpu.bandwidth
+        assert d.kind == gpu.kind and d.memory == gpu.memory
+    assert {"h100-pcie-80gb", "b200-180gb", "mi300x-192gb"} <= set(GPUS)
+
+
+# --- device profiles ------------------------------------------------------------------------------------------
+
+
+def test_device_profile_round_trips(tmp_path: Path) -> None:
+    d = dataclasses.replace(datasheet_device("a100-80gb"), ops={"gelu": Curve(((1e3, 1e9), (1e6, 2e9)))})
+    d.save(tmp_path / "d.json")
+    assert Device.load(tmp_path / "d.json") == d
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such device profile; make one with `recompute calibrate -o"),
+        ("{not json", "not a readable device profile \\(JSONDecodeError\\)"),
+        ('{"format": "recompute.profile/2"}', "not a recompute.device/1 file"),
+        ('{"format": "recompute.device/1", "kind": "tpu"}', "unknown device kind 'tpu'"),
+    ],
+)
+def test_bad_device_profiles_are_one_line_errors(tmp_path: Path, content: str | None, message: str) -> None:
+    path = tmp_path / "device.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as e:
+        Device.load(path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_profile_of_another_device_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"profile is of a cuda device .* but this step runs on cpu"):
+        datasheet_device("h100-80gb").check_runs_on("cpu")
+    calibrated = dataclasses.replace(flat_device("cuda"), source="calibrated by recompute calibrate on NVIDIA A100")
+    with pytest.raises(ConfigError, match="calibrated on test device, this step runs on NVIDIA H100"):
+        calibrated.check_runs_on("cuda", "NVIDIA H100")
+    threads = dataclasses.replace(flat_device("cpu"), threads=1)
+    with pytest.raises(ConfigError, match=r"calibrated with 1 CPU thread.*runs with 2.*--threads 2"):
+        threads.check_runs_on("cpu", threads=2)
+    threads.check_runs_on("cpu", threads=1)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["estimate", "--model", "gpt2", "--device-profile", "{missing}"],
+        ["estimate", "--model", "gpt2", "--device-profile", "{corrupt}"],
+        ["plan", "--model", "gpt2", "--budget", "80GiB", "--device-profile", "{missing}"],
+        ["plan", "--model", "gpt2", "--budget", "80GiB", "--cost", "flops", "--device-profile", "{corrupt}"],
+        ["bench", "--device-profile", "{gpu}", "--steps", "1"],
+        ["calibrate", "--device", "cpu", "--threads", "0", "-o", "{out}"],
+        ["calibrate", "--device", "cuda", "-o", "{out}"],
+    ],
+)
+def test_cli_refuses_bad_device_profiles(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "corrupt.json").write_text("{")
+    datasheet_device("h100-80gb").save(tmp_path / "gpu.json")
+    paths = {k: str(tmp_path / f"{k}.json") for k in ("missing", "corrupt", "gpu", "out")}
+    assert main([a.format(**paths) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"recompute {argv[0]}: error: " in err and "\n" not in err and "Traceback" not in err
+
+
+# --- the step's kernels ---------------------------------------------------------------------------------------
+
+
+def test_step_work_files_kernels_not_views() -> None:
+    work = step_work(SPEC, WL, "none")
+    names = {op[0] for ops in work.phases.values() for op in ops}
+    assert {"mm", "addmm", "native_layer_norm", "gelu[tanh]", "gelu_backward[tanh]"} <= names
+    assert not names & {"view", "t", "transpose", "expand", "_unsafe_view", "detach", "empty", "alias"}
+    assert not any(n.startswith("prim.") for n in names)
+    assert work.tokens == 2 * 64
+    phases = list(work.phases)
+    assert phases[0] == "forward (embedding)" and phases[-1] == "optimizer step"
+
+
+def test_step_work_flops_are_the_trace_flops() -> None:
+    """Two counts of one step: the work signatures' FLOPs add up to the per-op FLOPs PhaseFlops files."""
+    from recompute.core.policy import Policy
+    from recompute.runtime import TORCH_DTYPES
+    from recompute.trace._build import build_meta, fake_kernels
+    from recompute.trace._run import _source_of, step_built
+
+    with fake_kernels():
+        built = build_meta(_source_of(SPEC, False), attention="eager", dtype=TORCH_DTYPES["fp32"], n_layers=4)
+        record, _, _ = step_built(built, WL, Policy("block"), device="cpu", flops=True)
+    by_op = sum(sum(ops.values()) for ops in record.flops.values())
+    assert by_op == step_work(SPEC, WL, "block").flops() > 0
+
+
+@pytest.mark.parametrize("spec", [SPEC, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("policy", ["none", "attn", "block"])
+def test_scaled_step_work_equals_the_whole_trace(spec: ModelSpec, policy: str) -> None:
+    assert step_work(spec, WL, policy, layers=1) == step_work(spec, WL, policy)
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
+def test_a_replay_runs_the_layer_forward_again(policy: str) -> None:
+    """What a policy adds to a layer's backward is kernels of its forward: the replay, nothing else."""
+    none, pol = step_work(SPEC, WL, "none"), step_work(SPEC, WL, policy)
+    forward = dict(((o[0], o[1], o[2], o[3]), o[4]) for o in none.phases["forward of layer 1"])
+    plain = dict(((o[0], o[1], o[2], o[3]), o[4]) for o in none.phases["backward of layer 1"])
+    added = {k: v - plain.get(k, 0) for k, v in ((o[:4], o[4]) for o in pol.phases["backward of layer 1"])}
+    replayed = {k: v for k, v in added.items() if v > 0 and k[2] > 0}  # the products it runs again
+    assert replayed and all(k in forward and v <= forward[k] for k, v in replayed.items())
+    assert pol.flops() > none.flops()
+
+
+def test_timing_and_mixed_timing() -> None:
+    dev = flat_device()
+    works = {p: step_work(SPEC, WL, p) for p in ("none", "block")}
+    t = timing(works["block"], works["none"], dev)
+    assert t.step > works["none"].seconds(dev) and 0 < t.overhead < 1
+    assert math.isclose(t.tokens_per_second * t.step, 2 * 64)
+    all_block = mixed_timing(works, ["block"] * 4, dev)
+    assert math.isclose(all_block.step, t.step) and math.isclose(all_block.overhead, t.overhead)
+    half = mixed_timing(works, ["block", "none", "block", "none"], dev)
+    assert math.isclose(half.overhead, t.overhead / 2)
+    assert StepWork.from_dict(json.loads(json.dumps(works["none"].to_dict()))) == works["none"]
+
+
+def test_merge_adds_counts() -> None:
+    a = (("mm", "float32", 10, 20, 1), ("add", "float32", 0, 8, 2))
+    assert merge(a, a[:1]) == (("add", "float32", 0, 8, 2), ("mm", "float32", 10, 20, 2))
+
+
+# --- profiles and plans on time -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_profile() -> Profile:
+    return profile(SPEC, WL)
+
+
+def test_profile_times_compose_to_the_whole_step(tiny_profile: Profile) -> None:
+    """A uniform assignment's time from the profile's per-kind kernels equals the whole traced step's."""
+    dev = flat_device()
+    for p in ("none", "attn", "block"):
+        whole = step_work(SPEC, WL, p)
+        composed = tiny_profile.step_work([p] * SPEC.n_layers)
+        assert composed.flops() == whole.flops()
+        assert math.isclose(composed.seconds(dev), whole.seconds(dev), rel_tol=1e-3)
+
+
+def test_plans_on_time_pick_the_least_predicted_time(tiny_profile: Profile) -> None:
+    dev = flat_device()
+    budget = tiny_profile.compose(["block"] * 2 + ["none"] * 2).peak
+    by_time = plan_profile(tiny_profile, budget, dev)
+    assert by_time.device is dev and by_time.chosen.peak <= budget
+    chosen = by_time.chosen.recompute_seconds
+    assert chosen is not None
+    for point in by_time.frontier:  # nothing that fits is faster
+        if point.peak <= budget:
+            assert point.recompute_seconds is not None and point.recompute_seconds >= chosen - 1e-12
+    data = by_time.to_dict()
+    assert data["cost_kind"] == "predicted seconds on test device" and data["predicted"]["step_seconds"] > 0
+    assert Profile.from_dict(json.loads(json.dumps(tiny_profile.to_dict()))) == tiny_profile
+
+
+# --- the commands ---------------------------------------------------------------------------------------------
+
+SMALL = ["--model", "gpt2", "--seq-len", "256", "--micro-batch", "2"]
+
+
+def test_estimate_shows_predicted_time(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", *SMALL, "--gpu", "a100-80gb"]) == 0
+    out = capsys.readouterr().out
+    assert "step time" in out and "time overhead" in out and "predicted on NVIDIA A100 SXM4 80GB" in out
+    assert main(["estimate", *SMALL, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    times = {row["policy"]: row["time"] for row in data["policies"]}
+    assert times["none"]["time_overhead"] == 0 and times["block"]["time_overhead"] > times["core_attn"]["time_overhead"]
+    assert main(["estimate", *SMALL, "--no-time", "--json"]) == 0
+    assert "time" not in json.loads(capsys.readouterr().out)["policies"][0]
+
+
+def test_plan_costs_time_by_default(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    budget = ["--budget", "3GiB"]
+    assert main(["plan", *SMALL, *budget, "--json"]) == 0
+    timed = json.loads(capsys.readouterr().out)
+    assert timed["cost_kind"] == "predicted seconds on NVIDIA H100 SXM5 80GB"
+    assert timed["frontier"][0]["step_seconds"] > 0
+    assert main(["plan", *SMALL, *budget, "--cost", "flops", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost_kind"] == "FLOPs"
+    flat_device("cuda").save(tmp_path / "d.json")
+    assert main(["plan", *SMALL, *budget, "--device-profile", str(tmp_path / "d.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost_kind"] == "predicted seconds on test device"
+
+
+def test_calibrate_and_bench_predict_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--device", "cpu", "--threads", "1", "--quick", "-o", str(out)]) == 0
+    assert "overhead per kernel" in capsys.readouterr().out
+    d = Device.load(out)
+    assert d.kind == "cpu" and d.threads == 1 and d.overhead > 0 and "gelu_backward" in d.ops
+    assert d.rate("matmul", "float32", 1e9) > 1e9  # more than a GFLOP/s on any CPU this runs on
+    argv = ["bench", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "32", "--micro-batch", "2"]
+    assert main([*argv, "--steps", "1", "--policies", "none,block", "--device-profile", str(out), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["predicted_time_overhead"] == 0 and rows[1]["predicted_time_overhead"] > 0
+    assert all(r["predicted_step_s"] > 0 for r in rows)
