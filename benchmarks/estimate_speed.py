@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-CASES = [
-    ["--model", "gpt2"],
-    ["--model", "llama3.1-8b", "--seq-len", "16384"],
+CASES = [  # --no-time: the analytic columns alone (the time columns trace the step once, then read a cache)
+    ["--model", "gpt2", "--no-time"],
+    ["--model", "llama3.1-8b", "--seq-len", "16384", "--no-time"],
     ["--model", "llama3.1-405b", "--seq-len", "8192", "--tp", "8", "--sp", "--pp", "9", "--json"],
 ]
 PROBE = (

@@ -37,7 +37,7 @@ from recompute.core.plan import plan
 from recompute.core.policy import POLICIES
 from recompute.core.table import render_table
 from recompute.core.timing import Device, mixed_timing
-from recompute.trace import cached_work
+from recompute.trace import cached_works
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 
@@ -83,7 +83,7 @@ def main() -> None:
         keep_grads=True,
     )  # fmt: skip
     device = Device.load(args.device_profile) if args.device_profile else calibrate("cpu", quick=True)
-    works = {p: cached_work(spec, wl, p) for p in POLICIES}
+    works = cached_works(spec, wl, list(POLICIES))
     times = {p: w.seconds(device) for p, w in works.items()}
     none = estimate(spec, wl, "none")
     act = none.peak - none.states.total

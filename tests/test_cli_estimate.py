@@ -24,11 +24,11 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def test_table_has_a_row_per_policy_and_a_breakdown(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "estimate", "--model", "llama3.1-8b", "--seq-len", "8192", "--policy", "core_attn")
-    assert code == 0 and err == ""
+    assert code == 0 and all(line.startswith("time model: ") for line in err.splitlines())  # progress only
     lines = out.splitlines()
     for name in POLICIES:
         assert any(line.startswith(name + " ") for line in lines), name
-    assert "breakdown of core_attn" in out and "saved per 1% overhead" in out
+    assert "breakdown of core_attn" in out and "saved per 1% time" in out
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

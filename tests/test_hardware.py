@@ -17,10 +17,11 @@ MiB, GiB = 2**20, 2**30
 @pytest.mark.parametrize("name", list(GPUS))
 def test_rows_are_complete(name: str) -> None:
     gpu = GPUS[name]
-    assert gpu.name == name and re.fullmatch(r"[a-z0-9]+-\d+gb", name)
+    assert gpu.name == name and re.fullmatch(r"[a-z0-9]+(-[a-z]+)?-\d+gb", name)
     assert 16 * GiB < gpu.memory < 200 * GiB
     assert 1e14 < gpu.peak_bf16 < 1e16
-    assert gpu.label and ("datasheet" in gpu.source or "whitepaper" in gpu.source) and "nvidia-smi" in gpu.source
+    smi = {"cuda": "nvidia-smi", "rocm": "rocm-smi"}[gpu.kind]  # the memory as the device reports it
+    assert gpu.label and ("datasheet" in gpu.source or "whitepaper" in gpu.source) and smi in gpu.source
 
 
 def test_the_named_gpus_exist() -> None:

@@ -18,7 +18,7 @@ from recompute.core.hardware import BANDWIDTH_SHARE, GPUS, MATMUL_SHARE, datashe
 from recompute.core.policy import POLICIES
 from recompute.core.profile import Profile, plan_profile
 from recompute.core.timing import Curve, Device, StepWork, merge, mixed_timing, op_class, timing
-from recompute.trace import profile, step_work
+from recompute.trace import profile, step_work, step_works
 
 SPEC = ModelSpec.from_name("gpt2", hidden=64, n_layers=4, n_heads=4, vocab=512, max_positions=128)
 LLAMA = ModelSpec.from_name("llama3.1-8b", hidden=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab=512)
@@ -187,6 +187,13 @@ def test_step_work_flops_are_the_trace_flops() -> None:
 @pytest.mark.parametrize("policy", ["none", "attn", "block"])
 def test_scaled_step_work_equals_the_whole_trace(spec: ModelSpec, policy: str) -> None:
     assert step_work(spec, WL, policy, layers=1) == step_work(spec, WL, policy)
+
+
+@pytest.mark.parametrize("spec", [SPEC, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("wl", [WL, dataclasses.replace(WL, device="cuda", dtype="bf16", attention="flash")])
+def test_step_works_in_fewer_traces_equal_the_whole_traces(spec: ModelSpec, wl: Workload) -> None:
+    # every policy traced at one layer, the rest of its step from none's: the same kernels as each whole step
+    assert step_works(spec, wl, list(POLICIES)) == {p: step_work(spec, wl, p) for p in POLICIES}
 
 
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])

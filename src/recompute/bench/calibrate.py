@@ -254,10 +254,7 @@ def calibrate(device: str = "cpu", *, quick: bool = False, progress: Progress = 
     Raises:
         ConfigError: an unknown device, or CUDA asked for without CUDA.
     """
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"calibrate measures 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda asked for, but torch sees no CUDA device; calibrate the cpu")
+    _require_device(device)
     gpu = device == "cuda"
     plan = _plan(gpu, quick)
     bench = _Bench(device, plan, progress)
@@ -364,9 +361,21 @@ def _named_ops(bench: _Bench) -> Points:
     return out
 
 
+def _require_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"calibrate measures 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+
+
 def cached_calibration(device: str, *, progress: Progress = no_progress) -> Device:
     """A quick calibration of this machine's ``device`` (and thread count), kept under
-    ``$RECOMPUTE_CACHE/devices``: what ``bench`` predicts times with when given no device profile."""
+    ``$RECOMPUTE_CACHE/devices``: what ``bench`` predicts times with when given no device profile.
+
+    Raises:
+        ConfigError: an unknown device, or CUDA asked for without CUDA.
+    """
+    _require_device(device)
     label = local_device_label(device)
     threads = "" if device == "cuda" else f"-{torch.get_num_threads()}t"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{platform.node()}-{label}{threads}")

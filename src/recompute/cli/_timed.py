@@ -10,6 +10,8 @@ from recompute.cli._lazy import torch_floor
 from recompute.cli.progress import progress_bar
 from recompute.core.hardware import datasheet_device
 from recompute.core.policy import POLICIES
+from recompute.core.presets import PRESETS
+from recompute.core.profile import cache_key, cached_work
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import Device, StepWork, Timing, mixed_timing
 from recompute.core.workload import Workload
@@ -53,20 +55,22 @@ def untimed_reason(args: argparse.Namespace, wl: Workload) -> str | None:
         return "--no-time"
     if wl.tp > 1:
         return "tensor parallelism (the time model prices one device's kernels, not their communication)"
+    if getattr(args, "model", None) not in PRESETS:
+        return "--analytic on a config.json: its times come from tracing transformers' class, so drop --analytic"
     return None
 
 
 def preset_works(spec: ModelSpec, wl: Workload, *, quiet: bool = False) -> dict[str, StepWork]:
-    """Each uniform policy's step work of a preset (two and three layers traced and scaled; cached)."""
-    trace = torch_floor("recompute.trace")
+    """Each uniform policy's step work of a preset (two and three layers traced and scaled; cached): from the
+    cache without torch, else traced (the torch floor loaded)."""
     one = Workload(**{**wl.to_dict(), "pp": 1, "dp": 1, "sp": False, "interleave": 1, "n_microbatches": None})
-    out = {}
+    key = cache_key({"spec": spec.to_dict(), "hf": False}, one.to_dict())
+    found = {name: cached_work(key, name) for name in POLICIES}
+    if all(w is not None for w in found.values()):
+        return {name: w for name, w in found.items() if w is not None}
+    trace = torch_floor("recompute.trace")
     with progress_bar("time model", enabled=not quiet) as progress:
-        for i, name in enumerate(POLICIES):
-            progress(f"trace {name}", i, len(POLICIES))
-            out[name] = trace.cached_work(spec, one, name)
-        progress("done", len(POLICIES), len(POLICIES))
-    return out
+        return dict(trace.cached_works(spec, one, list(POLICIES), progress=progress))
 
 
 def timings(works: dict[str, StepWork], layer_policies: Sequence[Sequence[str]], device: Device) -> list[Timing]:

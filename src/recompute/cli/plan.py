@@ -19,7 +19,7 @@ from recompute.cli._timed import preset_works, time_device, untimed_reason
 from recompute.cli.render import device_note, render_plan, render_profile_plan
 from recompute.core.errors import ConfigError, require
 from recompute.core.hardware import gpu_by_name, usable_bytes
-from recompute.core.plan import parse_budget, plan
+from recompute.core.plan import parse_budget, plan, require_fits
 from recompute.core.policy import Policy
 from recompute.core.profile import ProfilePlan, plan_profile
 from recompute.core.spec import ModelSpec, analytic_model
@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if why_not:
             note = f"planned on recomputed FLOPs: no time predicted with {why_not}"
         else:
+            require_fits(spec, wl, budget)  # an impossible budget is refused before the step is traced
             works = preset_works(spec, wl, quiet=args.json)
             times = {name: work.seconds(device) for name, work in works.items()}
     traced = _traced_peak(spec, wl) if args.trace else None

@@ -43,10 +43,10 @@ def describe_workload(spec: ModelSpec, wl: Workload) -> str:
     )
 
 
-def _saved_per_pct(base: Estimate, e: Estimate) -> str:
-    if e.overhead <= 0:
+def _saved_per_pct(base: Estimate, e: Estimate, overhead: float) -> str:
+    if overhead <= 0:
         return "-"
-    return gib((base.activation_bytes - e.activation_bytes) / (100 * e.overhead))
+    return gib((base.activation_bytes - e.activation_bytes) / (100 * overhead))
 
 
 def render_estimate(
@@ -60,8 +60,9 @@ def render_estimate(
     """The policy table (with predicted ``times`` per row when given), then the breakdown of ``chosen``."""
     base = next((e for e in rows if e.policy == "none"), rows[0])
     timed = ["step time", "tokens/s", "time overhead"] if times else []
+    per = f"saved per 1% {'time' if times else 'FLOPs'}"
     table = render_table(
-        ["policy", "activations", "total", "peak", "FLOP overhead", *timed, "saved per 1% FLOPs"],
+        ["policy", "activations", "total", "peak", "FLOP overhead", *timed, per],
         [
             [
                 e.policy,
@@ -70,7 +71,7 @@ def render_estimate(
                 gib(e.peak),
                 f"{100 * e.overhead:.1f}%",
                 *(time_cells(times[i]) if times else []),
-                _saved_per_pct(base, e),
+                _saved_per_pct(base, e, times[i].overhead if times else e.overhead),
             ]
             for i, e in enumerate(rows)
         ],

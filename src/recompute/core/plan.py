@@ -42,7 +42,7 @@ from recompute.core.spec import ModelSpec
 from recompute.core.table import GiB, MiB, gib
 from recompute.core.workload import Workload
 
-__all__ = ["FrontierPoint", "Plan", "best_uniform", "frontier", "parse_budget", "plan", "policy_costs"]
+__all__ = ["FrontierPoint", "Plan", "best_uniform", "frontier", "parse_budget", "plan", "policy_costs", "require_fits"]
 
 _UNITS = {
     "": 1,
@@ -291,6 +291,17 @@ def frontier(
     """The Pareto frontier of predicted peak vs recompute cost, smallest peak first."""
     wl.check(spec)
     return _candidates(_chain(spec, wl, *policy_costs(spec, wl, measured, times)))
+
+
+def require_fits(spec: ModelSpec, wl: Workload, budget: float) -> None:
+    """Check that some plan fits ``budget`` before anything is spent pricing plans (the peaks depend on no cost).
+
+    Raises:
+        ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
+    """
+    smallest = frontier(spec, wl)[0].peak
+    if smallest > budget:
+        raise ConfigError(_nothing_fits(spec, wl, budget, smallest), fields=ALTERNATIVE_FIELDS)
 
 
 def _fitting(points: Sequence[FrontierPoint], budget: float) -> FrontierPoint | None:

@@ -49,8 +49,10 @@ __all__ = [
     "cache_key",
     "cache_path",
     "cached",
+    "cached_work",
     "plan_profile",
     "smallest_peak",
+    "work_path",
 ]
 
 FORMAT = "recompute.profile/2"
@@ -87,6 +89,22 @@ def cache_root() -> Path:
 def cache_path(key: str) -> Path:
     """Where a profile is cached: ``$RECOMPUTE_CACHE/profiles/<key>.json``."""
     return cache_root() / "profiles" / f"{key}.json"
+
+
+def work_path(key: str, policy: str) -> Path:
+    """Where a step's kernels under a uniform policy are cached: ``$RECOMPUTE_CACHE/work/<key>-<policy>.json``."""
+    return cache_root() / "work" / f"{key}-{policy}.json"
+
+
+def cached_work(key: str, policy: str) -> StepWork | None:
+    """The cached step work of ``key`` under ``policy``, or None (an unreadable cache file counts as none)."""
+    path = work_path(key, policy)
+    if not path.is_file():
+        return None
+    try:
+        return StepWork.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def cached(key: str) -> Profile | None:

@@ -17,8 +17,8 @@ from recompute.trace._profile import cached_profile, profile, profile_key
 from recompute.trace._ranks import saved_bytes_per_layer
 from recompute.trace._render import render_trace
 from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
-from recompute.trace._run import step_work, trace, trace_layer, trace_module
-from recompute.trace._work import cached_work
+from recompute.trace._run import step_work, step_works, trace, trace_layer, trace_module
+from recompute.trace._work import cached_works
 
 __all__ = [
     "COMPONENTS",
@@ -26,13 +26,14 @@ __all__ = [
     "PartTrace",
     "TraceResult",
     "cached_profile",
-    "cached_work",
+    "cached_works",
     "profile",
     "profile_key",
     "render_trace",
     "resolve_source",
     "saved_bytes_per_layer",
     "step_work",
+    "step_works",
     "trace",
     "trace_layer",
     "trace_module",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from recompute.checkpointing import applied_policy, apply, find_layers
 from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.policy import Policy
+from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import StepWork, scale_work, work_list
 from recompute.core.workload import Workload
@@ -34,7 +35,7 @@ from recompute.trace._result import PartTrace, TraceResult, from_record, part_tr
 from recompute.trace._scale import scale_record
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
 
-__all__ = ["step_work", "trace", "trace_layer", "trace_module"]
+__all__ = ["step_work", "step_works", "trace", "trace_layer", "trace_module"]
 
 
 def trace(
@@ -111,22 +112,83 @@ def step_work(
         ConfigError: as ``trace``.
     """
     source = _source_of(model, hf)
+    pol = Policy.parse(policy)
+    with _work_tracer(source, wl) as (work_of, n):
+        tokens = wl.micro_batch * wl.seq_len
+        if layers is not None and layers < n - 1:
+            _check_scalable(source, pol, layers)
+            small, big = (work_of(pol, k) for k in (layers, layers + 1))
+            return scale_work(StepWork(small, tokens), StepWork(big, tokens), layers, n)
+        return StepWork(work_of(pol, n), tokens)
+
+
+def step_works(
+    model: ModelSpec | ModelSource | str,
+    wl: Workload,
+    policies: Sequence[str],
+    *,
+    progress: Progress = no_progress,
+) -> dict[str, StepWork]:
+    """``step_work`` of a model with identical layers (a preset) under each uniform policy, in fewer traces:
+    ``none`` at one and two layers, scaled; every other policy at one layer, its layer's kernels repeated over
+    the model's layers and the rest of the step (embedding, head, loss, optimizer) taken from ``none``'s.
+
+    That shortcut holds where a policy changes only its layers' kernels and the first layer's are the others'
+    (both checked on the traces); where either fails, the policy is traced at one and two layers and scaled.
+
+    Raises:
+        ConfigError: as ``trace``.
+    """
+    source = _source_of(model, False)
+    pols = [Policy.parse(name) for name in policies]
+    for pol in pols:
+        _check_scalable(source, pol, 1)
+    with _work_tracer(source, wl) as (work_of, n):
+        tokens = wl.micro_batch * wl.seq_len
+        progress("trace none", 0, len(pols) + 1)
+        small, big = work_of(Policy("none"), 1), work_of(Policy("none"), 2)
+        base = scale_work(StepWork(small, tokens), StepWork(big, tokens), 1, n)
+        alike = all(big[f"{s} of layer 0"] == big[f"{s} of layer 1"] for s in ("forward", "backward"))
+        out = {}
+        for i, pol in enumerate(pols):
+            progress(f"trace {pol.name}", i + 1, len(pols) + 1)
+            if pol.name == "none" or n < 2:
+                out[pol.name] = base if pol.name == "none" else StepWork(work_of(pol, n), tokens)
+                continue
+            one = work_of(pol, 1)
+            if alike and all(ops == small.get(name) for name, ops in one.items() if "of layer" not in name):
+                layer = {s: one[f"{s} of layer 0"] for s in ("forward", "backward")}
+                phases = {
+                    name: layer[name.split(" of layer ")[0]] if " of layer " in name else ops
+                    for name, ops in base.phases.items()
+                }
+                out[pol.name] = StepWork(phases, tokens)
+            else:
+                out[pol.name] = scale_work(StepWork(one, tokens), StepWork(work_of(pol, 2), tokens), 1, n)
+        progress("done", len(pols) + 1, len(pols) + 1)
+        return out
+
+
+@contextlib.contextmanager
+def _work_tracer(
+    source: ModelSource, wl: Workload
+) -> Iterator[tuple[Callable[[Policy, int], dict[str, tuple[Any, ...]]], int]]:
+    """A function tracing the step's work of the model at ``n`` layers under a policy, and the model's layer
+    count: a CUDA step on a machine without CUDA stands in on the CPU, SDPA's dropout fused as on a GPU."""
     require(wl.tp == 1, "the time model prices one device's step; drop --tp", fields=("tp",))
     foreach = wl.device == "cuda"  # AdamW's multi-tensor kernels, PyTorch's default on CUDA
     stand_in = wl.device == "cuda" and not torch.cuda.is_available()
     if stand_in:
         wl = dataclasses.replace(wl, device="cpu")
     _check_traceable(source, wl)
-    pol = Policy.parse(policy)
     device = resolve_device(wl.device)
     n = source.n_layers or _count_layers(source, wl)
-    tokens = wl.micro_batch * wl.seq_len
+
+    def work_of(pol: Policy, k: int) -> dict[str, tuple[Any, ...]]:
+        return _work(source, wl, pol, k, device, foreach)
+
     with _fused_dropout() if stand_in else contextlib.nullcontext():
-        if layers is not None and layers < n - 1:
-            _check_scalable(source, pol, layers)
-            small, big = (_work(source, wl, pol, k, device, foreach) for k in (layers, layers + 1))
-            return scale_work(StepWork(small, tokens), StepWork(big, tokens), layers, n)
-        return StepWork(_work(source, wl, pol, n, device, foreach), tokens)
+        yield work_of, n
 
 
 @contextlib.contextmanager

@@ -1,43 +1,58 @@
-"""``cached_work``: the step work (``recompute.core.timing.StepWork``) of a model under a policy, from the cache or
-traced now: what ``estimate``, ``plan`` and ``bench`` price with a device's roofline."""
+"""``cached_works``: the step work (``recompute.core.timing.StepWork``) of a model under each uniform policy, from
+the cache or traced now: what ``estimate``, ``plan`` and ``report`` price with a device's roofline."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
-from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
-from recompute.core.profile import cache_root
+from recompute.core.profile import cached_work as stored_work
+from recompute.core.profile import work_path
+from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import StepWork
 from recompute.core.workload import Workload
 from recompute.models.source import ModelSource
 from recompute.trace._profile import profile_key
-from recompute.trace._run import _source_of, step_work
+from recompute.trace._run import _source_of, step_work, step_works
 
-__all__ = ["cached_work"]
+__all__ = ["cached_works"]
 
 
-def cached_work(model: ModelSpec | ModelSource | str, wl: Workload, policy: str) -> StepWork:
-    """``step_work`` of ``model`` at ``wl`` with every layer under the policy named, cached under
+def cached_works(
+    model: ModelSpec | ModelSource | str,
+    wl: Workload,
+    policies: Sequence[str],
+    *,
+    progress: Progress = no_progress,
+) -> dict[str, StepWork]:
+    """``step_work`` of ``model`` at ``wl`` with every layer under each policy named, cached under
     ``$RECOMPUTE_CACHE/work``.
 
-    A preset's layers are alike: two and three are traced and scaled (seconds at any size). Any other model is
-    traced whole.
+    A preset's layers are alike: ``step_works`` traces one and two layers and scales (seconds at any size). Any
+    other model is traced whole, policy by policy.
     """
     source = _source_of(model, False)
-    pol = Policy(policy)
+    names = [Policy(name).name for name in policies]
     key = profile_key(source, wl)
-    path = cache_root() / "work" / f"{key}-{pol.name}.json"
-    if key and path.is_file():
-        try:
-            return StepWork.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError, ConfigError):
-            pass  # an unreadable cache entry is traced again
-    work = step_work(source, wl, pol, layers=2 if source.spec is not None and not source.hf else None)
-    if key:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(work.to_dict()) + "\n")
-        tmp.replace(path)
-    return work
+    found = {name: stored_work(key, name) if key else None for name in names}
+    missing = [name for name, work in found.items() if work is None]
+    if not missing:
+        return {name: work for name, work in found.items() if work is not None}
+    if source.spec is not None and not source.hf:
+        traced = step_works(source, wl, missing, progress=progress)
+    else:
+        traced = {}
+        for i, name in enumerate(missing):
+            progress(f"trace {name}", i, len(missing))
+            traced[name] = step_work(source, wl, name)
+        progress("done", len(missing), len(missing))
+    for name, work in traced.items():
+        if key:
+            path = work_path(key, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(work.to_dict()) + "\n")
+            tmp.replace(path)
+    return {name: found[name] or traced[name] for name in names}
