@@ -157,6 +157,25 @@ def test_restoring_with_none(offload_everything: None) -> None:
     assert_same(step(model), ref)
 
 
+def test_under_torch_compile_the_layers_run_eagerly(offload_everything: None, copies: list[Tensor]) -> None:
+    """A graph break at each offloaded layer (aot_eager: no code generation); the same copies as eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(tiny_gpt(n_layers=2, dropout=0.0), attention="eager").train()
+    ref = step(model)
+    apply(model, "offload")
+    step(model)
+    eager = len(copies)
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(torch.compile(model, backend="aot_eager"), *batch())
+    loss.backward()
+    torch._dynamo.reset()
+    assert len(copies) == 2 * eager
+    torch.testing.assert_close(loss.detach(), ref[0])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[1][name], msg=lambda m, n=name: f"{n}: {m}")
+
+
 # --- what is copied, and that the backward reads the copies ------------------------------------------------
 
 

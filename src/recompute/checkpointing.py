@@ -308,8 +308,13 @@ def _checkpointed_core(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _run(self, _original(self, "core"), args, kwargs)
 
 
+@torch.compiler.disable
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The layer's forward with what it saves for the backward in host memory (``recompute.offload``)."""
+    """The layer's forward with what it saves for the backward in host memory (``recompute.offload``).
+
+    Note: [eager under torch.compile] the layer runs eagerly, a graph break in a compiled model: dynamo traced
+    the saved-tensor hooks' Python state into a recursion, and resolved the original forward to this wrapper.
+    """
     fn = _original(self, "forward")
     offloader = getattr(self, _OPTIONS).offloader
     if not torch.is_grad_enabled() or offloader is None:

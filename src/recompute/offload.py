@@ -146,6 +146,7 @@ class Offloader:
         wanted = sorted({j for i in self.layers for j in (i, i + 1) if j < len(layers)})
         return [layers[j].register_forward_hook(partial(self._on_output, j)) for j in wanted]
 
+    @torch.compiler.disable  # a gradient hook from a compiled frame: left to eager
     def _on_output(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
