@@ -19,7 +19,7 @@ from recompute.checkpointing import _iter_wrapped, apply, find_layers
 from recompute.cli import main
 from recompute.core.analytic import estimate
 from recompute.core.errors import ConfigError
-from recompute.core.policy import ALL_POLICIES, MOE_POLICIES, POLICIES, Policy
+from recompute.core.policy import ALL_POLICIES, MOE_POLICIES, OFFLOAD_POLICIES, POLICIES, Policy
 from recompute.core.spec import ModelSpec
 from recompute.models.source import build_source, resolve_source
 from recompute.trace import trace
@@ -139,7 +139,7 @@ def test_the_analytic_model_refuses_experts(capsys: pytest.CaptureFixture[str]) 
 
 def test_experts_is_a_policy_name_but_not_a_dense_one() -> None:
     assert "experts" in MOE_POLICIES and "experts" not in POLICIES  # the planner searches POLICIES
-    assert list(ALL_POLICIES) == [*POLICIES, *MOE_POLICIES]
+    assert list(ALL_POLICIES) == [*POLICIES, *MOE_POLICIES, *OFFLOAD_POLICIES]
     pol = Policy(layers=("experts", "mlp", "experts"))
     assert Policy.from_dict(pol.to_dict()) == pol and Policy.parse("experts") == Policy("experts")
     assert pol.describe() == "per-layer mlp x1, experts x2"

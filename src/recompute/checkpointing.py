@@ -17,8 +17,11 @@ Hugging Face attention modules have no ``core``: for ``core_attn`` the selected 
 their config whose ``_attn_implementation`` names a function registered with transformers'
 ``AttentionInterface``; it checkpoints the implementation the model was using (eager, sdpa, ...).
 
-Offloading moves what each checkpoint keeps (its inputs) to CPU memory with ``save_on_cpu``; with a save-list,
-the op outputs that selective checkpointing keeps stay where they are (its cache bypasses saved-tensor hooks).
+Offloading (``Policy(offload=True)``) moves what each checkpoint keeps (its inputs) to CPU memory with
+``save_on_cpu``; with a save-list, the op outputs that selective checkpointing keeps stay where they are (its
+cache bypasses saved-tensor hooks). The ``offload`` policy is different: the layer recomputes nothing and keeps
+everything it saves, in host memory, copied out during the forward and back one layer ahead in the backward
+(``recompute.offload``); its layers' ``forward`` runs under the model's ``Offloader``.
 
 Order with other transforms (torchtitan): ``apply``, then ``torch.compile``, then FSDP.
 """
@@ -42,6 +45,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
+from recompute.offload import Offloader
 
 __all__ = ["REGIONS", "applied_policy", "apply", "find_layers"]
 
@@ -53,13 +57,16 @@ REGIONS: dict[str, tuple[str, ...]] = {
     "attn+mlp": ("attn", "mlp"),
     "block": ("block",),
     "experts": ("experts",),
+    "offload": ("offload",),
 }
-"""What each policy wraps in one layer: ``block`` (the layer), ``attn``/``mlp`` (sub-blocks), ``core``, and
-``experts`` (the MLP's experts child)."""
+"""What each policy wraps in one layer: ``block`` (the layer), ``attn``/``mlp`` (sub-blocks), ``core``,
+``experts`` (the MLP's experts child), and ``offload`` (the layer's forward, under saved-tensor hooks)."""
 
 _SAVED = "_recompute_saved"  # per module: {attribute: the instance value it had, or None for the class's}
 _OPTIONS = "_recompute_options"  # per module: the _Options its wrapped methods use
 _POLICY = "_recompute_policy"  # on the root module: the Policy applied
+_INDEX = "_recompute_layer_index"  # per offloaded layer: its index in the layer list
+_HOOKS = "_recompute_hooks"  # on the root module: handles of the offloader's forward hooks
 _HF_IMPL = "recompute_core_attn"  # our name in transformers' AttentionInterface
 _ATTN = re.compile(r"attn|attention", re.IGNORECASE)
 _MLP = re.compile(r"mlp|ffn|feed_?forward|moe|experts", re.IGNORECASE)
@@ -97,12 +104,16 @@ def apply(
     names = pol.per_layer(len(stack))
     if any(n != "none" for n in names):
         _refuse_hf_checkpointing(model)
-    options = _Options(save=_save_list(pol.save_ops), offload=pol.offload)
+    offloaded = [i for i, n in enumerate(names) if n == "offload"]
+    offloader = Offloader(model, offloaded) if offloaded else None
+    options = _Options(save=_save_list(pol.save_ops), offload=pol.offload, offloader=offloader)
     targets = [_region_targets(block, name, attn, mlp) for block, name in zip(stack, names)]  # check all first
     _restore(model)
-    for layer_targets in targets:
+    for index, layer_targets in enumerate(targets):
         for module, method in layer_targets:
-            _wrap(module, method, options)
+            _wrap(module, method, options, index)
+    if offloader is not None:
+        model.__dict__[_HOOKS] = offloader.watch(stack)
     setattr(model, _POLICY, pol)
 
 
@@ -168,6 +179,8 @@ def _region_targets(block: nn.Module, policy: str, attn: str | None, mlp: str | 
     for region in REGIONS[policy]:
         if region == "block":
             targets.append((block, "forward"))
+        elif region == "offload":
+            targets.append((block, "offload"))
         elif region == "mlp":
             targets.append((_sub_block(block, "mlp", attn, mlp), "forward"))
         elif region == "experts":
@@ -231,6 +244,8 @@ class _Options:
     save: tuple[Any, ...] | None
     """Ops whose outputs selective checkpointing keeps (every overload spelled out), or None for plain AC."""
     offload: bool
+    offloader: Offloader | None = None
+    """The model's offloader, when some layer takes the ``offload`` policy."""
 
 
 def _save_list(names: tuple[str, ...] | None) -> tuple[Any, ...] | None:
@@ -252,14 +267,18 @@ def _resolve_op(name: str) -> list[Any]:
         raise ConfigError(f"{name!r} is not an operator; name ops to save like 'aten.mm' or 'aten.mm.default'") from e
 
 
-def _wrap(module: nn.Module, method: str, options: _Options) -> None:
+def _wrap(module: nn.Module, method: str, options: _Options, index: int) -> None:
+    wrapper = _offloaded_forward if method == "offload" else _WRAPPERS.get(method)  # none for "config"
+    if method == "offload":  # the layer's own forward, run by the offloader
+        module.__dict__[_INDEX] = index
+        method = "forward"
     saved = module.__dict__.setdefault(_SAVED, {})
     saved.setdefault(method, module.__dict__.get(method))
     module.__dict__[_OPTIONS] = options
     if method == "config":
         module.config = _hf_local_config(module.config)
     else:
-        setattr(module, method, types.MethodType(_WRAPPERS[method], module))
+        setattr(module, method, types.MethodType(wrapper, module))  # type: ignore[arg-type]
 
 
 def _restore(model: nn.Module) -> None:
@@ -270,6 +289,9 @@ def _restore(model: nn.Module) -> None:
             else:
                 setattr(m, name, original)
         m.__dict__.pop(_OPTIONS, None)
+        m.__dict__.pop(_INDEX, None)
+    for handle in model.__dict__.pop(_HOOKS, ()):
+        handle.remove()
     model.__dict__.pop(_POLICY, None)
 
 
@@ -284,6 +306,20 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _checkpointed_core(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _run(self, _original(self, "core"), args, kwargs)
+
+
+@torch.compiler.disable
+def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The layer's forward with what it saves for the backward in host memory (``recompute.offload``).
+
+    Note: [eager under torch.compile] the layer runs eagerly, a graph break in a compiled model: dynamo traced
+    the saved-tensor hooks' Python state into a recursion, and resolved the original forward to this wrapper.
+    """
+    fn = _original(self, "forward")
+    offloader = getattr(self, _OPTIONS).offloader
+    if not torch.is_grad_enabled() or offloader is None:
+        return fn(*args, **kwargs)
+    return offloader.run(self.__dict__[_INDEX], fn, args, kwargs)
 
 
 _WRAPPERS = {"forward": _checkpointed_forward, "core": _checkpointed_core}

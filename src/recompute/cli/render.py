@@ -92,6 +92,7 @@ def render_estimate(
                 ["activations", gib(chosen.activation_bytes)],
                 ["model states", gib(st.total)],
                 [f"peak ({chosen.peak_phase})", gib(chosen.peak)],
+                *([["host memory (offloaded)", gib(chosen.host)]] if chosen.host else []),
             ],
         ),
         "",

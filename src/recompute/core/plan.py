@@ -13,6 +13,10 @@ top layer and, for the other layers, builds the exact Pareto set of (stored byte
 chain by dynamic programming (a multiple-choice knapsack with no discretisation), then keeps the cheapest
 combination that fits. With pipeline parallelism the plan is made for the first stage, the most loaded one,
 and repeated on every stage. Torch-free.
+
+The planner searches ``POLICIES``. ``offload`` (``OFFLOAD_POLICIES``) is left out: its price is the time of
+copies to and from host memory, which neither the FLOP count nor the time model prices, so it would look free
+and win every plan; ``estimate`` and ``best_uniform(names=("offload",))`` cost its memory.
 """
 
 from __future__ import annotations

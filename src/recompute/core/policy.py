@@ -6,7 +6,10 @@ checkpointing (a save-list of ops) and offloading the kept checkpoints to CPU me
 This module imports no torch: the analytic model and the CLI read policies too.
 
 ``POLICIES`` are the dense policies, the ones the analytic model costs and the planner searches;
-``MOE_POLICIES`` apply to mixture-of-experts layers only and are measured by ``trace``, not modelled.
+``MOE_POLICIES`` apply to mixture-of-experts layers only and are measured by ``trace``, not modelled;
+``OFFLOAD_POLICIES`` recompute nothing but move what a layer saves to host memory: the analytic model costs
+their device and host bytes, but the planner does not search them (their price is transfer time, which it
+does not model: in FLOPs they would look free).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.results import read_json
 
-__all__ = ["ALL_POLICIES", "MOE_POLICIES", "POLICIES", "Policy", "check_analytic"]
+__all__ = ["ALL_POLICIES", "MOE_POLICIES", "OFFLOAD_POLICIES", "POLICIES", "Policy", "check_analytic"]
 
 POLICIES: dict[str, str] = {
     "none": "store everything; recompute nothing",
@@ -35,7 +38,13 @@ MOE_POLICIES: dict[str, str] = {
 }
 """Policies for mixture-of-experts layers: ``apply`` and ``trace`` know them, the analytic model does not."""
 
-ALL_POLICIES: dict[str, str] = {**POLICIES, **MOE_POLICIES}
+OFFLOAD_POLICIES: dict[str, str] = {
+    "offload": "keep what the layer saves, in host memory: copied out during the forward, back one layer ahead "
+    "in the backward",
+}
+"""Policies that move saved tensors to host memory instead of recomputing them (``recompute.offload``)."""
+
+ALL_POLICIES: dict[str, str] = {**POLICIES, **MOE_POLICIES, **OFFLOAD_POLICIES}
 """Every policy name ``Policy`` accepts."""
 
 FORMAT = "recompute.policy/1"

@@ -398,12 +398,19 @@ def _affine_ops(small: Sequence[Op], big: Sequence[Op], k: int, n: int) -> tuple
     return tuple(sorted(out))
 
 
+_TIMED_AS = {"offload": "none"}
+"""Policies priced as another: their device kernels are that policy's."""
+
+
 def mixed_timing(works: Mapping[str, StepWork], layers: Sequence[str], device: Device) -> Timing:
     """The timing of a per-layer assignment of a model with identical layers, from each policy's uniform step:
-    the step under ``none`` plus, per layer, 1/L of what its policy's uniform step adds."""
+    the step under ``none`` plus, per layer, 1/L of what its policy's uniform step adds.
+
+    An ``offload`` layer runs the kernels of ``none``: its copies go on a side stream, taken as hidden behind
+    compute (not priced; unmeasured)."""
     base = works["none"].seconds(device)
     n = len(layers)
-    extra = sum((works[name].seconds(device) - base) / n for name in layers)
+    extra = sum((works[_TIMED_AS.get(name, name)].seconds(device) - base) / n for name in layers)
     step = base + extra
     tokens = works["none"].tokens
     return Timing(device.label, step, tokens / step if step else 0.0, extra / base if base else 0.0)

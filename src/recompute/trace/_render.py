@@ -13,7 +13,7 @@ def _groups(r: TraceResult) -> list[tuple[str, str, PartTrace]]:
     runs: list[list[int]] = []
     for j, part in enumerate(r.layers):
         prev = runs[-1][-1] if runs else None
-        same = prev is not None and r.per_layer[prev] == r.per_layer[j] and r.layers[prev].components == part.components
+        same = prev is not None and r.per_layer[prev] == r.per_layer[j] and _bytes(r.layers[prev]) == _bytes(part)
         if same:
             runs[-1].append(j)
         else:
@@ -25,12 +25,21 @@ def _groups(r: TraceResult) -> list[tuple[str, str, PartTrace]]:
     return out
 
 
+def _bytes(p: PartTrace) -> tuple[dict[str, int], int]:
+    return p.components, p.host
+
+
 def _layer_table(r: TraceResult) -> str:
-    used = [c for c in COMPONENTS if any(p.components.get(c) for p in (*r.layers, r.embedding, r.head))]
-    rows = [[label, pol, *(size(p.components.get(c, 0)) for c in used), size(p.total)] for label, pol, p in _groups(r)]
-    for p in (r.embedding, r.head):
-        rows.append([p.name, "-", *(size(p.components.get(c, 0)) for c in used), size(p.total)])
-    return render_table(["saved by", "policy", *used, "total"], rows)
+    parts = (*r.layers, r.embedding, r.head)
+    used = [c for c in COMPONENTS if any(p.components.get(c) for p in parts)]
+    host = ["in host memory"] if any(p.host for p in parts) else []
+
+    def cells(p: PartTrace) -> list[str]:
+        return [*(size(p.components.get(c, 0)) for c in used), size(p.total), *([size(p.host)] if host else [])]
+
+    rows = [[label, pol, *cells(p)] for label, pol, p in _groups(r)]
+    rows += [[p.name, "-", *cells(p)] for p in (r.embedding, r.head)]
+    return render_table(["saved by", "policy", *used, "total", *host], rows)
 
 
 def _ops_table(parts: list[PartTrace]) -> str:
@@ -59,6 +68,11 @@ def render_trace(r: TraceResult) -> str:
         f"saved for the backward: {size(r.activations)} (layers {size(r.layer_activations)}, "
         f"embedding {size(r.embedding.total)}, head and loss {size(r.head.total)})",
         f"peak: {size(r.peak)} during the {r.peak_phase} ({peak_parts})",
+        *(
+            [f"host memory: {size(r.host)} at most (what the offload layers save, copied out; not in the peak)"]
+            if r.host
+            else []
+        ),
         "",
         _layer_table(r),
         "",

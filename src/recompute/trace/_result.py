@@ -26,7 +26,9 @@ class PartTrace:
     ops: dict[str, int]
     """Bytes by the backward node that first reads the tensor (``MmBackward0``, ``checkpoint``, ...)."""
     tensors: int
-    """Number of storages saved (each counted once, by its first saver)."""
+    """Number of storages saved on the device (each counted once, by its first saver)."""
+    host: int = 0
+    """Bytes saved in host memory instead (an ``offload`` layer's copies); not in ``components`` or ``total``."""
 
     @property
     def total(self) -> int:
@@ -72,6 +74,8 @@ class TraceResult:
     """Parameters of the model traced (each once, tied ones too), as ``model.num_parameters()`` counts them."""
     seconds: float = field(default=0.0, compare=False)
     """Wall time of the trace."""
+    host: int = 0
+    """The most host-memory bytes alive at once: the ``offload`` layers' copies (in no device figure)."""
 
     @property
     def scaled(self) -> bool:
@@ -106,13 +110,17 @@ def part_trace(name: str, records: Iterable[SavedRecord]) -> PartTrace:
     """Sum saved records by component and by op."""
     components: dict[str, int] = {}
     ops: dict[str, int] = {}
-    count = 0
+    count = host = 0
     for r in records:
+        if r.host:
+            host += r.nbytes
+            continue
         components[r.component] = components.get(r.component, 0) + r.nbytes
         ops[r.op] = ops.get(r.op, 0) + r.nbytes
         count += 1
     ordered = {c: components[c] for c in COMPONENTS if components.get(c)}
-    return PartTrace(name=name, components=ordered, ops=dict(sorted(ops.items(), key=lambda kv: -kv[1])), tensors=count)
+    ops = dict(sorted(ops.items(), key=lambda kv: -kv[1]))
+    return PartTrace(name=name, components=ordered, ops=ops, tensors=count, host=host)
 
 
 def _phase_group(phase: Phase) -> str:
@@ -165,4 +173,5 @@ def from_record(
         notes=notes,
         parameter_count=parameter_count,
         seconds=seconds,
+        host=record.host_peak,
     )

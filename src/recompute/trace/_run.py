@@ -278,6 +278,11 @@ def _check_scalable(source: ModelSource, pol: Policy, layers: int) -> None:
         f"{scaling} rebuilds the model with fewer layers, which a factory ({source.origin}) cannot; "
         "trace every layer instead (no layer count)",
     )
+    require(
+        layers >= 2 or "offload" not in pol.per_layer(layers),
+        f"{scaling} misses offload's largest backward (layer 1's: it holds layer 0's copies too); "
+        "trace at least 2 layers, or every layer (no layer count)",
+    )
     kinds = set(getattr(source.config, "layer_types", None) or ())
     require(
         len(kinds) <= 1,

@@ -46,6 +46,8 @@ class StepRecord:
     """FLOPs of each phase by op (``run_step(..., flops=True)``; a layer's replay is in its backward phase)."""
     work: dict[Phase, dict[tuple[str, str, int, int], int]] = field(default_factory=dict)
     """Every kernel of each phase by work signature (op, dtype, FLOPs, bytes): how many ran (``flops=True``)."""
+    host_peak: int = 0
+    """The most host-memory bytes alive at once (``offload`` layers' copies; in no device figure)."""
 
     @property
     def peak(self) -> tuple[int, Phase]:
@@ -141,6 +143,7 @@ def run_step(
         layer_starts=tuple(starts.get(i, 0) for i in range(len(layers))),
         flops={ph: dict(c) for ph, c in counter.by_phase.items()} if counter else {},
         work={ph: dict(c) for ph, c in counter.work.items()} if counter else {},
+        host_peak=tracker.host_peak,
     )
 
 

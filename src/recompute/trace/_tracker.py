@@ -6,7 +6,10 @@ storage alive, real or fake, by category). On top of it this class records
 - the peak of every phase of the step (forward / backward / optimizer, and which layer), so the phase of the
   overall peak is known and a trace of a few identical layers can be scaled up (``_scale.py``);
 - every storage autograd saves during the forward (a saved-tensor pack hook), with the layer and component
-  (the layer's child module that was running) and the op that saved it.
+  (the layer's child module that was running) and the op that saved it;
+- host memory apart: the copies an ``offload`` layer makes of what it saves (``recompute.offload`` makes them
+  inside ``host_copies()``) are host memory, not device memory, even when both are the CPU; they count in
+  ``host_bytes``/``host_peak`` and their saved records are marked ``host``.
 
 Note: [lean peak tracking] MemTracker updates a peak snapshot for every module it has seen after every op,
 which is quadratic in the layer count (minutes for a 32-layer model); only the global and per-phase peaks are
@@ -16,6 +19,7 @@ kept here.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
@@ -26,6 +30,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
+
+from recompute.offload import copying_to_host
 
 __all__ = ["Phase", "SavedRecord", "StepTracker", "component_of", "python_saver", "storages"]
 
@@ -72,6 +78,8 @@ class SavedRecord:
     input of a whole-layer checkpoint) or ``other`` (saved by the layer itself, or outside the layers)."""
     op: str = "?"
     """The backward node that reads it (``MmBackward0``), or ``checkpoint`` for a checkpoint's kept inputs."""
+    host: bool = False
+    """Kept in host memory (an ``offload`` layer's copy), not on the device."""
 
 
 def component_of(child: str) -> str:
@@ -103,6 +111,11 @@ class StepTracker(MemTracker):
         self._saved_by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._fqns: dict[str, int] = {}
         self._layers_done: set[int] = set()
+        self.host_bytes = 0
+        """Host-memory bytes alive now (offloaded saved tensors), outside every device figure."""
+        self.host_peak = 0
+        """The most host-memory bytes alive at once."""
+        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # --- phases ---------------------------------------------------------------------------------------
 
@@ -149,6 +162,27 @@ class StepTracker(MemTracker):
         if best is None or total > best[0]:
             self.phase_peaks[phase] = (total, _merged(self._curr_mem_snap))
 
+    # --- host memory ---------------------------------------------------------------------------------
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        if copying_to_host():
+            self._track_host(t)
+        else:
+            super()._track(reftype, t)
+
+    def _track_host(self, t: torch.Tensor) -> None:
+        for st in storages(t):
+            if st in self._host:
+                continue
+            nbytes = st.nbytes()
+            self._host[st] = nbytes
+            self.host_bytes += nbytes
+            self.host_peak = max(self.host_peak, self.host_bytes)
+            weakref.finalize(st, self._host_freed, nbytes)
+
+    def _host_freed(self, nbytes: int) -> None:
+        self.host_bytes -= nbytes
+
     # --- who saved what -------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -162,6 +196,7 @@ class StepTracker(MemTracker):
         if info is not None and str(info[0].reftype.value) in _STATE_KINDS:
             return t  # a parameter or buffer (a weight saved by a matmul), not an activation
         record = self._new_record(st, info)
+        record.host = st in self._host
         self._saved_by_storage[st] = record
         self.saved.append(record)
         return _Packed(t, record)

@@ -51,6 +51,8 @@ class Estimate:
     """FLOPs replayed in the backward for one micro-batch."""
     notes: tuple[str, ...] = field(default=())
     """Which terms the estimate uses or leaves out."""
+    host: float = 0.0
+    """Host-memory bytes of the ``offload`` layers' saved tensors, all micro-batches in flight (not in ``peak``)."""
 
     @property
     def activation_bytes(self) -> float:
@@ -126,6 +128,7 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     peak_act, phase = _peak_activations(
         las, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits, grads
     )
+    host = k * sum(la.offloaded(name) for la, name in zip(las, stage))
     resident = resident_states(wl, states)
     peak_act, phase = max((peak_act, phase), after_backward(spec, wl, states, outer.embedding * k + outer.kept_logits))
     return Estimate(
@@ -138,7 +141,8 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
         peak_phase=phase,
         model_flops=model_flops(spec, wl),
         recompute_flops=recompute_flops(spec, wl, per_layer),
-        notes=_notes(spec, wl, pol),
+        notes=_notes(spec, wl, pol, host),
+        host=host,
     )
 
 
@@ -164,16 +168,20 @@ def _peak_activations(
 
     At the loss: every stored byte plus the logits and loss gradients. Then layer j (top down): the layers
     below j still stored, other micro-batches in flight, layer j's recompute transient and workspace, and
-    the logits the training loop still holds, and the gradients made so far (``GradientArrival``).
+    the logits the training loop still holds, and the gradients made so far (``GradientArrival``); under
+    ``offload``, layer j's transient is all it saves (copied back), and layer j - 1's, when offloaded, is being
+    copied back meanwhile: at most two layers' worth in flight.
     """
     stored = [la.stored(name) for la, name in zip(las, stage)]
+    offloaded = [la.offloaded(name) for la, name in zip(las, stage)]
     others = (k - 1) * sum(stored)
     best, phase = others + sum(stored) + embedding + head + loss, "loss"
     below = 0.0
     for j, name in enumerate(stage):
         below += stored[j]
         made = grads.before(j, len(stage))
-        value = others + below + las[j].transient(name) + las[j].workspace + embedding + kept_logits + made
+        ahead = offloaded[j - 1] if j else 0.0  # the layer below, copied back meanwhile when offloaded
+        value = others + below + las[j].transient(name) + las[j].workspace + embedding + kept_logits + made + ahead
         if value > best:
             best, phase = value, f"backward of layer {j}"
     return best, phase
@@ -249,7 +257,7 @@ def _optimizer_phase(spec: ModelSpec, wl: Workload, states: ModelStates) -> tupl
     return grads + 2 * largest / wl.tp * moment, "optimizer step"
 
 
-def _notes(spec: ModelSpec, wl: Workload, pol: Policy) -> tuple[str, ...]:
+def _notes(spec: ModelSpec, wl: Workload, pol: Policy, host: float) -> tuple[str, ...]:
     notes = [
         f"attention {wl.attention}: "
         + ("the s^2 softmax is stored" if wl.attention == "eager" else "no s^2 term; fp32 log-sum-exp per row"),
@@ -271,6 +279,12 @@ def _notes(spec: ModelSpec, wl: Workload, pol: Policy) -> tuple[str, ...]:
         )
     if pol.save_ops or pol.offload:
         notes.append("op-level save lists and CPU offload are not modelled analytically; use `recompute trace`")
+    if host:
+        notes.append(
+            f"offload: {host / 2**30:.3g} GiB of saved tensors in host memory; the device keeps none (tensors under "
+            "64 KiB taken as none) but, in the backward, the layer consumed and the one prefetched; copy time is "
+            "not modelled (taken as hidden behind compute)"
+        )
     return tuple(notes)
 
 

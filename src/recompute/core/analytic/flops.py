@@ -69,6 +69,7 @@ class LayerFlops:
             "mlp": mlp,
             "attn+mlp": attn + mlp,
             "block": self.attn_proj + self.attn_core + mlp,
+            "offload": 0.0,  # copies, not FLOPs
         }[policy]
 
     def overhead(self, policy: str) -> float:

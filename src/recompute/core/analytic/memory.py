@@ -115,7 +115,17 @@ class LayerActivations:
         if policy == "block":
             parts = {c: 0.0 for c in parts}
             parts["checkpoint"] = self.layer_in + self.block_extra
+        if policy == "offload":
+            parts = {c: 0.0 for c in parts}  # only tensors under 64 KiB stay (norm statistics): taken as none
         return parts
+
+    def offloaded(self, policy: str) -> float:
+        """Bytes this layer keeps in host memory under ``policy``: everything it saves, under ``offload``.
+
+        During the backward they come back: all of them while the layer's backward runs (``transient``), and
+        meanwhile the layer below's when it is offloaded too (the estimate's peak adds those).
+        """
+        return self.total if policy == "offload" else 0.0
 
     def transient(self, policy: str) -> float:
         """Bytes that exist again while this layer's recomputed part is replayed in the backward.
