@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from recompute.core.errors import ConfigError, positive_int, require
+from recompute.core.errors import ConfigError, one_of, positive_int, require
 from recompute.core.workload import LOSSES, loss_chunk_tokens
 
 __all__ = ["IGNORE_INDEX", "LossParts", "check_loss", "chunked_replacements", "loss_parts"]
@@ -65,8 +65,7 @@ _TARGETS = ("targets", "labels")
 
 def check_loss(loss: str, loss_chunk: object) -> int | None:
     """``loss_chunk`` if ``loss``/``loss_chunk`` are a valid pair for ``apply``, else a ConfigError."""
-    if loss not in LOSSES:
-        raise ConfigError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}", fields=("loss",))
+    one_of("loss", loss, LOSSES)
     if loss_chunk is None:
         return None
     require(
@@ -82,8 +81,7 @@ class LossParts:
     """Where a model's head and loss are, found before anything is replaced."""
 
     head: nn.Module
-    head_name: str
-    """The head's attribute on the model (``lm_head``)."""
+    """The output layer: ``lm_head``, or what ``get_output_embeddings()`` returns."""
     hook: str
     """The model's loss attribute: ``loss_fn`` (recompute's models) or ``_loss_function`` (transformers')."""
     targets: str
@@ -99,7 +97,7 @@ def loss_parts(model: nn.Module) -> LossParts:
             taking ``reduction=``, or transformers' ``ForCausalLMLoss``), or no targets/labels argument.
     """
     name = type(model).__name__
-    head, head_name = _head(model)
+    head = _head(model)
     signature = inspect.signature(_unwrapped(model.forward))
     targets = next((t for t in _TARGETS if t in signature.parameters), None)
     require(
@@ -108,21 +106,19 @@ def loss_parts(model: nn.Module) -> LossParts:
         "use loss='full'",
     )
     assert targets is not None
-    return LossParts(head, head_name, _loss_hook(model), targets, signature)
+    return LossParts(head, _loss_hook(model), targets, signature)
 
 
-def _head(model: nn.Module) -> tuple[nn.Module, str]:
+def _head(model: nn.Module) -> nn.Module:
+    """transformers' ``get_output_embeddings()``, else ``lm_head`` (recompute's and nanoGPT's name)."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Module):
+    if not isinstance(head, nn.Module) or not any(m is head for m in model.modules()):
         raise ConfigError(
             f"found no output layer in {type(model).__name__} (an lm_head, or get_output_embeddings()); "
             "chunked loss runs the head per chunk: use loss='full'"
         )
-    name = next((n for n, m in model.named_children() if m is head), None)
-    require(name is not None, f"the output layer of {type(model).__name__} is not its child; use loss='full'")
-    assert name is not None
-    return head, name
+    return head
 
 
 def _loss_hook(model: nn.Module) -> str:
