@@ -156,12 +156,6 @@ class Workload:
                 f"loss_chunk {self.loss_chunk} needs loss chunked; add loss chunked or drop loss_chunk",
                 fields=("loss_chunk", "loss"),
             )
-            require(
-                self.loss_chunk <= self.tokens,
-                f"loss_chunk {self.loss_chunk} is more than the {self.tokens} tokens of a micro-batch (b*s); "
-                f"use loss_chunk <= {self.tokens}",
-                fields=("loss_chunk",),
-            )
         if self.precision is None:
             object.__setattr__(self, "precision", "fp32" if self.dtype == "fp32" else "mixed")
         one_of("precision", self.precision, tuple(PRECISIONS))
@@ -193,6 +187,20 @@ class Workload:
     def tokens(self) -> int:
         """Tokens in one micro-batch, b * s."""
         return self.micro_batch * self.seq_len
+
+    def check_loss_chunk(self) -> None:
+        """Raise ConfigError if ``loss_chunk`` is more than the b*s tokens of a micro-batch.
+
+        Asked of what the user gave (the CLI); a model run refuses such a chunk at its first forward, while the
+        analytic model, for workloads derived with a shorter sequence (``plan``'s advice, ``report``'s sweeps),
+        takes it as one chunk of the whole batch.
+        """
+        require(
+            self.loss_chunk is None or self.loss_chunk <= self.tokens,
+            f"loss_chunk {self.loss_chunk} is more than the {self.tokens} tokens of a micro-batch (b*s); "
+            f"use loss_chunk <= {self.tokens}",
+            fields=("loss_chunk",),
+        )
 
     def check(self, spec: ModelSpec) -> None:
         """Raise ConfigError if this workload cannot run ``spec`` (divisibility, positions, pipeline depth)."""
@@ -270,8 +278,8 @@ def default_loss_chunk(vocab: int) -> int:
 
 
 def loss_chunk_tokens(loss_chunk: int | None, vocab: int, tokens: int) -> int:
-    """Tokens per chunk for a step of ``tokens`` (b*s): ``loss_chunk``, or the default capped at ``tokens``."""
-    return loss_chunk if loss_chunk is not None else min(default_loss_chunk(vocab), tokens)
+    """Tokens per chunk for a step of ``tokens`` (b*s): ``loss_chunk`` or the default, at most ``tokens``."""
+    return min(loss_chunk if loss_chunk is not None else default_loss_chunk(vocab), tokens)
 
 
 def workload_fields() -> tuple[dataclasses.Field[Any], ...]:

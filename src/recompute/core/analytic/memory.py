@@ -263,8 +263,9 @@ def chunked_loss_transient(spec: ModelSpec, wl: Workload) -> float:
 
     Note: [the chunked loss phase] the backward replays one chunk of c tokens at a time. Its log-softmax
     output, the loss's gradient and the log-softmax's gradient are alive at once, 12cv/t (the chunk's logits
-    are not kept: the log-softmax keeps its output); Megatron's vocabulary-parallel loss (t > 1) keeps its
-    softmax and makes one gradient, 8cv/t. Beside them, the output layer's weight gradient G = vh/t made by
+    are not kept: the log-softmax keeps its output); Megatron's vocabulary-parallel loss (t > 1), as its
+    replay makes them, the chunk's logits, their fp32 copy and the softmax made from it, (e + 8)cv/t (8cv/t
+    from fp32 logits, which need no copy). Beside them, the output layer's weight gradient G = vh/t made by
     the chunks before (autograd sums the chunks' in a buffer before it becomes ``.grad``), and the gradients
     of the head input of those chunks, (bs - c)he/t with sequence parallelism, (bs - c)he without (kept by
     the slicing's backward until every chunk has given its own). When the second chunk's weight gradient
