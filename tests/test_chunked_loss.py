@@ -350,6 +350,34 @@ def test_trace_cli_measures_the_chunked_loss(capsys: pytest.CaptureFixture[str])
     assert chunked["workload"]["loss"] == "chunked" and chunked["workload"]["loss_chunk"] == 128
 
 
+# --- bench and train run it ------------------------------------------------------------------------------
+
+
+def test_bench_measures_the_chunked_loss_as_the_trace_predicts() -> None:
+    """Real CPU steps under MemTracker: the chunked model's peak is the fake trace's, below the plain loss's."""
+    from recompute.bench import bench
+
+    spec = ModelSpec(hidden=32, n_layers=2, n_heads=4, vocab=4096, max_positions=64, name="wide-vocab")
+    wl = {"attention": "eager", "micro_batch": 2, "seq_len": 64, "dtype": "fp32", "device": "cpu"}
+    full = bench(spec, Workload(**wl), ["none"], steps=1, warmup=1)
+    chunked_wl = Workload(**wl, loss="chunked", loss_chunk=32)
+    chunked = bench(spec, chunked_wl, ["none"], steps=1, warmup=1)
+    (row,), (ref,) = chunked.rows, full.rows
+    assert row.peak == row.traced_peak == trace(spec, chunked_wl, "none").peak
+    assert row.peak < ref.peak
+
+
+def test_train_losses_equal_the_plain_loss(tmp_path: Path) -> None:
+    from recompute.train import train
+    from recompute.train.config import TrainConfig
+    from tiny import TRAIN
+
+    config = TrainConfig(**{**TRAIN, "steps": 3, "out": str(tmp_path / "full")})
+    full = [m.loss for m in train(config).metrics]
+    chunked = train(config.replace(out=str(tmp_path / "chunked"), loss="chunked", loss_chunk=40))
+    assert [m.loss for m in chunked.metrics] == pytest.approx(full, rel=1e-5)
+
+
 # --- tensor parallelism, on two real ranks ------------------------------------------------------------------
 
 
