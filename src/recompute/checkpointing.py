@@ -23,6 +23,10 @@ cache bypasses saved-tensor hooks). The ``offload`` policy is different: the lay
 everything it saves, in host memory, copied out during the forward and back one layer ahead in the backward
 (``recompute.offload``); its layers' ``forward`` runs under the model's ``Offloader``.
 
+``loss="chunked"`` also makes a forward given targets run the output layer and the loss over chunks of tokens,
+each chunk under non-reentrant checkpoint (``recompute.chunked_loss``), with the same save-and-restore of
+instance attributes: the model's ``forward``, the head's, and the model's loss.
+
 Order with other transforms (torchtitan): ``apply``, then ``torch.compile``, then FSDP.
 """
 
@@ -43,6 +47,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from recompute.chunked_loss import check_loss, chunked_replacements, loss_parts
 from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
 from recompute.offload import Offloader
@@ -79,6 +84,8 @@ def apply(
     layers: str | None = None,
     attn: str | None = None,
     mlp: str | None = None,
+    loss: str = "full",
+    loss_chunk: int | None = None,
 ) -> None:
     """Make ``model`` recompute what ``policy`` says, in place; ``none`` restores the plain model.
 
@@ -88,10 +95,17 @@ def apply(
         policy: a policy name, a ``Policy``, or the path of a policy/plan JSON file.
         layers: dotted path of the layer list, when it cannot be found (e.g. ``"transformer.h"``).
         attn, mlp: child names of the attention and MLP sub-modules in a layer, when they cannot be found.
+        loss: ``full``, or ``chunked``: a forward given targets (labels) runs the output layer and the loss
+            over chunks of tokens, each chunk's logits recomputed in its backward, and returns no logits
+            (``(None, loss)``; transformers' output with ``logits=None``). See ``recompute.chunked_loss``.
+        loss_chunk: tokens per chunk (default: ``recompute.core.workload.default_loss_chunk``, the most whose
+            fp32 logits fit 256 MiB, at most the batch's b*s; a larger one is refused at the first forward).
 
     Raises:
         ConfigError: a plan made for another model or another layer count, layers or sub-modules that cannot
-            be found, unknown ops to save, or Hugging Face's own checkpointing already switched on.
+            be found, unknown ops to save, Hugging Face's own checkpointing already switched on; with
+            ``loss="chunked"``, a chunk that is not a positive integer, or a model without a head or loss
+            it can find.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(
@@ -108,12 +122,17 @@ def apply(
     offloader = Offloader(model, offloaded) if offloaded else None
     options = _Options(save=_save_list(pol.save_ops), offload=pol.offload, offloader=offloader)
     targets = [_region_targets(block, name, attn, mlp) for block, name in zip(stack, names)]  # check all first
+    chunk = check_loss(loss, loss_chunk)
+    parts = loss_parts(model) if loss == "chunked" else None
     _restore(model)
     for index, layer_targets in enumerate(targets):
         for module, method in layer_targets:
             _wrap(module, method, options, index)
     if offloader is not None:
         model.__dict__[_HOOKS] = offloader.watch(stack)
+    if parts is not None:
+        for module, attribute, value in chunked_replacements(model, parts, chunk):
+            _replace(module, attribute, value)
     setattr(model, _POLICY, pol)
 
 
@@ -272,13 +291,18 @@ def _wrap(module: nn.Module, method: str, options: _Options, index: int) -> None
     if method == "offload":  # the layer's own forward, run by the offloader
         module.__dict__[_INDEX] = index
         method = "forward"
-    saved = module.__dict__.setdefault(_SAVED, {})
-    saved.setdefault(method, module.__dict__.get(method))
     module.__dict__[_OPTIONS] = options
     if method == "config":
-        module.config = _hf_local_config(module.config)
+        _replace(module, method, _hf_local_config(module.config))
     else:
-        setattr(module, method, types.MethodType(wrapper, module))  # type: ignore[arg-type]
+        _replace(module, method, types.MethodType(wrapper, module))  # type: ignore[arg-type]
+
+
+def _replace(module: nn.Module, attribute: str, value: Any) -> None:
+    """Set ``module.attribute``, keeping the value it had for ``_restore`` (its first one, if set twice)."""
+    saved = module.__dict__.setdefault(_SAVED, {})
+    saved.setdefault(attribute, module.__dict__.get(attribute))
+    setattr(module, attribute, value)
 
 
 def _restore(model: nn.Module) -> None:

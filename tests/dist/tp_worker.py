@@ -2,9 +2,11 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/tp_worker.py --suite tp --out r.json
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/dist/tp_worker.py --suite fsdp-tp --out r.json
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/tp_worker.py --suite chunked --out r.json
 
 Suites: ``tp`` (2 ranks): TP and TP+SP against one process, per-rank saved bytes against the analytic model,
-FSDP2 with dp=2 tp=1; ``fsdp-tp`` (4 ranks): FSDP2 with dp=2 tp=2 and SP. Every rank runs every check (the
+FSDP2 with dp=2 tp=1; ``fsdp-tp`` (4 ranks): FSDP2 with dp=2 tp=2 and SP; ``chunked`` (2 ranks, driven by
+tests/test_chunked_loss.py): the chunked loss with TP and TP+SP against one process's plain loss. Every rank runs every check (the
 DTensor gathers are collective); rank 0 writes ``{"checks": [...], "memory": [...]}`` with each check's
 outcome over all ranks, and prints the memory table. Dropout is 0 wherever results are compared with one
 process: each rank draws its own dropout masks, so they cannot equal a single-device run's.
@@ -215,9 +217,29 @@ def render(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def chunked(checks: Checks, mesh: DeviceMesh) -> None:
+    """The chunked loss (vocabulary-parallel per chunk) against one process's plain loss, some targets ignored."""
+    for sp in (False, True):
+        for family, (spec, attention) in FAMILIES.items():
+            torch.manual_seed(0)
+            ref = build_model(spec, attention=attention).train()
+            par = parallelize(copy.deepcopy(ref), mesh, sp=sp)
+            apply(par, "block", loss="chunked", loss_chunk=24)  # not a divisor of B*S: a shorter last chunk
+            idx, tgt = batch(spec, B)
+            tgt[0, :20] = -100
+            _, loss_ref = ref(idx, tgt)
+            loss_ref.backward()
+            logits, loss = par(idx, tgt)
+            loss.backward()
+            with checks(f"chunked {'TP+SP' if sp else 'TP'} {family}: loss and gradients equal one process's"):
+                assert logits is None
+                torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
+                compare_grads(ref, par, spec, mesh.size())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("tp", "fsdp-tp"), default="tp")
+    parser.add_argument("--suite", choices=("tp", "fsdp-tp", "chunked"), default="tp")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor() of 2-D
@@ -231,6 +253,8 @@ def main() -> None:
         dp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
         equality(checks, dp, sp=True, label="FSDP2 dp=2 tp=1", policies=("none", "block"))
         fsdp_memory(checks, dp["dp"])
+    elif args.suite == "chunked":
+        chunked(checks, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         equality(checks, mesh, sp=True, label="FSDP2 dp=2 tp=2 SP", policies=("none", "attn+mlp", "block"))

@@ -163,7 +163,7 @@ def bench(
         torch.manual_seed(seed)
         built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device)
         model = built.model.train()
-        apply(model, pol)
+        apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
         runs.append(_Run(pol, model, torch.optim.AdamW(model.parameters()), built.loss_fn, []))
     assert built is not None
     batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed)

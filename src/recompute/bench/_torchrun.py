@@ -73,7 +73,7 @@ def bench_parallel(
             torch.manual_seed(seed)
             model = build_model(spec, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device).train()
             parallelize(model, mesh, sp=sp)
-            apply(model, pol)
+            apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
             kept = [sum(layer.values()) for layer in saved_bytes_per_layer(model, batch)]
             optimizer = torch.optim.AdamW(model.parameters())
             times = [_step(model, optimizer, batch, device) for _ in range(warmup + steps)][warmup:]

@@ -83,7 +83,9 @@ def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource | Has
     values = {f.name: getattr(args, f.name) for f in workload_fields()}
     if values["seq_len"] is None:
         values["seq_len"] = min(DEFAULT_SEQ_LEN, model.max_positions or DEFAULT_SEQ_LEN)
-    return Workload(**values)
+    wl = Workload(**values)
+    wl.check_loss_chunk()
+    return wl
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str | None = "block") -> None:

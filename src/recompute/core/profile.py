@@ -57,8 +57,8 @@ __all__ = [
 
 FORMAT = "recompute.profile/2"
 
-PROFILED_WORKLOAD = ("micro_batch", "seq_len", "dtype", "attention", "device", "keep_grads")
-"""The workload fields a profile depends on (one device: no parallelism)."""
+PROFILED_WORKLOAD = ("micro_batch", "seq_len", "dtype", "attention", "device", "keep_grads", "loss", "loss_chunk")
+"""The workload fields a profile depends on (one device: no parallelism; the loss decides the head's phases)."""
 
 
 def library_versions() -> dict[str, str]:

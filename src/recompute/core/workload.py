@@ -16,11 +16,14 @@ from recompute.core.spec import ModelSpec
 __all__ = [
     "ATTENTIONS",
     "DTYPE_BYTES",
+    "LOSSES",
     "PRECISIONS",
     "Workload",
     "build_workload",
     "check_head_split",
     "check_sequence_split",
+    "default_loss_chunk",
+    "loss_chunk_tokens",
     "workload_fields",
 ]
 
@@ -39,6 +42,13 @@ LIMITS = {
 
 ATTENTIONS = ("eager", "flash")
 """``eager``: the attention math written out (saves the s^2 softmax); ``flash``: SDPA / FlashAttention."""
+
+LOSSES = ("full", "chunked")
+"""``full``: the (b, s, v) logits at once; ``chunked``: the output layer and cross-entropy over token chunks,
+each chunk's logits recomputed in the backward (``recompute.apply(..., loss="chunked")``)."""
+
+LOSS_CHUNK_BYTES = 256 * 2**20
+"""The default chunk: the most tokens (a power of two) whose fp32 logits take at most this many bytes."""
 
 PRECISIONS = {
     "fp32": "fp32 weights, fp32 gradients, fp32 Adam m and v: 4 + 4 + 8 = 16 B/param (the workshop's figure)",
@@ -104,6 +114,23 @@ class Workload:
             "by default they are freed, as PyTorch's zero_grad() does",
         ),
     )
+    loss: str = field(
+        default="full",
+        metadata=_opt(
+            "--loss",
+            "full: the logits of every token at once; chunked: the output layer and the loss over chunks of "
+            "--loss-chunk tokens, each chunk's logits recomputed in the backward (never all alive)",
+            choices=LOSSES,
+        ),
+    )
+    loss_chunk: int | None = field(
+        default=None,
+        metadata=_opt(
+            "--loss-chunk",
+            "tokens per chunk with --loss chunked (default: the most, a power of two, whose fp32 logits fit 256 "
+            "MiB: 512 for a 128256 vocabulary; at most b*s)",
+        ),
+    )
     device: str = field(
         default="cuda",
         metadata=_opt(
@@ -121,6 +148,14 @@ class Workload:
         one_of("dtype", self.dtype, tuple(DTYPE_BYTES))
         one_of("attention", self.attention, ATTENTIONS)
         one_of("device", self.device, ("cuda", "cpu"))
+        one_of("loss", self.loss, LOSSES)
+        if self.loss_chunk is not None:
+            positive_int("loss_chunk", self.loss_chunk)
+            require(
+                self.loss == "chunked",
+                f"loss_chunk {self.loss_chunk} needs loss chunked; add loss chunked or drop loss_chunk",
+                fields=("loss_chunk", "loss"),
+            )
         if self.precision is None:
             object.__setattr__(self, "precision", "fp32" if self.dtype == "fp32" else "mixed")
         one_of("precision", self.precision, tuple(PRECISIONS))
@@ -152,6 +187,20 @@ class Workload:
     def tokens(self) -> int:
         """Tokens in one micro-batch, b * s."""
         return self.micro_batch * self.seq_len
+
+    def check_loss_chunk(self) -> None:
+        """Raise ConfigError if ``loss_chunk`` is more than the b*s tokens of a micro-batch.
+
+        Asked of what the user gave (the CLI); a model run refuses such a chunk at its first forward, while the
+        analytic model, for workloads derived with a shorter sequence (``plan``'s advice, ``report``'s sweeps),
+        takes it as one chunk of the whole batch.
+        """
+        require(
+            self.loss_chunk is None or self.loss_chunk <= self.tokens,
+            f"loss_chunk {self.loss_chunk} is more than the {self.tokens} tokens of a micro-batch (b*s); "
+            f"use loss_chunk <= {self.tokens}",
+            fields=("loss_chunk",),
+        )
 
     def check(self, spec: ModelSpec) -> None:
         """Raise ConfigError if this workload cannot run ``spec`` (divisibility, positions, pipeline depth)."""
@@ -214,6 +263,23 @@ def check_sequence_split(seq_len: int, tp: int) -> None:
         f"with sp the sequence length ({seq_len}) must be divisible by tp ({tp}); use a multiple of {tp}",
         fields=("sp", "tp", "seq_len"),
     )
+
+
+def default_loss_chunk(vocab: int) -> int:
+    """Tokens per chunk of the chunked loss when none is given: the most, a power of two, whose fp32 logits
+    take at most ``LOSS_CHUNK_BYTES`` (256 MiB): 512 for Llama 3's 128256 tokens, 1024 for GPT-2's 50257.
+
+    Note: [why a byte budget] a chunk should hold enough tokens to keep the output layer's matmul efficient
+    and few enough that its logits are small next to the rest of the step; a fixed budget makes the loss
+    transient independent of the sequence length.
+    """
+    tokens = max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+    return 1 << (tokens.bit_length() - 1)
+
+
+def loss_chunk_tokens(loss_chunk: int | None, vocab: int, tokens: int) -> int:
+    """Tokens per chunk for a step of ``tokens`` (b*s): ``loss_chunk`` or the default, at most ``tokens``."""
+    return min(loss_chunk if loss_chunk is not None else default_loss_chunk(vocab), tokens)
 
 
 def workload_fields() -> tuple[dataclasses.Field[Any], ...]:

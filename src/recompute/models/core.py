@@ -74,13 +74,15 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+def cross_entropy(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
     """fp32 cross-entropy over all positions: the reference models' loss (``model.loss_fn``).
 
+    Targets of -100 count for nothing (``F.cross_entropy``'s ``ignore_index``); ``reduction="sum"`` gives the
+    sum over the others, which the chunked loss (``recompute.chunked_loss``) adds up over its chunks.
     ``recompute.parallel.parallelize`` replaces ``model.loss_fn`` by Megatron's vocabulary-parallel
     cross-entropy, which takes the vocabulary-sharded logits without gathering them.
     """
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
 
 
 def init_weights(module: nn.Module, *, n_layers: int) -> None:

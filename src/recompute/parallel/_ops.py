@@ -16,10 +16,15 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from recompute.core.errors import one_of
+
 __all__ = ["column_parallel", "scatter_sequence", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
 SEQ = 1
 """The sequence dimension of (b, s, h) activations."""
+
+IGNORE_INDEX = -100
+"""Targets that count for nothing in the loss (``F.cross_entropy``'s default ``ignore_index``)."""
 
 
 def _redistribute(x: Tensor, mesh: DeviceMesh, src: Placement, dst: Placement) -> Tensor:
@@ -123,44 +128,53 @@ def scatter_sequence(x: Tensor, mesh: DeviceMesh) -> Tensor:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits sharded over the vocabulary, without gathering them (Megatron).
+    """Cross-entropy of logits sharded over the vocabulary, without gathering them (Megatron).
 
-    Saves the fp32 softmax of this rank's vocabulary slice, (N, v/t): the 4sbv/t the analytic model counts.
+    Targets of -100 count for nothing, as in ``F.cross_entropy``: the mean is over the others (``reduction``
+    ``sum``: their sum). Saves the fp32 softmax of this rank's vocabulary slice, (N, v/t): the 4sbv/t the
+    analytic model counts.
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, targets: Tensor, start: int, mesh: DeviceMesh) -> Tensor:
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, start: int, mesh: DeviceMesh, reduction: str) -> Tensor:
         v_local = logits.size(-1)  # logits: (b*s, v/t), fp32
         z = logits - _all_reduce(logits.amax(dim=-1), mesh, "max").unsqueeze(-1)  # a fresh (N, v/t) buffer
         local = targets - start
-        mine = (local >= 0) & (local < v_local)  # this rank holds the target's logit
+        mine = (local >= 0) & (local < v_local)  # this rank holds the target's logit (never an ignored target's)
         local = local.clamp(0, max(v_local - 1, 0))
         target_z = _all_reduce(z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine, mesh)  # (N,)
         probs = z.exp_()
         total = _all_reduce(probs.sum(dim=-1), mesh)  # (N,): the softmax denominator over all ranks
-        probs.div_(total.unsqueeze(-1))
+        valid = targets != IGNORE_INDEX
+        # An ignored row's softmax becomes zeros, so its gradient is zero without saving which rows they are.
+        probs.div_(torch.where(valid, total, torch.inf).unsqueeze(-1))
         ctx.save_for_backward(probs, local, mine)
-        return (total.log() - target_z).mean()
+        ctx.count = valid.sum() if reduction == "mean" else None
+        loss = torch.where(valid, total.log() - target_z, 0.0).sum()
+        return loss / ctx.count if ctx.count is not None else loss
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         probs, local, mine = ctx.saved_tensors
-        scale = grad / probs.size(0)
-        grad_logits = probs * scale  # softmax minus the one-hot target, over N for the mean
+        scale = grad / ctx.count if ctx.count is not None else grad
+        grad_logits = probs * scale  # softmax minus the one-hot target, over the count for the mean
         grad_logits.scatter_add_(-1, local.unsqueeze(-1), (-scale * mine.to(probs.dtype)).unsqueeze(-1))
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: DTensor, targets: Tensor) -> Tensor:
-    """fp32 mean cross-entropy of ``logits`` (b, s, v), a DTensor sharded on the vocabulary, vs ``targets`` (b, s).
+def vocab_parallel_cross_entropy(logits: DTensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
+    """fp32 cross-entropy of ``logits`` (b, s, v), a DTensor sharded on the vocabulary, vs ``targets`` (b, s).
 
+    The mean over the targets that are not -100 (``reduction="sum"``: their sum), as ``F.cross_entropy``.
     Every tensor-parallel rank returns the same loss; ``targets`` are the whole (replicated) token ids.
     """
+    one_of("reduction", reduction, ("mean", "sum"))
     mesh = logits.device_mesh
     v, t = logits.shape[-1], mesh.size()
     start = min(mesh.get_local_rank() * -(-v // t), v)  # Shard(-1) splits like torch.chunk: ceil(v/t) per rank
     local = logits.to_local().float()
-    return _VocabParallelCrossEntropy.apply(local.reshape(-1, local.size(-1)), targets.reshape(-1), start, mesh)
+    flat = local.reshape(-1, local.size(-1))
+    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), start, mesh, reduction)
 
 
 class _VocabParallelEmbedding(torch.autograd.Function):

@@ -368,7 +368,8 @@ def _fake_model(
 
 
 def _prepare(built: BuiltModel, wl: Workload, pol: Policy, *, device: str) -> tuple[nn.ModuleList, FakeTensorMode]:
-    """Make a meta-built model fake, in training mode, parallelized (``wl.tp``) and with ``pol`` applied."""
+    """Make a meta-built model fake, in training mode, parallelized (``wl.tp``) and with ``pol`` applied (and
+    the chunked loss, when ``wl.loss`` says so)."""
     model = built.model
     mode = FakeTensorMode()
     fakeify(model, mode, device)
@@ -379,7 +380,7 @@ def _prepare(built: BuiltModel, wl: Workload, pol: Policy, *, device: str) -> tu
         with mode:
             parallelize(model, mesh, sp=wl.sp)
     model.train()
-    apply(model, pol)
+    apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
     return find_layers(model), mode
 
 
@@ -444,7 +445,7 @@ def trace_module(
 
 
 def _workload_dict(wl: Workload) -> dict[str, Any]:
-    keys = ("micro_batch", "seq_len", "dtype", "attention", "device", "tp", "sp", "keep_grads")
+    keys = ("micro_batch", "seq_len", "dtype", "attention", "device", "tp", "sp", "keep_grads", "loss", "loss_chunk")
     return {k: getattr(wl, k) for k in keys}
 
 

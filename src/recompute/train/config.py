@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recompute.core.errors import one_of, positive_int, require
-from recompute.core.workload import ATTENTIONS
+from recompute.core.workload import ATTENTIONS, LOSSES
 
 __all__ = ["RESUME_MUST_MATCH", "TrainConfig"]
 
@@ -38,6 +38,19 @@ class TrainConfig:
         default=None, metadata=_opt("--dropout", "dropout probability (overrides the preset's)")
     )
     policy: str = field(default="none", metadata=_opt("--policy", "recompute policy name, or a plan JSON file"))
+    loss: str = field(
+        default="full",
+        metadata=_opt(
+            "--loss",
+            "full, or chunked: the output layer and the loss over chunks of --loss-chunk tokens, each chunk's "
+            "logits recomputed in the backward",
+            choices=LOSSES,
+        ),
+    )
+    loss_chunk: int | None = field(
+        default=None,
+        metadata=_opt("--loss-chunk", "tokens per chunk with --loss chunked (default: 256 MiB of fp32 logits)"),
+    )
     data: str | None = field(default=None, metadata=_opt("--data", "a text file or a directory of .txt files"))
     dataset: str | None = field(default=None, metadata=_opt("--dataset", "a Hugging Face dataset name[:split]"))
     tokenizer: str = field(
@@ -81,6 +94,16 @@ class TrainConfig:
         one_of("--attention", self.attention, ATTENTIONS)
         one_of("--tokenizer", self.tokenizer, ("byte", "bpe"))
         one_of("--device", self.device, ("auto", "cpu", "cuda"))
+        one_of("--loss", self.loss, LOSSES)
+        if self.loss_chunk is not None:
+            positive_int("--loss-chunk", self.loss_chunk)
+            require(self.loss == "chunked", "--loss-chunk sets the chunk of --loss chunked; add --loss chunked")
+            tokens = self.micro_batch // self.dp * self.seq_len
+            require(
+                self.loss_chunk <= tokens,
+                f"--loss-chunk {self.loss_chunk} is more than the {tokens} tokens of a micro-batch on one rank "
+                f"(--micro-batch / --dp x --seq-len); use --loss-chunk <= {tokens}",
+            )
         if self.dropout is not None:
             require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(

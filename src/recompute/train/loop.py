@@ -302,7 +302,7 @@ def train(
     model = built.model
     if ranks.mesh is not None:
         parallelize(model, ranks.mesh, sp=config.sp)
-    apply(model, config.policy)
+    apply(model, config.policy, loss=config.loss, loss_chunk=config.loss_chunk)
     opt = _optimizer(model, config)
     result = RunResult(
         config=config,
@@ -324,6 +324,8 @@ def train(
         on_step=on_step,
         progress=progress if ranks.main else no_progress,
     )
+    if config.loss == "chunked":
+        apply(model, config.policy)  # a forward with targets (a factory's, in sample) returns no logits when chunked
     result.sample = sample(model, tok, config, device, hf=built.loss_fn is hf_loss)
     if ranks.main:
         atomic_write(Path(config.out) / SAMPLE, lambda f: f.write((result.sample + "\n").encode()))

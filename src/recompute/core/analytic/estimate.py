@@ -10,7 +10,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from recompute.core.analytic.flops import layer_flops, model_flops, recompute_flops
-from recompute.core.analytic.memory import PART_GROUP, LayerActivations, layer_activations, outer_activations
+from recompute.core.analytic.memory import (
+    PART_GROUP,
+    LayerActivations,
+    layer_activations,
+    loss_chunk,
+    outer_activations,
+)
 from recompute.core.analytic.params import ModelStates, layer_params, model_states, norm_params
 from recompute.core.policy import POLICIES, Policy, check_analytic
 from recompute.core.spec import ModelSpec
@@ -45,6 +51,9 @@ class Estimate:
     """Predicted peak: model states + stored activations + the larger of the loss and recompute transients."""
     peak_phase: str
     """Where the peak happens: ``loss`` (start of the backward) or ``backward of layer j``."""
+    loss_phase: float
+    """Predicted bytes at the loss: model states, every stored activation, and the logits and loss
+    transients (one chunk's with the chunked loss); the trace's ``backward (head and loss)`` phase."""
     model_flops: float
     """FLOPs of forward + backward for one micro-batch (independent of the policy)."""
     recompute_flops: float
@@ -131,6 +140,8 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     host = k * sum(la.offloaded(name) for la, name in zip(las, stage))
     resident = resident_states(wl, states)
     peak_act, phase = max((peak_act, phase), after_backward(spec, wl, states, outer.embedding * k + outer.kept_logits))
+    stored = k * (sum(la.stored(name) for la, name in zip(las, stage)) + outer.embedding) + outer.head + outer.logits
+    loss_phase = resident + stored + outer.loss_transient  # the first candidate of _peak_activations
     return Estimate(
         model=spec.name,
         policy=pol.describe(),
@@ -139,6 +150,7 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
         activations=activations,
         peak=resident + peak_act,
         peak_phase=phase,
+        loss_phase=loss_phase,
         model_flops=model_flops(spec, wl),
         recompute_flops=recompute_flops(spec, wl, per_layer),
         notes=_notes(spec, wl, pol, host),
@@ -276,6 +288,11 @@ def _notes(spec: ModelSpec, wl: Workload, pol: Policy, host: float) -> tuple[str
         notes.append(
             f"experts: {spec.n_experts // wl.ep} of {spec.n_experts} per rank (ep {wl.ep}), top-{spec.top_k}, "
             f"{wl.routed_tokens(spec) / (wl.tokens * spec.top_k):g} x the expected load per rank"
+        )
+    if wl.loss == "chunked":
+        notes.append(
+            f"chunked loss: {loss_chunk(spec, wl)} tokens per chunk; one chunk's logits at a time, replayed in "
+            "the backward (the output layer's matmul counted as recomputed), no logits kept"
         )
     if pol.save_ops or pol.offload:
         notes.append("op-level save lists and CPU offload are not modelled analytically; use `recompute trace`")

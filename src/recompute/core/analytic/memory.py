@@ -27,10 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from recompute.core.analytic.memory_hf import hf_layer_parts, hf_shared_tables
+from recompute.core.analytic.params import bytes_per_param
 from recompute.core.spec import ModelSpec
-from recompute.core.workload import Workload
+from recompute.core.workload import Workload, loss_chunk_tokens
 
-__all__ = ["LayerActivations", "OuterActivations", "layer_activations", "outer_activations", "paper_layer_bytes"]
+__all__ = [
+    "LayerActivations",
+    "OuterActivations",
+    "chunked_loss_transient",
+    "layer_activations",
+    "loss_chunk",
+    "outer_activations",
+    "paper_layer_bytes",
+]
 
 ATTENTION = ("attn_in", "qk_norm", "qkv", "scores", "attn_out", "attn_drop", "tables")
 MLP = ("mlp_in", "router", "mlp_hidden", "mlp_drop")
@@ -213,13 +222,15 @@ class OuterActivations:
     head: float
     """Final norm's saved input and statistics, and the output layer's input: 4sbh/t in the paper."""
     logits: float
-    """fp32 log-probabilities kept by cross-entropy: 4sbv/t."""
+    """fp32 log-probabilities kept by cross-entropy: 4sbv/t (none with the chunked loss)."""
     loss_transient: float
     """Logits and the loss gradients alive at once at the start of the backward: (e + 8)sbv/t; with t > 1
     the vocabulary-parallel loss turns its fp32 copy into the kept softmax in place: (e + 4)sbv/t (esbv/t
-    in fp32)."""
+    in fp32). With the chunked loss, one chunk's and the output layer's weight gradient made so far
+    (``chunked_loss_transient``)."""
     kept_logits: float = 0.0
-    """The logits the training loop holds until the backward ends (``logits, loss = model(x, y)``): esbv/t."""
+    """The logits the training loop holds until the backward ends (``logits, loss = model(x, y)``): esbv/t
+    (none with the chunked loss: the model returns no logits)."""
 
     @property
     def stored(self) -> float:
@@ -235,13 +246,50 @@ def outer_activations(spec: ModelSpec, wl: Workload, *, last_stage: bool) -> Out
     if not last_stage:
         return OuterActivations(embedding=embedding, head=0.0, logits=0.0, loss_transient=0.0)
     norm_saved, norm_stats = _norm_bytes(spec, wl, sbh)
+    head = (norm_saved + norm_stats + e * sbh) / r  # with the chunked loss, the chunks' checkpoints keep e*sbh
+    if wl.loss == "chunked":
+        return OuterActivations(embedding, head, logits=0.0, loss_transient=chunked_loss_transient(spec, wl))
     return OuterActivations(
         embedding=embedding,
-        head=(norm_saved + norm_stats + e * sbh) / r,
+        head=head,
         logits=4 * s * b * v / t,
         loss_transient=_loss_transient(wl) * s * b * v / t,
         kept_logits=e * s * b * v / t,
     )
+
+
+def loss_chunk(spec: ModelSpec, wl: Workload) -> int:
+    """Tokens per chunk of the chunked loss (``wl.loss_chunk`` or the default); with sequence parallelism,
+    whole positions of every rank's shard (at least one each), as ``recompute.chunked_loss`` takes them."""
+    c = loss_chunk_tokens(wl.loss_chunk, spec.vocab, wl.tokens)
+    if wl.sp and wl.tp > 1:
+        per_rank = wl.micro_batch * wl.tp
+        c = per_rank * max(1, c // per_rank)
+    return c
+
+
+def chunked_loss_transient(spec: ModelSpec, wl: Workload) -> float:
+    """Bytes alive at the loss beyond the stored activations with the chunked loss (checked by the trace).
+
+    Note: [the chunked loss phase] the backward replays one chunk of c tokens at a time. Its log-softmax
+    output, the loss's gradient and the log-softmax's gradient are alive at once, 12cv/t (the chunk's logits
+    are not kept: the log-softmax keeps its output); Megatron's vocabulary-parallel loss (t > 1), as its
+    replay makes them, the chunk's logits, their fp32 copy and the softmax made from it, (e + 8)cv/t (8cv/t
+    from fp32 logits, which need no copy). Beside them, the output layer's weight gradient G = vh/t made by
+    the chunks before (autograd sums the chunks' in a buffer before it becomes ``.grad``), and the gradients
+    of the head input of those chunks, (bs - c)he/t with sequence parallelism, (bs - c)he without (kept by
+    the slicing's backward until every chunk has given its own). When the second chunk's weight gradient
+    arrives autograd adds it out of place (the first is a transposed view): 3G at once. One chunk alone
+    (c = bs) makes no sum: 12cv/t.
+    """
+    s, b, h, v, t, e = wl.seq_len, wl.micro_batch, spec.hidden, spec.vocab, wl.tp, wl.element_bytes
+    c = loss_chunk(spec, wl)
+    logits = (12 if t == 1 else _loss_transient(wl) + 4) * c * v / t
+    if c >= s * b:
+        return logits
+    weight_grad = v * h / t * bytes_per_param(str(wl.precision), wl.dp)["gradients"]
+    head_input_grads = (s * b - c) * h * e / (t if wl.sp else 1)
+    return max(logits + weight_grad, 3 * weight_grad) + head_input_grads
 
 
 def _loss_transient(wl: Workload) -> int:
