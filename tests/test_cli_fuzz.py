@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recompute.cli import COMMANDS, build_parser, main
+from recompute.models.source import resolve_source
 
 
 class ReachedTheWork(Exception):
@@ -33,7 +34,13 @@ def _stop(*args: object, **kwargs: object) -> None:
 
 
 class _Floor:
+    """``recompute.trace`` as the commands reach it through ``torch_floor``: every trace is work."""
+
+    resolve_source = staticmethod(resolve_source)  # reading the model is a check, not work
     trace = staticmethod(_stop)
+    profile = staticmethod(_stop)
+    cached_profile = staticmethod(_stop)
+    cached_works = staticmethod(_stop)
 
 
 STUBS = {
@@ -48,6 +55,11 @@ STUBS = {
     "recompute.cli.report.build_report": _stop,
     "recompute.cli.plan.torch_floor": lambda name: _Floor,
     "recompute.cli.report.torch_floor": lambda name: _Floor,
+    "recompute.cli._timed.torch_floor": lambda name: _Floor,
+    "recompute.cli._profiled.torch_floor": lambda name: _Floor,
+    "recompute.cli.profile.torch_floor": lambda name: _Floor,
+    "recompute.cli.calibrate.calibrate": _stop,
+    "recompute.cli.bench.cached_calibration": _stop,
 }
 
 NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "1024", "64.5", "1e30", "99999999999999", "abc", ""]
