@@ -36,7 +36,7 @@ from recompute.bench.calibrate import calibrate
 from recompute.core.policy import POLICIES
 from recompute.core.table import render_table
 from recompute.core.timing import Device, timing
-from recompute.trace import step_work
+from recompute.trace import step_works
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -51,13 +51,13 @@ def models(device: str) -> dict[str, ModelSpec]:
     """recompute's GPT (dropout 0.1, tanh GELU) and Llama (GQA, SwiGLU, RMSNorm), sized for the device."""
     if device == "cpu":
         gpt = ModelSpec.from_name("gpt2", hidden=256, n_layers=4, n_heads=4, vocab=4096, max_positions=2048)
-        llama = ModelSpec.from_name(
-            "llama3.1-8b", hidden=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=4096, max_positions=2048
+        llama = ModelSpec.from_name(  # Llama 3.1's MLP ratio (14336 / 4096 = 3.5)
+            "llama3.1-8b", hidden=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=896, vocab=4096, max_positions=2048
         )
     else:
         gpt = ModelSpec.from_name("gpt2", max_positions=2048)
         llama = ModelSpec.from_name(
-            "llama3.1-8b", hidden=1024, n_layers=8, n_heads=16, n_kv_heads=4, vocab=32000, max_positions=2048
+            "llama3.1-8b", hidden=1024, n_layers=8, n_heads=16, n_kv_heads=4, d_ff=3584, vocab=32000, max_positions=2048
         )
     return {"gpt": gpt, "llama": llama}
 
@@ -65,7 +65,7 @@ def models(device: str) -> dict[str, ModelSpec]:
 def run_config(spec: ModelSpec, wl: Workload, device: Device, rounds: int) -> dict[str, Any]:
     """Predicted and measured step time and overhead of every policy at one configuration."""
     t0 = time.perf_counter()
-    works = {p: step_work(spec, wl, p, layers=2) for p in POLICIES}
+    works = step_works(spec, wl, list(POLICIES))
     traced = time.perf_counter() - t0
     predicted = {p: timing(works[p], works["none"], device) for p in POLICIES}
     result = bench(spec, wl, list(POLICIES), steps=rounds, warmup=2)
@@ -118,6 +118,28 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def write(
+    out: Path, args: argparse.Namespace, device: Device, dtype: str, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The results file with the rows so far and their summary; returns the summary."""
+    summ = summary(rows)
+    record = {
+        "benchmark": "time_model",
+        "command": "python " + " ".join(sys.argv),
+        "device": device.label,
+        "device_source": device.source,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "dtype": dtype,
+        "rounds": args.rounds,
+        "summary": summ,
+        "configs": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return summ
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -164,7 +186,8 @@ def main() -> None:
                     f"overhead measured/predicted % {cells}",
                     flush=True,
                 )
-    summ = summary(rows)
+                write(out, args, device, dtype, rows)  # after every configuration: a cut-off run keeps its rows
+    summ = write(out, args, device, dtype, rows)
     table = [
         [
             p,
@@ -176,20 +199,6 @@ def main() -> None:
     ]
     print(render_table(["policy", "median |error| (pts)", "max", "FLOP model's median |error|"], table))
     print(f"median |step time error|: {summ['median_abs_step_error']:.1%}")
-    record = {
-        "benchmark": "time_model",
-        "command": "python " + " ".join(sys.argv),
-        "device": device.label,
-        "device_source": device.source,
-        "host": platform.node(),
-        "torch": torch.__version__,
-        "dtype": dtype,
-        "rounds": args.rounds,
-        "summary": summ,
-        "configs": rows,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
 
 

@@ -86,12 +86,17 @@ def test_overhead_series_equal_the_estimate(report) -> None:  # type: ignore[no-
 def test_savings_table_matches_the_readme(report) -> None:  # type: ignore[no-untyped-def]
     # README: llama3.1-8b at 16K, eager: core_attn 84.40, attn 36.23, mlp 5.27 GiB per 1 % of overhead.
     rows = {r.policy: r for r in report.models["llama3.1-8b"].savings["eager"]}
-    assert list(rows) == [p for p in POLICIES if p != "none"]
+    assert list(rows) == [*(p for p in POLICIES if p != "none"), "chunked loss", "offload"]
     assert [round(rows[p].per_percent / 2**30, 2) for p in ("core_attn", "attn", "mlp")] == [84.40, 36.23, 5.27]
     base = estimate(LLAMA, Workload(attention="eager", seq_len=16 * K), "none").activation_bytes
     mlp = estimate(LLAMA, Workload(attention="eager", seq_len=16 * K), "mlp")
     assert rows["mlp"].saved == base - mlp.activation_bytes and rows["mlp"].overhead == mlp.overhead
     assert report.models["llama3.1-8b"].activations["eager"] == base
+    chunked = estimate(LLAMA, Workload(attention="eager", seq_len=16 * K, loss="chunked"), "none")
+    assert rows["chunked loss"].saved == base - chunked.activation_bytes > 0 and rows["chunked loss"].overhead > 0
+    offload = estimate(LLAMA, Workload(attention="eager", seq_len=16 * K), "offload")
+    assert rows["offload"].saved == base - offload.activation_bytes > rows["block"].saved  # and no FLOPs
+    assert rows["offload"].overhead == 0 and rows["offload"].per_percent is None
 
 
 def test_worked_example() -> None:

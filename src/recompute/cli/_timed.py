@@ -8,7 +8,9 @@ from collections.abc import Sequence
 
 from recompute.cli._lazy import torch_floor
 from recompute.cli.progress import progress_bar
+from recompute.core.analytic.memory import layer_activations
 from recompute.core.hardware import datasheet_device
+from recompute.core.plan import offload_seconds
 from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
 from recompute.core.profile import cache_key, cached_work
@@ -16,7 +18,15 @@ from recompute.core.spec import ModelSpec
 from recompute.core.timing import Device, StepWork, Timing, mixed_timing
 from recompute.core.workload import Workload
 
-__all__ = ["DEFAULT_GPU", "add_time_args", "preset_works", "time_device", "timings", "untimed_reason"]
+__all__ = [
+    "DEFAULT_GPU",
+    "add_time_args",
+    "offload_layer_seconds",
+    "preset_works",
+    "time_device",
+    "timings",
+    "untimed_reason",
+]
 
 DEFAULT_GPU = "h100-80gb"
 """The device times are predicted on when none is named: the datasheet row of an H100 SXM."""
@@ -71,6 +81,17 @@ def preset_works(spec: ModelSpec, wl: Workload, *, quiet: bool = False) -> dict[
     trace = torch_floor("recompute.trace")
     with progress_bar("time model", enabled=not quiet) as progress:
         return dict(trace.cached_works(spec, one, list(POLICIES), progress=progress))
+
+
+def offload_layer_seconds(spec: ModelSpec, wl: Workload, device: Device, *, quiet: bool = False) -> float | None:
+    """Seconds one offloaded layer adds to a step on ``device`` (``recompute.core.plan.offload_seconds``: its
+    saved bytes over the host link, less one layer's forward or backward), or None where offload is not priced:
+    a CPU (its host memory is its memory), or a device without a host link."""
+    if device.kind == "cpu" or not device.host_link:
+        return None
+    layer = preset_works(spec, wl, quiet=quiet)["none"].phase_seconds(device)
+    saved = layer_activations(spec, wl).offloaded("offload")
+    return offload_seconds(saved, layer["forward of layer 0"], layer["backward of layer 0"], device.host_link)
 
 
 def timings(works: dict[str, StepWork], layer_policies: Sequence[Sequence[str]], device: Device) -> list[Timing]:

@@ -15,11 +15,11 @@ from pathlib import Path
 from recompute.cli._common import add_model_args, add_workload_args, emit_json, workload_from, writable
 from recompute.cli._lazy import torch_floor
 from recompute.cli._profiled import add_profile_args, profile_for, wants_profile
-from recompute.cli._timed import preset_works, time_device, untimed_reason
+from recompute.cli._timed import offload_layer_seconds, preset_works, time_device, untimed_reason
 from recompute.cli.render import device_note, render_plan, render_profile_plan
 from recompute.core.errors import ConfigError, require
 from recompute.core.hardware import gpu_by_name, usable_bytes
-from recompute.core.plan import parse_budget, plan, require_fits
+from recompute.core.plan import Times, parse_budget, plan, require_fits
 from recompute.core.policy import Policy
 from recompute.core.profile import ProfilePlan, plan_profile
 from recompute.core.spec import ModelSpec, analytic_model
@@ -50,6 +50,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bench", help="a `recompute bench --json` result of this model, for --cost measured")
     p.add_argument(
+        "--consider",
+        default="offload,chunked",
+        help="what the plan may use besides recomputation, comma-separated: offload (a layer's saved tensors in "
+        "host memory; priced by copy time, so with --cost time on a GPU), chunked (the chunked loss, a global "
+        "choice), or none (default: offload,chunked)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="trace the chosen plan's step on fake tensors and re-plan until its traced peak fits (needs torch)",
@@ -73,16 +80,21 @@ def run(args: argparse.Namespace) -> int:
         return _run_profiled(args, budget, output, device)
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)
-    note = ""
-    times = None
+    consider = _considered(args.consider)
+    losses = ("full", "chunked") if "chunked" in consider and args.loss == "full" else (wl.loss,)
+    notes = []
+    times: Times | None = None
+    offload: float | None = None
     if device is not None:
         why_not = untimed_reason(args, wl)
         if why_not:
-            note = f"planned on recomputed FLOPs: no time predicted with {why_not}"
+            notes.append(f"planned on recomputed FLOPs: no time predicted with {why_not}")
         else:
-            require_fits(spec, wl, budget)  # an impossible budget is refused before the step is traced
-            works = preset_works(spec, wl, quiet=args.json)
-            times = {name: work.seconds(device) for name, work in works.items()}
+            require_fits(spec, wl, budget, offload="offload" in consider, losses=losses)
+            times = _predicted_times(spec, device, quiet=args.json)
+            offload = offload_layer_seconds(spec, wl, device, quiet=args.json) if "offload" in consider else None
+    if "offload" in consider and offload is None:
+        notes.append(f"offload not considered: {_unpriced_offload(args, device)}")
     traced = _traced_peak(spec, wl) if args.trace else None
     result = plan(
         spec,
@@ -92,7 +104,15 @@ def run(args: argparse.Namespace) -> int:
         traced_peak=traced,
         times=times,
         time_device=device.label if device else "",
+        offload=offload,
+        losses=() if args.bench else losses,
     )
+    if result.workload["loss"] == "chunked" and wl.loss == "full":
+        notes.append(
+            "the plan uses the chunked loss: apply it with recompute.apply(model, plan, loss='chunked') "
+            "(--loss chunked on bench and train)"
+        )
+    note = "\n".join(f"note: {n}" for n in notes)
     data = result.to_dict()
     if times is not None and device is not None:
         data["device"] = device.to_dict()
@@ -105,10 +125,39 @@ def run(args: argparse.Namespace) -> int:
         if times is not None and device is not None:
             print(device_note(device, wl))
         if note:
-            print(f"note: {note}")
+            print(note)
         if output:
             print(f"\nwrote {output}")
     return 0
+
+
+def _considered(text: str) -> set[str]:
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    require(
+        bool(names) and names <= {"offload", "chunked", "none"} and not ("none" in names and len(names) > 1),
+        f"--consider takes offload, chunked (comma-separated) or none, got {text!r}",
+        fields=("consider",),
+    )
+    return names - {"none"}
+
+
+def _predicted_times(spec: ModelSpec, device: Device, *, quiet: bool) -> Callable[[Workload], dict[str, float]]:
+    """Each uniform policy's predicted step seconds at a workload (the loss mode decides the step traced)."""
+
+    def times(wl: Workload) -> dict[str, float]:
+        return {name: work.seconds(device) for name, work in preset_works(spec, wl, quiet=quiet).items()}
+
+    return times
+
+
+def _unpriced_offload(args: argparse.Namespace, device: Device | None) -> str:
+    if device is None:
+        return f"its price is copy time, and costs are {args.cost}; plan with --cost time"
+    if device.kind == "cpu":
+        return "the device is a CPU (its host memory is its memory)"
+    if not device.host_link:
+        return f"{device.label} has no host link bandwidth; calibrate it with `recompute calibrate -o`"
+    return "no time is predicted"
 
 
 def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, device: Device | None) -> int:

@@ -141,9 +141,14 @@ def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) 
         step = plan.model_cost + p.cost
         return [f"{100 * p.overhead:.1f}%", *([seconds(step), f"{plan.tokens / step:,.0f}"] if plan.timed else [])]
 
+    losses = len({p.loss for p in plan.frontier}) > 1
+
+    def loss(p: FrontierPoint) -> list[str]:
+        return [p.loss] if losses else []
+
     frontier = render_table(
-        ["", "peak", over, *timed, "plan (first pipeline stage)"],
-        [["*" if p is chosen else "", gib(p.peak), *cells(p), _counts(p.layers)] for p in sample],
+        ["", "peak", over, *timed, *(["loss"] if losses else []), "plan (first pipeline stage)"],
+        [["*" if p is chosen else "", gib(p.peak), *cells(p), *loss(p), _counts(p.layers)] for p in sample],
     )
     uniform = render_table(
         ["uniform policy", "peak", over, *timed, "fits"],
@@ -154,7 +159,8 @@ def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) 
             describe_workload(spec, wl),
             f"budget {gib(plan.budget)}; cost in {plan.cost_kind}",
             "",
-            f"plan: {layer_runs(plan.policy.per_layer(spec.n_layers))}",
+            f"plan: {layer_runs(plan.policy.per_layer(spec.n_layers))}"
+            + (f"; {plan.workload['loss']} loss" if losses else ""),
             f"predicted peak {gib(est.peak)} ({est.peak_phase}), recompute {over} {100 * plan.overhead:.1f}%"
             + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else ""),
             render_table(

@@ -15,7 +15,7 @@ from typing import Any
 
 from recompute.cli._common import add_model_args, add_workload_args, workload_from, writable
 from recompute.cli._lazy import torch_floor
-from recompute.cli._timed import preset_works, time_device, untimed_reason
+from recompute.cli._timed import offload_layer_seconds, preset_works, time_device, untimed_reason
 from recompute.core.errors import ConfigError
 from recompute.core.hardware import GPUS, gpu_by_name
 from recompute.core.spec import ModelSpec, resolve_model
@@ -96,8 +96,18 @@ def _times(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str,
         return None
     out = {}
     for attention in ATTENTIONS:
-        works = preset_works(spec, dataclasses.replace(at, attention=attention))
+        wl_a = dataclasses.replace(at, attention=attention)
+        works = preset_works(spec, wl_a)
+        chunked = preset_works(spec, dataclasses.replace(wl_a, loss="chunked"))
         out[attention] = {p: timing(works[p], works["none"], device) for p in works}
+        out[attention]["chunked loss"] = timing(chunked["none"], works["none"], device)
+        layer = offload_layer_seconds(spec, wl_a, device)
+        if layer is not None:
+            base = out[attention]["none"]
+            step = base.step + spec.n_layers * layer
+            out[attention]["offload"] = Timing(
+                device.label, step, base.tokens_per_second * base.step / step, step / base.step - 1
+            )
     return out
 
 

@@ -14,9 +14,13 @@ chain by dynamic programming (a multiple-choice knapsack with no discretisation)
 combination that fits. With pipeline parallelism the plan is made for the first stage, the most loaded one,
 and repeated on every stage. Torch-free.
 
-The planner searches ``POLICIES``. ``offload`` (``OFFLOAD_POLICIES``) is left out: its price is the time of
-copies to and from host memory, which neither the FLOP count nor the time model prices, so it would look free
-and win every plan; ``estimate`` and ``best_uniform(names=("offload",))`` cost its memory.
+The planner searches ``POLICIES`` and, when given its cost, ``offload`` per layer: it keeps nothing on the
+device, and costs the copy time to and from host memory that the layer's compute does not hide
+(``offload_seconds``; only when costs are seconds, and never on a CPU, whose "host" is its own memory). Under
+offload a layer's backward also holds the layer below's tensors being copied back, which the chain's backward
+terms add (an upper bound) whenever a plan offloads. The loss mode is a global choice on top: with
+``losses=("full", "chunked")`` each mode's frontier is built, the chunked loss costing its replayed output
+layer, and the cheapest plan of either that fits wins.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from recompute.core.analytic.estimate import (
     in_flight,
     resident_states,
 )
-from recompute.core.analytic.flops import layer_flops, model_flops
+from recompute.core.analytic.flops import layer_flops, model_flops, recompute_flops
 from recompute.core.analytic.memory import layer_activations, outer_activations
 from recompute.core.analytic.params import model_states
 from recompute.core.errors import ConfigError, require
@@ -46,7 +50,18 @@ from recompute.core.spec import ModelSpec
 from recompute.core.table import GiB, MiB, gib
 from recompute.core.workload import Workload
 
-__all__ = ["FrontierPoint", "Plan", "best_uniform", "frontier", "parse_budget", "plan", "policy_costs", "require_fits"]
+__all__ = [
+    "FrontierPoint",
+    "Plan",
+    "Times",
+    "best_uniform",
+    "frontier",
+    "offload_seconds",
+    "parse_budget",
+    "plan",
+    "policy_costs",
+    "require_fits",
+]
 
 _UNITS = {
     "": 1,
@@ -95,6 +110,8 @@ class FrontierPoint:
     """Recompute cost over the step's model cost."""
     layers: tuple[str, ...]
     """The policy of each layer of the first pipeline stage (repeated on every stage)."""
+    loss: str = "full"
+    """The loss mode (``Workload.loss``) the point is planned with."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +144,7 @@ class Plan:
         """The plan file: ``Policy.from_dict`` reads its ``policy`` entry, so ``apply`` takes the file as is."""
 
         def point(p: FrontierPoint) -> dict[str, Any]:
-            out = {"peak": p.peak, "cost": p.cost, "overhead": p.overhead, "layers": list(p.layers)}
+            out = {"peak": p.peak, "cost": p.cost, "overhead": p.overhead, "layers": list(p.layers), "loss": p.loss}
             if self.timed:
                 step = self.model_cost + p.cost
                 out |= {"step_seconds": step, "tokens_per_second": self.tokens / step if step else None}
@@ -160,6 +177,7 @@ class _Chain:
 
     stored: dict[str, float]
     cost: dict[str, float]
+    """Per-layer cost of each option the plan may take (``POLICIES``, and ``offload`` when it is priced)."""
     n: int
     """Layers in the first stage."""
     stages: int
@@ -174,14 +192,24 @@ class _Chain:
     after: float
     """The embedding's backward or the optimizer step, whichever is larger (the same for every plan)."""
     model_cost: float
+    timed: bool
+    """Costs are seconds (measured or predicted), not FLOPs."""
+    ahead: float = 0.0
+    """An offloaded layer's bytes: copied back while the layer above runs its backward."""
 
-    def peak(self, S: float, s_top: float) -> float:
-        """Note: [endpoints suffice] in layer order (most recomputing first) a layer's backward holds the
-        stored bytes below it, the whole layer again, and the gradients made above it: stored bytes grow
-        and gradients shrink by a constant per layer going up, and stored bytes grow fastest at the top, so
-        the largest backward phase is at the top layer or at the bottom one."""
-        top = self.k * S - s_top + self.top_extra + self.grads.before(self.n - 1, self.n)
-        bottom = (self.k - 1) * S + self.top_extra + self.grads.before(0, self.n)
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.cost)
+
+    def peak(self, S: float, s_top: float, offloads: bool = False) -> float:
+        """Note: [endpoints suffice] in layer order (offloaded, then most recomputing first) a layer's backward
+        holds the stored bytes below it, the whole layer again, and the gradients made above it: stored bytes
+        grow and gradients shrink by a constant per layer going up, and stored bytes grow fastest at the top,
+        so the largest backward phase is at the top layer or at the bottom one. A plan that ``offloads`` adds
+        one layer being copied back to both (at most one is in flight: the bound holds for every layer)."""
+        ahead = self.ahead if offloads else 0.0
+        top = self.k * S - s_top + self.top_extra + self.grads.before(self.n - 1, self.n) + ahead
+        bottom = (self.k - 1) * S + self.top_extra + self.grads.before(0, self.n) + ahead
         return self.states + max(self.k * S + self.loss_extra, top, bottom, self.after)
 
 
@@ -211,15 +239,26 @@ def policy_costs(
     return {p: max(0.0, (times[p] - base) / spec.n_layers) for p in POLICIES}, base
 
 
-def _chain(spec: ModelSpec, wl: Workload, cost: dict[str, float], model_cost: float) -> _Chain:
+def offload_seconds(layer_bytes: float, forward: float, backward: float, host_link: float) -> float:
+    """A layer's offload cost: its saved bytes copied out during the forward and back during the backward over
+    the host link, less what one layer's forward (resp. backward) compute hides (the copies run on a side
+    stream, prefetched one layer ahead)."""
+    copy = layer_bytes / host_link
+    return max(0.0, copy - forward) + max(0.0, copy - backward)
+
+
+def _chain(
+    spec: ModelSpec, wl: Workload, cost: dict[str, float], model_cost: float, timed: bool, offload: float | None = None
+) -> _Chain:
     la = layer_activations(spec, wl)
     outer = outer_activations(spec, wl, last_stage=wl.pp == 1)
     k = in_flight(wl)
     embedding = k * outer.embedding
     states = model_states(spec, wl)
+    options = {**cost, "offload": offload} if offload is not None else dict(cost)
     return _Chain(
-        stored={p: la.stored(p) for p in POLICIES},
-        cost=cost,
+        stored={p: la.stored(p) for p in options},
+        cost=options,
         n=-(-spec.n_layers // wl.pp),
         stages=wl.pp,
         k=k,
@@ -229,18 +268,19 @@ def _chain(spec: ModelSpec, wl: Workload, cost: dict[str, float], model_cost: fl
         grads=gradient_arrival(spec, wl, states),
         after=after_backward(spec, wl, states, embedding + outer.kept_logits)[0],
         model_cost=model_cost,
+        timed=timed,
+        ahead=la.offloaded("offload"),
     )
 
 
-def _chain_front(chain: _Chain, n: int) -> list[tuple[float, float, tuple[int, ...]]]:
-    """Exact Pareto set of (stored bytes, cost, layers per policy) over ``n`` alike layers.
+def _chain_front(chain: _Chain, n: int, names: Sequence[str]) -> list[tuple[float, float, tuple[int, ...]]]:
+    """Exact Pareto set of (stored bytes, cost, layers per option in ``names``) over ``n`` alike layers.
 
     Dynamic programming one layer at a time over whole Pareto sets (no memory discretisation, so exact):
     front_n = pareto(front_{n-1} + each option), with back-pointers to recover the counts.
     """
     import numpy as np
 
-    names = list(POLICIES)
     om = np.array([chain.stored[p] for p in names])
     oc = np.array([chain.cost[p] for p in names])
     mem, cost = np.zeros(1), np.zeros(1)
@@ -259,29 +299,52 @@ def _chain_front(chain: _Chain, n: int) -> list[tuple[float, float, tuple[int, .
     return [(float(m), float(c), tuple(int(x) for x in row)) for m, c, row in zip(mem, cost, counts)]
 
 
-def _layers(counts: tuple[int, ...], top: str) -> tuple[str, ...]:
-    """Layers from counts: the most recomputing policies first (as Megatron's block method), then ``top``."""
-    order = reversed(list(enumerate(POLICIES)))
-    return (*(name for i, name in order for _ in range(counts[i])), top)
+_ORDER = ("offload", *reversed(POLICIES))
+"""Layer order of a plan, bottom up: offloaded layers first (their copies have the longest to overlap), then
+the most recomputing policies (as Megatron's block method)."""
 
 
-def _candidates(chain: _Chain) -> list[FrontierPoint]:
+def _layers(counts: tuple[int, ...], names: Sequence[str], top: str) -> tuple[str, ...]:
+    """Layers from counts of ``names``, in ``_ORDER``, then ``top``."""
+    by_name = dict(zip(names, counts))
+    return (*(name for name in _ORDER for _ in range(by_name.get(name, 0))), top)
+
+
+def _candidates(chain: _Chain, *, loss: str = "full", extra: float = 0.0, base: float = 0.0) -> list[FrontierPoint]:
     """Every plan on the Pareto frontier of (peak, cost), over all choices of the top layer.
 
-    The cost of a plan is p times that of the first stage, whose pattern every stage repeats.
+    The cost of a plan is p times that of the first stage, whose pattern every stage repeats, plus ``extra``
+    (the loss mode's own cost); overheads are over ``base`` (the model cost of the reference loss mode, else
+    the chain's). With offload among the options the chain is solved twice, without and with it, as a plan
+    that offloads carries the copied-back layer in its peak.
     """
-    rest = _chain_front(chain, chain.n - 1)
+    without = tuple(n for n in chain.names if n != "offload")
+    runs = [(without, False)] + ([(chain.names, True)] if "offload" in chain.names else [])
     points = []
-    for top in POLICIES:
-        for S_rest, cost_rest, counts in rest:
-            S = S_rest + chain.stored[top]
-            cost = chain.stages * (cost_rest + chain.cost[top])
-            points.append((chain.peak(S, chain.stored[top]), cost, counts, top))
+    for names, offloads in runs:
+        for S_rest, cost_rest, counts in _chain_front(chain, chain.n - 1, names):
+            for top in names:
+                S = S_rest + chain.stored[top]
+                cost = chain.stages * (cost_rest + chain.cost[top]) + extra
+                peak = chain.peak(S, chain.stored[top], offloads)
+                points.append((peak, cost, counts, names, top))
     points.sort(key=lambda p: (p[0], p[1]))
     best: list[FrontierPoint] = []
-    for m, c, counts, top in points:
+    for m, c, counts, names, top in points:
         if not best or c < best[-1].cost:
-            best.append(FrontierPoint(peak=m, cost=c, overhead=c / chain.model_cost, layers=_layers(counts, top)))
+            layers = _layers(counts, names, top)
+            best.append(
+                FrontierPoint(peak=m, cost=c, overhead=c / (base or chain.model_cost), layers=layers, loss=loss)
+            )
+    return best
+
+
+def _pareto(points: Sequence[FrontierPoint]) -> list[FrontierPoint]:
+    """The points nothing else is both smaller and cheaper than, smallest peak first."""
+    best: list[FrontierPoint] = []
+    for p in sorted(points, key=lambda p: (p.peak, p.cost)):
+        if not best or p.cost < best[-1].cost:
+            best.append(p)
     return best
 
 
@@ -290,20 +353,73 @@ def frontier(
     wl: Workload,
     *,
     measured: str | Path | None = None,
-    times: Mapping[str, float] | None = None,
+    times: Times | None = None,
+    offload: float | None = None,
+    losses: Sequence[str] = (),
 ) -> list[FrontierPoint]:
-    """The Pareto frontier of predicted peak vs recompute cost, smallest peak first."""
+    """The Pareto frontier of predicted peak vs recompute cost, smallest peak first (arguments as ``plan``'s)."""
     wl.check(spec)
-    return _candidates(_chain(spec, wl, *policy_costs(spec, wl, measured, times)))
+    return _frontier(spec, wl, measured, times, offload, losses)[0]
 
 
-def require_fits(spec: ModelSpec, wl: Workload, budget: float) -> None:
+Times = Mapping[str, float] | Callable[[Workload], Mapping[str, float]]
+"""Predicted step seconds of every uniform policy, or a function giving them for a workload (a loss mode)."""
+
+
+def _frontier(
+    spec: ModelSpec,
+    wl: Workload,
+    measured: str | Path | None,
+    times: Times | None,
+    offload: float | None,
+    losses: Sequence[str],
+) -> tuple[list[FrontierPoint], _Chain]:
+    """The frontier over every loss mode in ``losses`` (default: ``wl.loss``) and the chain of ``wl``'s mode."""
+    modes = tuple(dict.fromkeys(losses or (wl.loss,)))
+    require(
+        measured is None or modes == (wl.loss,),
+        "a measured bench file prices one loss mode: plan with its loss only",
+        fields=("loss",),
+    )
+
+    def costs(w: Workload) -> tuple[dict[str, float], float]:
+        step_times = times(w) if callable(times) else times
+        require(
+            step_times is None or callable(times) or w.loss == wl.loss,
+            "predicted times of one loss mode cannot price another; pass a function of the workload",
+        )
+        return policy_costs(spec, w, measured, step_times)
+
+    timed = measured is not None or times is not None
+    base_costs, base = costs(wl)
+    chains = {wl.loss: _chain(spec, wl, base_costs, base, timed, offload)}
+    points: list[FrontierPoint] = []
+    for mode in modes:
+        w = _with_loss(wl, mode)
+        if mode not in chains:
+            chains[mode] = _chain(spec, w, *costs(w), timed, offload)
+        extra = _loss_cost(spec, w, chains[mode]) - _loss_cost(spec, wl, chains[wl.loss])
+        points += _candidates(chains[mode], loss=mode, extra=extra, base=base)
+    return _pareto(points), chains[wl.loss]
+
+
+def _loss_cost(spec: ModelSpec, wl: Workload, chain: _Chain) -> float:
+    """What a loss mode costs a step in the chain's unit: the step's own time when costs are seconds (the
+    chunked loss's replayed head is in it), else the FLOPs it replays."""
+    if chain.timed:
+        return chain.model_cost
+    return recompute_flops(spec, wl, ("none",) * spec.n_layers)
+
+
+def require_fits(
+    spec: ModelSpec, wl: Workload, budget: float, *, offload: bool = False, losses: Sequence[str] = ()
+) -> None:
     """Check that some plan fits ``budget`` before anything is spent pricing plans (the peaks depend on no cost).
 
     Raises:
         ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
     """
-    smallest = frontier(spec, wl)[0].peak
+    smallest = frontier(spec, wl, offload=0.0 if offload else None, losses=losses)[0].peak
     if smallest > budget:
         raise ConfigError(_nothing_fits(spec, wl, budget, smallest), fields=ALTERNATIVE_FIELDS)
 
@@ -338,15 +454,20 @@ def plan(
     *,
     measured: str | Path | None = None,
     traced_peak: Callable[[Policy], float] | None = None,
-    times: Mapping[str, float] | None = None,
+    times: Times | None = None,
     time_device: str = "",
+    offload: float | None = None,
+    losses: Sequence[str] = (),
 ) -> Plan:
     """The least-cost per-layer policy whose predicted peak is at most ``budget`` bytes.
 
     Args:
         measured: a ``recompute bench --json`` result of this model: plan on its measured step times.
         times: predicted step seconds of every uniform policy on ``time_device`` (``recompute.core.timing``):
-            plan on predicted time.
+            plan on predicted time. A function of the workload when ``losses`` has another mode than ``wl``'s.
+        offload: the cost of offloading one layer in the unit of the costs (``offload_seconds``); None leaves
+            offload out.
+        losses: the loss modes to choose from (``full``, ``chunked``); default ``wl.loss`` alone.
         traced_peak: the peak of a policy's real step, e.g. ``recompute.trace``'s on fake tensors (the CLI's
             ``plan --trace``); while the chosen plan's is over the budget, re-plan against a budget lowered by
             the overshoot. The analytic peak is within 0.7 % of the trace
@@ -357,8 +478,7 @@ def plan(
         ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
     """
     wl.check(spec)
-    chain = _chain(spec, wl, *policy_costs(spec, wl, measured, times))
-    points = _candidates(chain)
+    points, chain = _frontier(spec, wl, measured, times, offload, losses)
     chosen = _fitting(points, budget)
     if chosen is None:
         raise ConfigError(_nothing_fits(spec, wl, budget, points[0].peak), fields=ALTERNATIVE_FIELDS)
@@ -367,16 +487,19 @@ def plan(
         chosen, peak_of_trace = _fit_traced(spec, wl, points, chosen, budget, traced_peak)
     policy = _policy(spec, wl, chosen)
     uniform = {}
-    for name in POLICIES:
+    for name in chain.names:
         cost = chain.stages * chain.n * chain.cost[name]
         peak = estimate(spec, wl, name).peak
-        uniform[name] = FrontierPoint(peak=peak, cost=cost, overhead=cost / chain.model_cost, layers=(name,) * chain.n)
+        uniform[name] = FrontierPoint(
+            peak=peak, cost=cost, overhead=cost / chain.model_cost, layers=(name,) * chain.n, loss=wl.loss
+        )
+    planned = _with_loss(wl, chosen.loss)
     return Plan(
         model=spec.name,
-        workload=wl.to_dict(),
+        workload=planned.to_dict(),
         budget=budget,
         policy=policy,
-        estimate=estimate(spec, wl, policy),
+        estimate=estimate(spec, planned, policy),
         cost=chosen.cost,
         overhead=chosen.overhead,
         cost_kind="measured seconds"
@@ -390,6 +513,10 @@ def plan(
         model_cost=chain.model_cost,
         tokens=wl.micro_batch * wl.seq_len,
     )
+
+
+def _with_loss(wl: Workload, loss: str) -> Workload:
+    return wl if loss == wl.loss else replace(wl, loss=loss, loss_chunk=wl.loss_chunk if loss == "chunked" else None)
 
 
 def _policy(spec: ModelSpec, wl: Workload, point: FrontierPoint) -> Policy:

@@ -154,13 +154,17 @@ def _policy_memory(estimates: list[Estimate]) -> PolicyMemory:
 
 
 def _savings(spec: ModelSpec, wl: Workload, times: Mapping[str, Timing] | None = None) -> list[SavingRow]:
-    base = estimate(spec, wl, "none").activation_bytes
+    """A row per recompute policy, then the two other ways to fit a step: the chunked loss (the logits never
+    all alive; its output layer replayed) and offload (every layer's saved tensors in host memory, copied
+    back in the backward: no FLOPs, its price is copy time)."""
+    none = estimate(spec, wl, "none")
+    alternatives = {
+        "chunked loss": estimate(spec, dataclasses.replace(wl, loss="chunked"), "none"),
+        "offload": estimate(spec, wl, "offload"),
+    }
     rows = []
-    for name in POLICIES:
-        if name == "none":
-            continue
-        est = estimate(spec, wl, name)
-        saved = base - est.activation_bytes
+    for name, est in [*((p, estimate(spec, wl, p)) for p in POLICIES if p != "none"), *alternatives.items()]:
+        saved = none.activation_bytes - est.activation_bytes
         t = times.get(name) if times else None
         rows.append(
             SavingRow(

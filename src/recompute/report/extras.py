@@ -14,7 +14,7 @@ from typing import Any
 
 from recompute.core.analytic import Estimate, estimate, layer_activations
 from recompute.core.errors import ConfigError, require
-from recompute.core.policy import POLICIES, Policy
+from recompute.core.policy import OFFLOAD_POLICIES, POLICIES, Policy
 from recompute.core.results import read_bench, read_json
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload, build_workload
@@ -29,10 +29,14 @@ __all__ = [
 ]
 
 
-def describe_layers(layers: list[str] | tuple[str, ...]) -> str:
-    """Counts of each policy, most recomputing first: ``block x25, mlp x7``."""
+def describe_layers(layers: list[str] | tuple[str, ...], loss: str = "full") -> str:
+    """Counts of each policy, offloaded then most recomputing first: ``offload x2, block x23, mlp x7``; and the
+    loss mode when it is chunked."""
     counts = Counter(layers)
-    return ", ".join(f"{name} x{counts[name]}" for name in reversed(list(POLICIES)) if counts[name])
+    known = [*OFFLOAD_POLICIES, *reversed(list(POLICIES))]
+    order = known + [name for name in counts if name not in known]
+    text = ", ".join(f"{name} x{counts[name]}" for name in order if counts[name])
+    return text + ("; chunked loss" if loss == "chunked" else "")
 
 
 def _check_model(found: object, spec: ModelSpec, what: str, path: str | Path) -> None:
@@ -72,7 +76,10 @@ def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     est = estimate(spec, wl, policy)
     point = lambda p: {"peak": float(p["peak"]), "overhead": float(p["overhead"])}  # noqa: E731
     try:
-        frontier = [dict(point(p), plan=describe_layers(p.get("layers", []))) for p in data.get("frontier", [])]
+        frontier = [
+            dict(point(p), plan=describe_layers(p.get("layers", []), p.get("loss", "full")))
+            for p in data.get("frontier", [])
+        ]
         uniform = {name: point(p) for name, p in data.get("uniform", {}).items()}
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"plan file {str(path)!r} has a malformed frontier ({e!r}); {fix}") from e
