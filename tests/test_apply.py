@@ -21,6 +21,7 @@ import transformers
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from grads import Grads, assert_same, grads_of
 from recompute import POLICIES, ConfigError, ModelSpec, Policy, Workload
 from recompute.checkpointing import _iter_wrapped, applied_policy, apply, find_layers
 from recompute.core.analytic import layer_flops
@@ -45,8 +46,6 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 B, S = 2, 32
 
-Grads = tuple[torch.Tensor, dict[str, torch.Tensor]]
-
 
 def make(name: str) -> nn.Module:
     torch.manual_seed(0)
@@ -59,19 +58,8 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def step(model: nn.Module, loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = loss_of) -> Grads:
-    """One forward/backward with the dropout RNG seeded; the loss and every parameter's gradient."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    loss = loss_fn(model, *batch())
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same(got: Grads, ref: Grads) -> None:
-    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
-    assert got[1].keys() == ref[1].keys()
-    for name in ref[1]:
-        torch.testing.assert_close(got[1][name], ref[1][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    """One forward/backward of the test batch with the dropout RNG seeded; the loss and every gradient."""
+    return grads_of(model, loss_fn, batch())
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

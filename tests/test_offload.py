@@ -18,6 +18,7 @@ import torch
 import transformers
 from torch import Tensor, nn
 
+from grads import Grads, assert_same, grads_of
 from recompute import ConfigError, ModelSpec, Policy, Workload, estimate
 from recompute import offload as offload_module
 from recompute.checkpointing import _iter_wrapped, applied_policy, apply, find_layers
@@ -32,7 +33,6 @@ from recompute.verification import loss_of
 from tiny import tiny_gpt, tiny_llama
 
 B, S = 2, 32
-Grads = tuple[Tensor, dict[str, Tensor]]
 
 
 @pytest.fixture
@@ -51,18 +51,8 @@ def hf_loss(model: nn.Module, idx: Tensor, targets: Tensor) -> Tensor:
 
 
 def step(model: nn.Module, loss_fn: Callable[[nn.Module, Tensor, Tensor], Tensor] = loss_of) -> Grads:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)  # the same dropout masks in every run
-    loss = loss_fn(model, *batch())
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same(got: Grads, ref: Grads) -> None:
-    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
-    assert got[1].keys() == ref[1].keys()
-    for name in ref[1]:
-        torch.testing.assert_close(got[1][name], ref[1][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    """One forward/backward of the test batch with the dropout RNG seeded; the loss and every gradient."""
+    return grads_of(model, loss_fn, batch())
 
 
 def offloader_of(model: nn.Module) -> Offloader:
