@@ -20,6 +20,8 @@ FLOORS = {
     "recompute.core": 0,
     "recompute.models": 1,
     "recompute.checkpointing": 1,
+    "recompute.chunked_loss": 1,
+    "recompute.offload": 1,
     "recompute.parallel": 1,
     "recompute.trace": 1,
     "recompute.verification": 1,
