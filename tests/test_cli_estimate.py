@@ -28,7 +28,7 @@ def test_table_has_a_row_per_policy_and_a_breakdown(capsys: pytest.CaptureFixtur
     lines = out.splitlines()
     for name in POLICIES:
         assert any(line.startswith(name + " ") for line in lines), name
-    assert "breakdown of core_attn" in out and "saved per 1% time" in out
+    assert "breakdown of core_attn" in out and "saved per 1% FLOPs" in out and "per 1% time" in out
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

@@ -51,10 +51,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench", help="a `recompute bench --json` result of this model, for --cost measured")
     p.add_argument(
         "--consider",
-        default="offload,chunked",
+        default=None,
         help="what the plan may use besides recomputation, comma-separated: offload (a layer's saved tensors in "
         "host memory; priced by copy time, so with --cost time on a GPU), chunked (the chunked loss, a global "
-        "choice), or none (default: offload,chunked)",
+        "choice), or none (default: offload,chunked for a preset; a profiled model is planned on recomputation)",
     )
     p.add_argument(
         "--trace",
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_profiled(args, budget, output, device)
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)
-    consider = _considered(args.consider)
+    consider = _considered(args.consider or "offload,chunked")
     losses = ("full", "chunked") if "chunked" in consider and args.loss == "full" else (wl.loss,)
     notes = []
     times: Times | None = None
@@ -162,6 +162,7 @@ def _unpriced_offload(args: argparse.Namespace, device: Device | None) -> str:
 
 def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, device: Device | None) -> int:
     require(args.cost != "measured", "--cost measured plans presets; a profiled model is planned on predicted time")
+    considered = _considered(args.consider) if args.consider else set()
     prof, wl = profile_for(args, quiet=args.json)
     result = plan_profile(prof, budget, device)
     traced = None
@@ -177,6 +178,10 @@ def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, 
         print(render_profile_plan(result))
         if traced is not None:
             print(f"traced peak of the chosen plan: {gib(traced)}")
+        if considered:
+            print(
+                f"note: {' and '.join(sorted(considered))} not considered: a profiled model is planned on recomputation"
+            )
         if output:
             print(f"\nwrote {output}")
     return 0

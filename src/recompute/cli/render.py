@@ -60,9 +60,9 @@ def render_estimate(
     """The policy table (with predicted ``times`` per row when given), then the breakdown of ``chosen``."""
     base = next((e for e in rows if e.policy == "none"), rows[0])
     timed = ["step time", "tokens/s", "time overhead"] if times else []
-    per = f"saved per 1% {'time' if times else 'FLOPs'}"
+    per = ["saved per 1% FLOPs", *(["per 1% time"] if times else [])]
     table = render_table(
-        ["policy", "activations", "total", "peak", "FLOP overhead", *timed, per],
+        ["policy", "activations", "total", "peak", "FLOP overhead", *timed, *per],
         [
             [
                 e.policy,
@@ -71,7 +71,8 @@ def render_estimate(
                 gib(e.peak),
                 f"{100 * e.overhead:.1f}%",
                 *(time_cells(times[i]) if times else []),
-                _saved_per_pct(base, e, times[i].overhead if times else e.overhead),
+                _saved_per_pct(base, e, e.overhead),
+                *([_saved_per_pct(base, e, times[i].overhead)] if times else []),
             ]
             for i, e in enumerate(rows)
         ],
