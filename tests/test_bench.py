@@ -119,3 +119,31 @@ def test_bench_takes_a_plan_file_and_keeps_gradients_on_request(tmp_path, capsys
         assert [r["policy"] for r in rows] == ["none", "per-layer none x1, block x1"]
         peaks.append(rows[1]["peak"])
     assert peaks[1] > peaks[0]  # gradients kept allocated between steps add to the peak
+
+
+def test_loss_modes_side_by_side_with_offload() -> None:
+    """``--loss-modes full,chunked``: every policy under both losses, the chunked rows measured as the trace of
+    the chunked step predicts; the planner's measured costs read the workload's loss mode only."""
+    wl = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
+    spec = ModelSpec(hidden=64, n_layers=2, n_heads=4, vocab=4096, max_positions=64, name="wide-vocab")
+    r = bench(spec, wl, ["none", "block", "offload"], steps=1, warmup=1, losses=["full", "chunked"])
+    assert [(row.policy, row.loss) for row in r.rows] == [
+        (p, loss) for loss in ("full", "chunked") for p in ("none", "block", "offload")
+    ]
+    chunked = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu", loss="chunked")
+    for row in r.rows:
+        at = chunked if row.loss == "chunked" else wl
+        assert row.peak == trace(spec, at, row.policy).peak  # the real step, byte for byte
+    full_none, chunked_none = r.rows[0], r.rows[3]
+    assert chunked_none.peak < full_none.peak and chunked_none.activations < full_none.activations
+    assert r.rows[5].peak < min(r.rows[2].peak, r.rows[3].peak)  # offload and the chunked loss add up
+    assert list(r.step_times()) == ["none", "block", "offload"]  # the workload's loss (full) only
+    text = render_bench(r)
+    assert "offload, chunked loss" in text and "none, chunked loss vs none" in text
+
+
+def test_bad_loss_modes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq-len", "16"]
+    assert main([*argv, "--no-time", "--loss-modes", "full,sometimes"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "loss" in err

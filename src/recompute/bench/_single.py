@@ -28,14 +28,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from recompute.checkpointing import apply, find_layers
 from recompute.core.analytic import estimate
-from recompute.core.errors import ConfigError, require
+from recompute.core.errors import ConfigError, one_of, require
 from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
 from recompute.core.results import BenchResult, BenchRow
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table
 from recompute.core.timing import Device, Timing, timing
-from recompute.core.workload import Workload
+from recompute.core.workload import LOSSES, Workload
 from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.runtime import (
@@ -96,6 +96,8 @@ class _Run:
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn
     times: list[tuple[float, float, float]]
+    loss: str = "full"
+    """The loss mode it runs with (``Workload.loss``)."""
     flops: int = 0
     """FLOPs of a forward and backward (counted for a config or factory source only)."""
 
@@ -121,8 +123,13 @@ def bench(
     hf: bool = False,
     progress: Progress = no_progress,
     device_profile: Device | None = None,
+    losses: Sequence[str] = (),
 ) -> BenchResult:
     """Time and measure real training steps of ``spec`` under each policy (see the module docstring).
+
+    ``losses``: run every policy under each of these loss modes (``full``, ``chunked``), side by side, the
+    chunked loss's rows after the full loss's (default: ``wl.loss`` alone). The reference row is the first
+    policy under the first mode.
 
     ``device_profile``: this device's calibration (``recompute calibrate``); each row then also carries the time
     model's predicted step time and time overhead, from the fake-tensor trace of the same step.
@@ -153,18 +160,33 @@ def bench(
     )
     device = resolve_device(wl.device)
     pols = [Policy.parse(p) for p in policies]
+    modes = tuple(dict.fromkeys(losses)) or (wl.loss,)
+    for mode in modes:
+        one_of("loss", mode, LOSSES)
+    at = {mode: _with_loss(wl, mode) for mode in modes}
     if device_profile is not None:
         gpu = torch.cuda.get_device_name() if device == "cuda" else None
         device_profile.check_runs_on(device, gpu, threads=torch.get_num_threads())
-    predicted = _preflight(source, wl, pols, device)
-    timings = _predicted_times(source, wl, pols, device_profile) if device_profile is not None else None
+    if len(modes) > 1 and source.spec is not None:  # every run's model is resident: check them all together
+        need = predicted_need(source.spec, wl, pols * len(modes))
+        require_memory(need, device, what="bench", fix="use fewer policies or one loss mode", fields=SIZE_FIELDS)
+    preflights = [_preflight(source, at[mode], pols, device) for mode in modes]
+    predicted = _Predicted(
+        tuple(peak for p in preflights for peak in p.peaks),
+        None
+        if any(p.overheads is None for p in preflights)
+        else tuple(o for p in preflights for o in p.overheads or ()),
+        preflights[0].note,
+    )
+    plan = [(mode, pol) for mode in modes for pol in pols]
+    timings = _predicted_times(source, [(at[m], pol) for m, pol in plan], device_profile) if device_profile else None
     runs, built = [], None
-    for pol in pols:
+    for mode, pol in plan:
         torch.manual_seed(seed)
         built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device)
         model = built.model.train()
-        apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
-        runs.append(_Run(pol, model, torch.optim.AdamW(model.parameters()), built.loss_fn, []))
+        apply(model, pol, loss=mode, loss_chunk=at[mode].loss_chunk)
+        runs.append(_Run(pol, model, torch.optim.AdamW(model.parameters()), built.loss_fn, [], mode))
     assert built is not None
     batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed)
     count = predicted.overheads is None
@@ -215,11 +237,19 @@ def bench(
     )
 
 
-def _predicted_times(source: ModelSource, wl: Workload, pols: Sequence[Policy], device: Device) -> list[Timing]:
-    """Each policy's predicted step time and time overhead, against the predicted step under ``none``."""
-    base = step_work(source, wl, "none")
+def _predicted_times(source: ModelSource, runs: Sequence[tuple[Workload, Policy]], device: Device) -> list[Timing]:
+    """Each run's predicted step time and time overhead, against the predicted step under ``none`` with the
+    first run's loss mode."""
+    base = step_work(source, runs[0][0], "none")
     plain = Policy("none")
-    return [timing(base if pol == plain else step_work(source, wl, pol), base, device) for pol in pols]
+    return [
+        timing(base if pol == plain and wl == runs[0][0] else step_work(source, wl, pol), base, device)
+        for wl, pol in runs
+    ]
+
+
+def _with_loss(wl: Workload, loss: str) -> Workload:
+    return wl if loss == wl.loss else dataclasses.replace(wl, loss=loss, loss_chunk=None)
 
 
 def _preflight(source: ModelSource, wl: Workload, pols: Sequence[Policy], device: str) -> _Predicted:
@@ -356,6 +386,7 @@ def _row(wl: Workload, run: _Run, memory: tuple[int, int, int], peak: float, ove
     step = statistics.median(steps)
     return BenchRow(
         policy=run.policy.describe(),
+        loss=run.loss,
         peak=memory[0],
         traced_peak=memory[1],
         activations=memory[2],
@@ -378,6 +409,10 @@ def render_bench(r: BenchResult) -> str:
     """The policy table, then the headline pair (peak drop, step-time increase) of each policy."""
     ref = r.reference
     timed = all(row.predicted_step_s is not None for row in r.rows)
+    losses = len({row.loss for row in r.rows}) > 1
+
+    def name(row: BenchRow) -> str:
+        return row.policy + (", chunked loss" if losses and row.loss == "chunked" else "")
 
     def time_cells(row: BenchRow) -> list[str]:
         if not timed:
@@ -388,7 +423,7 @@ def render_bench(r: BenchResult) -> str:
 
     rows = [
         [
-            row.policy,
+            name(row),
             gib(row.peak),
             "ref" if row is ref else _pct(-r.peak_drop(row)),
             gib(row.activations),
@@ -427,7 +462,7 @@ def render_bench(r: BenchResult) -> str:
             assert row.predicted_step_s is not None and ref.predicted_step_s is not None
             predicted = f"predicted time: {100 * (row.predicted_step_s / ref.predicted_step_s - 1):.1f}%, {predicted}"
         lines.append(
-            f"{row.policy} vs {ref.policy}: peak memory {100 * r.peak_drop(row):.1f}% lower, "
+            f"{name(row)} vs {name(ref)}: peak memory {100 * r.peak_drop(row):.1f}% lower, "
             f"step time {100 * r.overhead(row):.1f}% higher ({predicted})"
         )
     return "\n".join(lines)

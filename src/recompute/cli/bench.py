@@ -46,6 +46,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, seq_len=256, micro_batch=4, dtype="fp32", device=None)
     p.add_argument("--policies", default="none,block", help="comma-separated; the first is the reference")
     p.add_argument("--plan", help="a plan JSON file (recompute plan -o), benched after --policies")
+    p.add_argument(
+        "--loss-modes",
+        help="comma-separated loss modes to run every policy under, side by side, e.g. full,chunked "
+        "(default: --loss's alone)",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per policy, after warm-up (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per policy (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default: 0)")
@@ -77,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar("bench") as progress:
         if not args.no_time and device is None:
             device = cached_calibration(args.device, progress=progress)
-        result = bench(source, wl, policies, **runs, progress=progress, device_profile=device)
+        losses = csv(args.loss_modes) if args.loss_modes else []
+        result = bench(source, wl, policies, **runs, progress=progress, device_profile=device, losses=losses)
     emit_json(result.to_dict()) if args.json else print(render_bench(result))
     return 0
 

@@ -47,6 +47,8 @@ class BenchRow:
     """The time model's step time (``recompute.core.timing``) on the device profile bench was given."""
     predicted_time_overhead: float | None = None
     """The time model's overhead: predicted step time over the predicted step without recomputation."""
+    loss: str = "full"
+    """The loss mode the step ran with (``bench --loss-modes full,chunked`` runs each policy under both)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchRow:
@@ -82,8 +84,9 @@ class BenchResult:
         return 1 - row.peak / self.reference.peak
 
     def step_times(self) -> dict[str, float]:
-        """Median step seconds by policy."""
-        return {r.policy: r.step_s for r in self.rows}
+        """Median step seconds by policy, under the workload's loss mode."""
+        loss = self.workload.get("loss", "full")
+        return {r.policy: r.step_s for r in self.rows if r.loss == loss}
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
