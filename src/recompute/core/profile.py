@@ -366,6 +366,8 @@ class Profile:
         """Raises: ConfigError: not a readable profile file."""
         try:
             data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise TypeError(f"a JSON {type(data).__name__}, not an object")
             return cls.from_dict(data)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ConfigError(
