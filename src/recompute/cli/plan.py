@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_profiled(args, budget, output, device)
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)
-    consider = _considered(args.consider or "offload,chunked")
+    consider = _considered("offload,chunked" if args.consider is None else args.consider)
     losses = ("full", "chunked") if "chunked" in consider and args.loss == "full" else (wl.loss,)
     notes = []
     times: Times | None = None
@@ -162,7 +162,7 @@ def _unpriced_offload(args: argparse.Namespace, device: Device | None) -> str:
 
 def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, device: Device | None) -> int:
     require(args.cost != "measured", "--cost measured plans presets; a profiled model is planned on predicted time")
-    considered = _considered(args.consider) if args.consider else set()
+    considered = set() if args.consider is None else _considered(args.consider)
     prof, wl = profile_for(args, quiet=args.json)
     result = plan_profile(prof, budget, device)
     traced = None
