@@ -120,7 +120,7 @@ class PhaseFlops(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = op_name(func, kwargs)
         formula = _FORMULAS.get(func._overloadpacket)
-        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        flops = _flops(formula, args, kwargs, out) if formula is not None else 0
         phase = self.tracker.phase()
         if flops:
             self.by_phase.setdefault(phase, Counter())[name] += flops
@@ -135,3 +135,17 @@ class PhaseFlops(TorchDispatchMode):
             return
         nbytes = sum(span(t) for t in tensors)
         self.work.setdefault(phase, Counter())[name, _dtype(tensors), flops, nbytes] += 1
+
+
+def _flops(formula: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
+    """``formula``'s FLOPs; for attention with fewer key/value heads than query heads (GQA), which the formulas
+    of PyTorch before 2.13 refuse, the same count with the key/value heads expanded to the query's (the
+    kernel computes every query head against its group's keys)."""
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except AssertionError:
+        heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
+        wide = [
+            (a.shape[0], heads, *a.shape[2:]) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args
+        ]
+        return int(formula(*wide, **kwargs, out_val=out))
