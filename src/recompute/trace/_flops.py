@@ -145,7 +145,5 @@ def _flops(formula: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
         return int(formula(*args, **kwargs, out_val=out))
     except AssertionError:
         heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
-        wide = [
-            (a.shape[0], heads, *a.shape[2:]) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args
-        ]
+        wide = [(a.shape[0], heads, *a.shape[2:]) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args]
         return int(formula(*wide, **kwargs, out_val=out))
