@@ -24,7 +24,7 @@ everything it saves, in host memory, copied out during the forward and back one 
 (``recompute.offload``); its layers' ``forward`` runs under the model's ``Offloader``.
 
 ``loss="chunked"`` also makes a forward given targets run the output layer and the loss over chunks of tokens,
-each chunk under non-reentrant checkpoint (``recompute.chunked_loss``), with the same save-and-restore of
+each chunk's gradients taken in the forward (``recompute.chunked_loss``), with the same save-and-restore of
 instance attributes: the model's ``forward``, the head's, and the model's loss.
 
 Order with other transforms (torchtitan): ``apply``, then ``torch.compile``, then FSDP.
@@ -96,7 +96,7 @@ def apply(
         layers: dotted path of the layer list, when it cannot be found (e.g. ``"transformer.h"``).
         attn, mlp: child names of the attention and MLP sub-modules in a layer, when they cannot be found.
         loss: ``full``, or ``chunked``: a forward given targets (labels) runs the output layer and the loss
-            over chunks of tokens, each chunk's logits recomputed in its backward, and returns no logits
+            over chunks of tokens, each chunk's gradients taken in the forward, and returns no logits
             (``(None, loss)``; transformers' output with ``logits=None``). See ``recompute.chunked_loss``.
         loss_chunk: tokens per chunk (default: ``recompute.core.workload.default_loss_chunk``, the most whose
             fp32 logits fit 256 MiB, at most the batch's b*s; a larger one is refused at the first forward).

@@ -2,34 +2,41 @@
 
 ``recompute.apply(model, policy, loss="chunked", loss_chunk=N)`` makes a forward given targets (recompute's
 models: ``model(idx, targets)``) or labels (transformers': ``model(input_ids=..., labels=...)``) run the
-output layer (the head) and the cross-entropy N tokens at a time, each chunk under non-reentrant
-``torch.utils.checkpoint``. A chunk's logits exist while its loss is computed and again while its backward
-replays it, so the (b, s, v) logits, their fp32 log-probabilities and their gradients are never alive at
-once: one chunk's are. The cost is the head's matmul once more in the backward (2bshv FLOPs) and the
-log-softmax replayed. Such a forward returns no logits: ``(None, loss)``, or transformers' output with
-``logits=None``; without targets or labels the model runs as it always did.
+output layer (the head) and the cross-entropy N tokens at a time, and take each chunk's gradients (of the head
+input and of the head's weights) right away, in the forward, while that chunk's logits are alive. So the
+(b, s, v) logits, their fp32 log-probabilities and their gradients are never alive at once (one chunk's are),
+and nothing is replayed: the step's FLOPs are the plain loss's. The backward only hands the gradients out,
+scaled by the loss's incoming gradient (Liger-Kernel's fused linear cross-entropy works the same way, with
+hand-written kernels; here each chunk runs the model's own head and loss under autograd). Such a forward
+returns no logits: ``(None, loss)``, or transformers' output with ``logits=None``; without targets or labels
+(or with autograd off) the model runs as it always did. What it costs: the head's weight gradient exists from
+the loss's forward on, summed over the chunks in place (two at once while a chunk's is added), and the
+backward runs once (``retain_graph=True`` and a second backward are refused).
 
 How: three instance-level replacements, which the next ``apply`` restores (``apply(model, "none")`` too):
 
 - the model's ``forward``: given targets or labels, it runs the original forward with the head deferred,
   then drops the logits from what it returns;
-- the head (``lm_head``, or ``get_output_embeddings()``): deferred, it hands its input back unchanged;
+- the head (``lm_head``, or ``get_output_embeddings()``): deferred, it hands its input back unchanged (its
+  module hooks see that one call); the chunks call its original ``forward`` directly, hooks aside, so that
+  tools watching module backward hooks (``MemTracker``, FSDP) do not take the chunks' gradients for the
+  backward;
 - the loss (``model.loss_fn`` of recompute's models, which ``recompute.parallel.parallelize`` makes
   vocabulary-parallel; ``model.loss_function`` of transformers'): handed the head's input, it runs
   head + loss chunk by chunk. A model that changes the logits between its head and its loss (Gemma's
   soft-capping, Cohere's logit scale) is refused at its first forward: the loss would not see the head's
-  output.
+  output; so is a head that reads a parameter not its own (its gradient would be lost).
 
 The loss is the model's own: the mean over the targets that are not ``-100`` (``ignore_index``) of the whole
-micro-batch, as ``F.cross_entropy``'s mean. Each chunk gives the sum over its tokens and the sum is divided by
-the batch's count once (recompute's models); transformers' loss function is called per chunk with the
-chunk's shifted labels (``shift_labels``, labels shifted as it shifts them) and the batch's count
-(``num_items_in_batch``, the caller's when given), so its chunks add up to its mean.
+micro-batch, as ``F.cross_entropy``'s mean. Each chunk gives its sum over the batch's count (recompute's
+models); transformers' loss function is called per chunk with the chunk's shifted labels (``shift_labels``,
+labels shifted as it shifts them) and the batch's count (``num_items_in_batch``, the caller's when given), so
+its chunks add up to its mean.
 
 Note: [what is bit-exact] the gradient of every logit is the same float as without chunks: softmax minus
-the one-hot target times 1/n, with the same 1/n (``F.cross_entropy``'s mean divides by the count as our sum's
+the one-hot target times 1/n, with the same 1/n (``F.cross_entropy``'s mean divides by the count as the chunk's
 division does). The loss value, the head's weight gradient and the hidden states' gradient are sums taken in
-another order (chunk by chunk; the weight gradient accumulated over the chunks), equal up to float rounding.
+another order (chunk by chunk; the weight gradient summed over the chunks), equal up to float rounding.
 Under tensor parallelism the chunk is gathered over the ranks' sequence shards (N tokens per chunk in all).
 
 Order with other transforms: ``parallelize``, then ``apply``, then ``torch.compile`` (not covered for the
@@ -41,7 +48,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from recompute.core.errors import ConfigError, one_of, positive_int, require
 from recompute.core.workload import LOSSES, loss_chunk_tokens
@@ -178,7 +185,7 @@ def chunked_replacements(model: nn.Module, parts: LossParts, chunk: int | None) 
     head_forward = parts.head.forward
     original: Callable[..., Tensor] = getattr(model, "loss_fn" if parts.hook == "loss_fn" else "loss_function")
     chunked = _chunked_lm_loss if parts.hook == "loss_fn" else _chunked_hf_loss
-    loss = functools.partial(chunked, parts.head, original, chunk)
+    loss = functools.partial(chunked, parts.head, original, chunk, head_forward)
     forward = functools.partial(_chunked_forward, parts, model.forward)
     return [
         (model, "forward", forward),
@@ -240,26 +247,34 @@ def _take(logits: Tensor, what: str) -> Tensor | None:
 
 
 def _chunked_lm_loss(
-    head: nn.Module, original: Callable[..., Tensor], chunk: int | None, logits: Tensor, targets: Tensor, **kw: Any
+    head: nn.Module,
+    original: Callable[..., Tensor],
+    chunk: int | None,
+    head_forward: Callable[[Tensor], Tensor],
+    logits: Tensor,
+    targets: Tensor,
+    **kw: Any,
 ) -> Tensor:
     """recompute's ``model.loss_fn(logits, targets)``: the mean over non-ignored targets, chunk by chunk."""
     x = _take(logits, "loss_fn")
     if x is None:
         return original(logits, targets, **kw)
-    pieces = _pieces(x, targets, _chunk(chunk, head, targets.numel()))
-    part = functools.partial(_head_loss_sum, head, original)
-    total = functools.reduce(operator.add, (_checkpointed(part, xc, tc) for xc, tc in pieces))
-    return total / (targets != IGNORE_INDEX).sum()
+    count = (targets != IGNORE_INDEX).sum()  # the mean's denominator, over the whole batch
+    part = functools.partial(_head_loss_share, head_forward, original, count)
+    return _head_loss(part, head, x, *_pieces(x, targets, _chunk(chunk, head, targets.numel())))
 
 
-def _head_loss_sum(head: nn.Module, loss_fn: Callable[..., Tensor], x: Tensor, targets: Tensor) -> Tensor:
-    return loss_fn(head(x), targets, reduction="sum")
+def _head_loss_share(
+    head: Callable[[Tensor], Tensor], loss_fn: Callable[..., Tensor], count: Tensor, x: Tensor, targets: Tensor
+) -> Tensor:
+    return loss_fn(head(x), targets, reduction="sum") / count
 
 
 def _chunked_hf_loss(
     head: nn.Module,
     original: Callable[..., Tensor],
     chunk: int | None,
+    head_forward: Callable[[Tensor], Tensor],
     logits: Tensor,
     labels: Tensor | None = None,
     vocab_size: int | None = None,
@@ -278,13 +293,12 @@ def _chunked_hf_loss(
     if count is None:
         count = (shift != ignore).sum()  # the mean's denominator, over the whole batch
     chunk_tokens = _chunk(chunk, head, shift.numel())
-    part = functools.partial(_hf_head_loss, head, original, vocab_size, count, ignore, kwargs)
-    pieces = _pieces(x, shift.to(x.device), chunk_tokens)
-    return functools.reduce(operator.add, (_checkpointed(part, xc, tc) for xc, tc in pieces))
+    part = functools.partial(_hf_head_loss, head_forward, original, vocab_size, count, ignore, kwargs)
+    return _head_loss(part, head, x, *_pieces(x, shift.to(x.device), chunk_tokens))
 
 
 def _hf_head_loss(
-    head: nn.Module,
+    head: Callable[[Tensor], Tensor],
     loss_function: Callable[..., Tensor],
     vocab_size: int | None,
     count: Any,
@@ -302,14 +316,126 @@ _REPLACEMENTS = (_chunked_forward, _deferring_head, _chunked_lm_loss, _chunked_h
 """The functions the replacements are partials of (``_unwrapped`` sees through them)."""
 
 
-def _checkpointed(fn: Callable[..., Tensor], x: Tensor, targets: Tensor) -> Tensor:
-    """``fn(x, targets)``, its intermediates replayed in the backward (a plain call when autograd is off).
+def _head_loss(
+    part: Callable[[Tensor, Tensor], Tensor],
+    head: nn.Module,
+    x: Tensor,
+    split: Callable[[Tensor], tuple[Tensor, ...]],
+    targets: tuple[Tensor, ...],
+) -> Tensor:
+    """The sum of ``part(chunk of x, its targets)`` over the chunks, each chunk's gradients made at once.
 
-    No RNG state is kept: a head and a cross-entropy draw no random numbers.
+    Without autograd (or with nothing to differentiate) a plain loop; else ``_GradientsInForward``.
     """
-    if not torch.is_grad_enabled():
-        return fn(x, targets)
-    return checkpoint(fn, x, targets, use_reentrant=False, preserve_rng_state=False)  # type: ignore[no-any-return]
+    params = tuple(p for p in head.parameters() if p.requires_grad)
+    if not torch.is_grad_enabled() or not (x.requires_grad or params):
+        return functools.reduce(operator.add, map(part, split(x), targets))
+    return _GradientsInForward.apply(_Chunks(part, split, targets, params), x, *params)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """What ``_GradientsInForward`` runs: the loss of one chunk, how to cut x, the chunks' targets, the head's
+    parameters (also the Function's inputs, after x)."""
+
+    part: Callable[[Tensor, Tensor], Tensor]
+    split: Callable[[Tensor], tuple[Tensor, ...]]
+    targets: tuple[Tensor, ...]
+    params: tuple[Tensor, ...]
+
+    def run(self, x: Tensor) -> tuple[Tensor, list[Tensor | None]]:
+        """The loss, and the gradients of x and of each parameter, chunk by chunk.
+
+        Each chunk's head and loss run under autograd from a detached leaf of its rows of x, and
+        ``torch.autograd.grad`` takes that little graph's gradients right away; the chunk's logits die with it.
+        The gradients of x are written into their rows of one buffer; the parameters' are summed in place.
+        autocast is off for the gradients, as for any backward: the forward already chose the dtypes.
+        """
+        wants_x = x.requires_grad
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if wants_x else None
+        grads: list[Tensor | None] = [None] * len(self.params)
+        into = self.split(grad_x) if grad_x is not None else (None,) * len(self.targets)
+        losses = [
+            self._chunk(xc, tc, gc, grads, check=i == 0)
+            for i, (xc, tc, gc) in enumerate(zip(self.split(x), self.targets, into))
+        ]
+        return functools.reduce(operator.add, losses), [grad_x, *grads]
+
+    def _chunk(self, xc: Tensor, tc: Tensor, into: Tensor | None, grads: list[Tensor | None], *, check: bool) -> Tensor:
+        """One chunk's loss; its gradient of x written into ``into``, its parameters' added to ``grads``.
+
+        A function of its own so that the chunk's gradients die when it returns: a loop variable would hold
+        one (v, h) weight gradient into the next chunk.
+        """
+        leaf = xc.detach().requires_grad_(into is not None)
+        with torch.enable_grad():
+            loss = self.part(leaf, tc)
+        if check:
+            _check_reaches_only(loss, leaf, self.params)
+        inputs = (leaf, *self.params) if into is not None else self.params
+        with torch.autocast(xc.device.type, enabled=False):
+            got = list(torch.autograd.grad(loss, inputs, allow_unused=True))
+        if into is not None:
+            g = got.pop(0)
+            if g is None:  # the head did not read its input
+                into.zero_()
+            else:
+                into.copy_(g)
+        for j, g in enumerate(got):
+            acc = grads[j]
+            if g is not None:
+                grads[j] = g if acc is None else acc.add_(g)
+        return loss.detach()
+
+
+class _GradientsInForward(torch.autograd.Function):
+    """The chunked head and loss, whose gradients the forward computes and the backward only hands out.
+
+    Note: [gradients in the forward] a loss is where the backward starts, so every chunk's gradient of x and
+    of the head's parameters can be taken while its logits are alive, instead of replaying the chunk in the
+    backward (Liger-Kernel's fused linear cross-entropy does the same with hand-written kernels). The step's
+    FLOPs are the plain loss's: no replay. The backward scales the gradients by the loss's incoming gradient
+    in place (1 unless the loss was scaled: gradient accumulation, a loss scaler).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, chunks: _Chunks, x: Tensor, *params: Tensor) -> Tensor:
+        loss, grads = chunks.run(x)
+        ctx.grads = grads
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grads = ctx.__dict__.pop("grads", None)  # handed over, not kept: autograd can take them as .grad
+        if grads is None:
+            raise RuntimeError(
+                "chunked loss: its backward ran twice (retain_graph=True?); it hands out the gradients it made "
+                "in the forward once: run the forward again, or use loss='full'"
+            )
+        for g in grads:  # by 1.0 unless the loss was scaled: exact, and no host sync to find out
+            if g is not None:
+                g.mul_(grad)
+        return None, *grads
+
+
+def _check_reaches_only(loss: Tensor, leaf: Tensor, params: tuple[Tensor, ...]) -> None:
+    """Refuse a head or loss whose graph reaches parameters other than the head's: their gradient would be lost."""
+    known = {id(leaf), *map(id, params)}
+    seen: set[int] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None and id(variable) not in known:
+            raise ConfigError(
+                f"chunked loss: the head or loss uses a tensor of shape {tuple(variable.shape)} that is not a "
+                "parameter of the head, whose gradient the chunks would not hand on; use loss='full'"
+            )
+        todo.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _chunk(chunk: int | None, head: nn.Module, tokens: int) -> int:
@@ -324,8 +450,11 @@ def _chunk(chunk: int | None, head: nn.Module, tokens: int) -> int:
     return loss_chunk_tokens(chunk, int(vocab), tokens)
 
 
-def _pieces(x: Tensor, targets: Tensor, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """(head input, targets) of each chunk of ``chunk`` tokens.
+def _pieces(
+    x: Tensor, targets: Tensor, chunk: int
+) -> tuple[Callable[[Tensor], tuple[Tensor, ...]], tuple[Tensor, ...]]:
+    """How to cut the head input (or a tensor of its shape) into chunks of ``chunk`` tokens, and the chunks'
+    targets.
 
     The head input is (b, s, h) or, under sequence parallelism, this rank's (b, s/t, h) shard, which the
     vocabulary-parallel head gathers over the t ranks: then each rank takes chunk/(bt) of its positions (at
@@ -338,13 +467,10 @@ def _pieces(x: Tensor, targets: Tensor, chunk: int) -> Iterator[tuple[Tensor, Te
         require(t * s_local == s, f"the head's input holds {s_local} positions, not a share of the {s} targets")
         step = max(1, chunk // (b * t))
         by_rank = targets.reshape(b, t, s_local).split(step, dim=2)
-        # One split, not slices: its backward joins the chunks' gradients once (a slice's makes a whole zero
-        # gradient per chunk).
-        yield from ((xc, tc.reshape(b, -1)) for xc, tc in zip(x.split(step, dim=1), by_rank))
-        return
-    flat, goal = x.reshape(-1, h), targets.reshape(-1)
+        return (lambda y: y.split(step, dim=1)), tuple(tc.reshape(b, -1) for tc in by_rank)
+    goal = targets.reshape(-1)
     require(
-        flat.size(0) == goal.numel(),
-        f"the head's input holds {flat.size(0)} tokens but there are {goal.numel()} targets; use loss='full'",
+        x.numel() // h == goal.numel(),
+        f"the head's input holds {x.numel() // h} tokens but there are {goal.numel()} targets; use loss='full'",
     )
-    yield from zip(flat.split(chunk), goal.split(chunk))
+    return (lambda y: y.reshape(-1, h).split(chunk)), goal.split(chunk)

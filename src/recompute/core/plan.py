@@ -19,8 +19,9 @@ device, and costs the copy time to and from host memory that the layer's compute
 (``offload_seconds``; only when costs are seconds, and never on a CPU, whose "host" is its own memory). Under
 offload a layer's backward also holds the layer below's tensors being copied back, which the chain's backward
 terms add (an upper bound) whenever a plan offloads. The loss mode is a global choice on top: with
-``losses=("full", "chunked")`` each mode's frontier is built, the chunked loss costing its replayed output
-layer, and the cheapest plan of either that fits wins.
+``losses=("full", "chunked")`` each mode's frontier is built, the chunked loss costing its own step time (in
+FLOPs it costs nothing: it replays nothing), and the cheapest plan of either that fits wins; at equal cost the
+workload's own loss mode.
 """
 
 from __future__ import annotations
@@ -373,8 +374,9 @@ def _frontier(
     times: Times | None,
     offload: float | None,
     losses: Sequence[str],
-) -> tuple[list[FrontierPoint], _Chain]:
-    """The frontier over every loss mode in ``losses`` (default: ``wl.loss``) and the chain of ``wl``'s mode."""
+) -> tuple[list[FrontierPoint], _Chain, list[FrontierPoint]]:
+    """The frontier over every loss mode in ``losses`` (default: ``wl.loss``), the chain of ``wl``'s mode and
+    that mode's own frontier."""
     modes = tuple(dict.fromkeys(losses or (wl.loss,)))
     require(
         measured is None or modes == (wl.loss,),
@@ -393,19 +395,19 @@ def _frontier(
     timed = measured is not None or times is not None
     base_costs, base = costs(wl)
     chains = {wl.loss: _chain(spec, wl, base_costs, base, timed, offload)}
-    points: list[FrontierPoint] = []
+    by_mode: dict[str, list[FrontierPoint]] = {}
     for mode in modes:
         w = _with_loss(wl, mode)
         if mode not in chains:
             chains[mode] = _chain(spec, w, *costs(w), timed, offload)
         extra = _loss_cost(spec, w, chains[mode]) - _loss_cost(spec, wl, chains[wl.loss])
-        points += _candidates(chains[mode], loss=mode, extra=extra, base=base)
-    return _pareto(points), chains[wl.loss]
+        by_mode[mode] = _candidates(chains[mode], loss=mode, extra=extra, base=base)
+    return _pareto([p for points in by_mode.values() for p in points]), chains[wl.loss], by_mode.get(wl.loss, [])
 
 
 def _loss_cost(spec: ModelSpec, wl: Workload, chain: _Chain) -> float:
-    """What a loss mode costs a step in the chain's unit: the step's own time when costs are seconds (the
-    chunked loss's replayed head is in it), else the FLOPs it replays."""
+    """What a loss mode costs a step in the chain's unit: the step's own time when costs are seconds, else the
+    FLOPs it replays (none: the chunked loss takes its gradients in the forward)."""
     if chain.timed:
         return chain.model_cost
     return recompute_flops(spec, wl, ("none",) * spec.n_layers)
@@ -478,10 +480,13 @@ def plan(
         ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
     """
     wl.check(spec)
-    points, chain = _frontier(spec, wl, measured, times, offload, losses)
+    points, chain, own = _frontier(spec, wl, measured, times, offload, losses)
     chosen = _fitting(points, budget)
     if chosen is None:
         raise ConfigError(_nothing_fits(spec, wl, budget, points[0].peak), fields=ALTERNATIVE_FIELDS)
+    kept = _fitting(own, budget)
+    if kept is not None and kept.cost <= chosen.cost:
+        chosen = kept  # a tie keeps the workload's own loss: another changes the training loop (no logits)
     peak_of_trace = None
     if traced_peak is not None:
         chosen, peak_of_trace = _fit_traced(spec, wl, points, chosen, budget, traced_peak)

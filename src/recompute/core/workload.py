@@ -45,7 +45,7 @@ ATTENTIONS = ("eager", "flash")
 
 LOSSES = ("full", "chunked")
 """``full``: the (b, s, v) logits at once; ``chunked``: the output layer and cross-entropy over token chunks,
-each chunk's logits recomputed in the backward (``recompute.apply(..., loss="chunked")``)."""
+each chunk's gradients taken in the forward while its logits live (``recompute.apply(..., loss="chunked")``)."""
 
 LOSS_CHUNK_BYTES = 256 * 2**20
 """The default chunk: the most tokens (a power of two) whose fp32 logits take at most this many bytes."""
@@ -119,7 +119,7 @@ class Workload:
         metadata=_opt(
             "--loss",
             "full: the logits of every token at once; chunked: the output layer and the loss over chunks of "
-            "--loss-chunk tokens, each chunk's logits recomputed in the backward (never all alive)",
+            "--loss-chunk tokens, each chunk's gradients taken in the forward (the logits never all alive)",
             choices=LOSSES,
         ),
     )

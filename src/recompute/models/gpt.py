@@ -100,5 +100,6 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (b, s, h)
         for layer in self.layers:
             x = layer(x)
-        logits = self.lm_head(self.norm(x))  # (b, s, v)
+        x = self.norm(x)  # the residual stream dies here unless the norm keeps it
+        logits = self.lm_head(x)  # (b, s, v)
         return logits, None if targets is None else self.loss_fn(logits, targets)

@@ -123,5 +123,7 @@ class Llama(nn.Module):
         cos, sin = rope_tables(s, self.spec.head_dim, self.spec.rope_theta, device=idx.device, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))  # (b, s, v)
+        del cos, sin  # the loss needs no rotary tables
+        x = self.norm(x)  # the residual stream dies here unless the norm keeps it
+        logits = self.lm_head(x)  # (b, s, v)
         return logits, None if targets is None else self.loss_fn(logits, targets)

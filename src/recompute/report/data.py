@@ -155,8 +155,8 @@ def _policy_memory(estimates: list[Estimate]) -> PolicyMemory:
 
 def _savings(spec: ModelSpec, wl: Workload, times: Mapping[str, Timing] | None = None) -> list[SavingRow]:
     """A row per recompute policy, then the two other ways to fit a step: the chunked loss (the logits never
-    all alive; its output layer replayed) and offload (every layer's saved tensors in host memory, copied
-    back in the backward: no FLOPs, its price is copy time)."""
+    all alive; no FLOPs, its price is its own step time) and offload (every layer's saved tensors in host
+    memory, copied back in the backward: no FLOPs, its price is copy time)."""
     none = estimate(spec, wl, "none")
     alternatives = {
         "chunked loss": estimate(spec, dataclasses.replace(wl, loss="chunked"), "none"),

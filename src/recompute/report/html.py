@@ -143,8 +143,9 @@ def _analytic_sections(report: Report) -> list[str]:
             "<tbody id='savings-body'></tbody></table>"
             "<p class='verdict' id='savings-verdict'></p>"
             "<p>The last two rows are the other ways to fit a step: the <b>chunked loss</b> computes the output "
-            "layer and the loss a chunk of tokens at a time and replays each chunk's logits in the backward, so "
-            "the logits are never all alive; <b>offload</b> keeps every layer's saved tensors in host memory, "
+            "layer and the loss a chunk of tokens at a time, each chunk's gradients taken in the forward while "
+            "its logits live, so the logits are never all alive and nothing is replayed; <b>offload</b> keeps "
+            "every layer's saved tensors in host memory, "
             "copied back one layer ahead in the backward: it replays nothing, and its price is the copy time the "
             "compute does not hide (the time column; the host link from the GPU's datasheet). "
             "<code>recompute plan</code> chooses among all of them.</p>",

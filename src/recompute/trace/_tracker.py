@@ -201,19 +201,29 @@ class StepTracker(MemTracker):
         self.saved.append(record)
         return _Packed(t, record)
 
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the backward node that first reads a record's tensor names its saver.
 
         Note: [saver by grad_fn] autograd saves an op's inputs before the op runs and its outputs after, so
-        the op being dispatched cannot tell who saves; the node that unpacks in the backward can.
+        the op being dispatched cannot tell who saves; the node that unpacks in the backward can. A tensor
+        read back during the forward (the chunked loss takes its gradients there) was not kept for the
+        backward: its record is dropped.
         """
         if not isinstance(packed, _Packed):
             return packed
+        if self.stage == "forward":
+            self._drop(packed.record)
         if packed.record.op == "?":
             node = torch._C._current_autograd_node()
             packed.record.op = node.name() if node is not None else "?"
         return packed.tensor
+
+    def _drop(self, record: SavedRecord) -> None:
+        """Forget ``record`` (the very object: records of equal fields are other tensors)."""
+        for i in range(len(self.saved) - 1, -1, -1):  # a record read back in the forward is a recent one
+            if self.saved[i] is record:
+                del self.saved[i]
+                return
 
     def _new_record(self, st: torch.UntypedStorage, info: Any) -> SavedRecord:
         nbytes = info[0].mem_consumed if info is not None else st.nbytes()

@@ -53,7 +53,8 @@ class Estimate:
     """Where the peak happens: ``loss`` (start of the backward) or ``backward of layer j``."""
     loss_phase: float
     """Predicted bytes at the loss: model states, every stored activation, and the logits and loss
-    transients (one chunk's with the chunked loss); the trace's ``backward (head and loss)`` phase."""
+    transients; the trace's ``backward (head and loss)`` phase (with the chunked loss, whose gradients are
+    taken in the forward, ``forward (head and loss)``)."""
     model_flops: float
     """FLOPs of forward + backward for one micro-batch (independent of the policy)."""
     recompute_flops: float
@@ -291,8 +292,8 @@ def _notes(spec: ModelSpec, wl: Workload, pol: Policy, host: float) -> tuple[str
         )
     if wl.loss == "chunked":
         notes.append(
-            f"chunked loss: {loss_chunk(spec, wl)} tokens per chunk; one chunk's logits at a time, replayed in "
-            "the backward (the output layer's matmul counted as recomputed), no logits kept"
+            f"chunked loss: {loss_chunk(spec, wl)} tokens per chunk; one chunk's logits at a time, its gradients "
+            "taken in the forward (nothing replayed), no logits kept"
         )
     if pol.save_ops or pol.offload:
         notes.append("op-level save lists and CPU offload are not modelled analytically; use `recompute trace`")

@@ -119,13 +119,12 @@ def model_flops(spec: ModelSpec, wl: Workload) -> float:
 def recompute_flops(spec: ModelSpec, wl: Workload, policies: tuple[str, ...]) -> float:
     """FLOPs replayed in the backward for one micro-batch, given one policy name per layer.
 
-    The chunked loss replays the output layer's matmul too (2bshv/t; its log-softmax's few FLOPs left out).
+    The chunked loss replays nothing: it takes each chunk's gradients in the forward (``recompute.chunked_loss``).
     """
-    head = logits_flops(spec, wl) if wl.loss == "chunked" else 0.0
     if not spec.n_experts:
         lf = layer_flops(spec, wl)
-        return head + sum(lf.recomputed(p) for p in policies)
-    return head + sum(layer_flops(spec, wl, i).recomputed(p) for i, p in enumerate(policies))
+        return sum(lf.recomputed(p) for p in policies)
+    return sum(layer_flops(spec, wl, i).recomputed(p) for i, p in enumerate(policies))
 
 
 def hardware_flops(spec: ModelSpec, wl: Workload, policies: tuple[str, ...]) -> float:

@@ -246,12 +246,12 @@ def outer_activations(spec: ModelSpec, wl: Workload, *, last_stage: bool) -> Out
     if not last_stage:
         return OuterActivations(embedding=embedding, head=0.0, logits=0.0, loss_transient=0.0)
     norm_saved, norm_stats = _norm_bytes(spec, wl, sbh)
-    head = (norm_saved + norm_stats + e * sbh) / r  # with the chunked loss, the chunks' checkpoints keep e*sbh
-    if wl.loss == "chunked":
-        return OuterActivations(embedding, head, logits=0.0, loss_transient=chunked_loss_transient(spec, wl))
+    norm, x = (norm_saved + norm_stats) / r, e * sbh / r  # the final norm's; the output layer's input
+    if wl.loss == "chunked":  # nothing keeps x past the loss, which takes its gradient in the forward
+        return OuterActivations(embedding, norm, logits=0.0, loss_transient=x + chunked_loss_transient(spec, wl))
     return OuterActivations(
         embedding=embedding,
-        head=head,
+        head=norm + x,
         logits=4 * s * b * v / t,
         loss_transient=_loss_transient(wl) * s * b * v / t,
         kept_logits=e * s * b * v / t,
@@ -269,27 +269,25 @@ def loss_chunk(spec: ModelSpec, wl: Workload) -> int:
 
 
 def chunked_loss_transient(spec: ModelSpec, wl: Workload) -> float:
-    """Bytes alive at the loss beyond the stored activations with the chunked loss (checked by the trace).
+    """Bytes alive at the chunked loss beyond the stored activations and its input (checked by the trace).
 
-    Note: [the chunked loss phase] the backward replays one chunk of c tokens at a time. Its log-softmax
-    output, the loss's gradient and the log-softmax's gradient are alive at once, 12cv/t (the chunk's logits
-    are not kept: the log-softmax keeps its output); Megatron's vocabulary-parallel loss (t > 1), as its
-    replay makes them, the chunk's logits, their fp32 copy and the softmax made from it, (e + 8)cv/t (8cv/t
-    from fp32 logits, which need no copy). Beside them, the output layer's weight gradient G = vh/t made by
-    the chunks before (autograd sums the chunks' in a buffer before it becomes ``.grad``), and the gradients
-    of the head input of those chunks, (bs - c)he/t with sequence parallelism, (bs - c)he without (kept by
-    the slicing's backward until every chunk has given its own). When the second chunk's weight gradient
-    arrives autograd adds it out of place (the first is a transposed view): 3G at once. One chunk alone
-    (c = bs) makes no sum: 12cv/t.
+    Note: [the chunked loss phase] the loss's forward takes each chunk's gradients at once
+    (``recompute.chunked_loss``), so its peak is in the forward, with every stored activation alive. Beside
+    them: the gradient of the head input, one buffer for every chunk, bhse/r; from the second chunk on, the
+    output layer's weight gradient summed over the chunks before, G = vh/t (gradient bytes per parameter);
+    and the chunk's own, the larger of two moments: its log-softmax's backward, with the fp32
+    log-probabilities, their gradient and the logits' gradient, 12cv/t (Megatron's vocabulary-parallel loss,
+    t > 1: its kept softmax, the gradient made from it and the logits' gradient in their dtype,
+    (e + 8)cv/t); and its output layer's backward, with the chunk's weight gradient G, the logits' gradient
+    ecv/t and the chunk's input gradient ech.
     """
     s, b, h, v, t, e = wl.seq_len, wl.micro_batch, spec.hidden, spec.vocab, wl.tp, wl.element_bytes
     c = loss_chunk(spec, wl)
-    logits = (12 if t == 1 else _loss_transient(wl) + 4) * c * v / t
-    if c >= s * b:
-        return logits
     weight_grad = v * h / t * bytes_per_param(str(wl.precision), wl.dp)["gradients"]
-    head_input_grads = (s * b - c) * h * e / (t if wl.sp else 1)
-    return max(logits + weight_grad, 3 * weight_grad) + head_input_grads
+    softmax = (12 if t == 1 else e + 8) * c * v / t
+    matmul = weight_grad + e * c * v / t + e * c * h
+    summed = weight_grad if c < s * b else 0.0
+    return e * s * b * h / (t if wl.sp else 1) + summed + max(softmax, matmul)
 
 
 def _loss_transient(wl: Workload) -> int:
