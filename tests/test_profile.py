@@ -3,6 +3,7 @@ peak against whole traces, layer kinds told apart, the cache, and plan/estimate 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -15,7 +16,7 @@ import torch
 from recompute.checkpointing import apply
 from recompute.cli import main
 from recompute.core.policy import Policy
-from recompute.core.profile import Profile, plan_profile
+from recompute.core.profile import Profile, plan_profile, smallest_peak
 from recompute.models.source import build_source, resolve_source
 from recompute.trace import cached_profile, profile, trace
 
@@ -125,6 +126,7 @@ def test_a_profile_is_cached_and_plans_without_torch(tmp_path: Path, monkeypatch
     args = ["--model", str(path), "--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
     first, hit = cached_profile(str(path), WL)
     assert not hit and cached_profile(str(path), WL) == (first, True)
+    cached_profile(str(path), dataclasses.replace(WL, loss="chunked"))  # the plan weighs the chunked loss too
     out = tmp_path / "plan.json"
     code = f"""
 import sys
@@ -150,3 +152,28 @@ def test_cli_profile_plan_and_estimate(tmp_path: Path, monkeypatch: pytest.Monke
     assert main(["plan", "--profile", str(tmp_path / "p.json"), "--budget", "1KiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "smallest achievable peak" in err
+
+
+def test_the_plan_of_a_profiled_model_chooses_the_loss_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Profiles of both loss modes: the chunked loss where only it fits; at equal cost (FLOPs) the full one."""
+    monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
+    path = config("llama", tmp_path, vocab_size=4096)  # a wide vocabulary: the logits weigh
+    args = ["--model", str(path), "--seq-len", "64", "--micro-batch", "4", "--dtype", "fp32", "--device", "cpu"]
+    wl = dataclasses.replace(WL, seq_len=64, micro_batch=4)
+    full, _ = cached_profile(str(path), wl)
+    chunked, _ = cached_profile(str(path), dataclasses.replace(wl, loss="chunked"))
+    assert smallest_peak(chunked) < smallest_peak(full)
+    between = str((smallest_peak(chunked) + smallest_peak(full)) / 2)
+
+    def planned(*extra: str) -> dict:
+        assert main(["plan", *args, "--cost", "flops", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    tight = planned("--budget", between)
+    assert tight["workload"]["loss"] == "chunked" and tight["predicted"]["peak"] <= float(between)
+    loose = planned("--budget", str(2 * full.compose(["none"] * 4).peak))
+    assert loose["workload"]["loss"] == "full"  # nothing replayed either way: the tie keeps the user's loss
+    assert main(["plan", *args, "--cost", "flops", "--budget", between, "--consider", "none"]) == 2
+    assert "smallest achievable peak" in capsys.readouterr().err

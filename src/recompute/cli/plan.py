@@ -21,7 +21,7 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.hardware import gpu_by_name, usable_bytes
 from recompute.core.plan import Times, parse_budget, plan, require_fits
 from recompute.core.policy import Policy
-from recompute.core.profile import ProfilePlan, plan_profile
+from recompute.core.profile import ProfilePlan, plan_profile, plan_profiles
 from recompute.core.spec import ModelSpec, analytic_model
 from recompute.core.table import gib
 from recompute.core.timing import Device
@@ -54,7 +54,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="what the plan may use besides recomputation, comma-separated: offload (a layer's saved tensors in "
         "host memory; priced by copy time, so with --cost time on a GPU), chunked (the chunked loss, a global "
-        "choice), or none (default: offload,chunked for a preset; a profiled model is planned on recomputation)",
+        "choice), or none (default: offload,chunked for a preset; chunked for a profiled model, which is planned on "
+        "recomputation and the loss mode)",
     )
     p.add_argument(
         "--trace",
@@ -162,9 +163,23 @@ def _unpriced_offload(args: argparse.Namespace, device: Device | None) -> str:
 
 def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, device: Device | None) -> int:
     require(args.cost != "measured", "--cost measured plans presets; a profiled model is planned on predicted time")
-    considered = set() if args.consider is None else _considered(args.consider)
+    considered = _considered("chunked" if args.consider is None else args.consider)
     prof, wl = profile_for(args, quiet=args.json)
-    result = plan_profile(prof, budget, device)
+    profiles, notes = [prof], []
+    if "chunked" in considered and wl.loss == "full":
+        if args.profile:
+            notes.append("the chunked loss not considered: --profile holds one loss mode's profile")
+        else:
+            profiles.append(profile_for(argparse.Namespace(**{**vars(args), "loss": "chunked"}), quiet=args.json)[0])
+    if "offload" in considered:
+        notes.append("offload not considered: a profiled model is planned on recomputation and the loss mode")
+    result = plan_profiles(profiles, budget, device)
+    wl = Workload(**result.profile.workload)
+    if wl.loss == "chunked" and prof.workload.get("loss") == "full":
+        notes.append(
+            "the plan uses the chunked loss: apply it with recompute.apply(model, plan, loss='chunked') "
+            "(--loss chunked on bench and train)"
+        )
     traced = None
     if args.trace:
         result, traced = _fit_traced_profile(args.model, wl, result, budget)
@@ -178,10 +193,8 @@ def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, 
         print(render_profile_plan(result))
         if traced is not None:
             print(f"traced peak of the chosen plan: {gib(traced)}")
-        if considered:
-            print(
-                f"note: {' and '.join(sorted(considered))} not considered: a profiled model is planned on recomputation"
-            )
+        for n in notes:
+            print(f"note: {n}")
         if output:
             print(f"\nwrote {output}")
     return 0

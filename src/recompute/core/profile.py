@@ -51,6 +51,7 @@ __all__ = [
     "cached",
     "cached_work",
     "plan_profile",
+    "plan_profiles",
     "smallest_peak",
     "work_path",
 ]
@@ -562,11 +563,41 @@ def plan_profile(profile: Profile, budget: float, device: Device | None = None) 
     """
     chosen, front = _search(profile, budget, device=device)
     if chosen is None:
-        raise ConfigError(
-            f"no plan fits {budget / GiB:.1f} GiB: the smallest achievable peak of {profile.model} at "
-            f"b={profile.workload.get('micro_batch')} s={profile.workload.get('seq_len')} is "
-            f"{gib(smallest_peak(profile))} (by its profile); use a smaller micro-batch or sequence, or more GPUs",
-            fields=("budget",),
-        )
+        raise _nothing_fits(profile, budget, smallest_peak(profile))
     uniform = {p: profile.compose([p] * profile.n_layers, device) for p in profile.applicable()}
     return ProfilePlan(profile, budget, chosen, tuple(front), uniform, device)
+
+
+def plan_profiles(profiles: Sequence[Profile], budget: float, device: Device | None = None) -> ProfilePlan:
+    """``plan_profile`` over profiles of one model in several loss modes: the plan of least step cost that fits.
+
+    The step cost is the chosen plan's predicted step seconds on ``device`` (each loss mode's own step, its
+    replays added), or without one its recomputed FLOPs (the chunked loss replays nothing). At equal cost the
+    earlier profile wins: put the loss the user has first, as switching changes the training loop.
+
+    Raises:
+        ConfigError: no profile's plan fits; the message gives the smallest achievable peak over all of them.
+    """
+    plans: list[tuple[float, int, Profile]] = []
+    for profile in profiles:
+        chosen, _ = _search(profile, budget, device=device)
+        if chosen is not None:
+            plans.append((_step_cost(chosen), len(plans), profile))
+    if not plans:
+        smallest = min(profiles, key=smallest_peak)
+        raise _nothing_fits(smallest, budget, smallest_peak(smallest))
+    return plan_profile(min(plans, key=lambda p: p[:2])[2], budget, device)
+
+
+def _step_cost(c: Composed) -> float:
+    return c.step_seconds if c.step_seconds is not None else c.recompute_flops
+
+
+def _nothing_fits(profile: Profile, budget: float, smallest: float) -> ConfigError:
+    loss = profile.workload.get("loss", "full")
+    return ConfigError(
+        f"no plan fits {budget / GiB:.1f} GiB: the smallest achievable peak of {profile.model} at "
+        f"b={profile.workload.get('micro_batch')} s={profile.workload.get('seq_len')} is {gib(smallest)} "
+        f"(by its profile, {loss} loss); use a smaller micro-batch or sequence, or more GPUs",
+        fields=("budget",),
+    )
