@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recompute import ModelSpec, Policy, Workload, estimate
+from recompute import ConfigError, ModelSpec, Policy, Workload, estimate
 from recompute.cli import main
 from recompute.core.analytic.memory import layer_activations
 from recompute.core.hardware import datasheet_device
@@ -80,6 +80,51 @@ def test_offload_plans_fit_and_are_never_worse(with_offload: list[tuple[float, f
         assert min(cost for cost, _ in fits) - 1e-3 <= got.cost <= without + 1e-3
         offloaded += "offload" in got.policy.per_layer(TINY.n_layers)
     assert offloaded  # some budget is met more cheaply by offloading than by recomputing
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_a_host_budget_caps_the_offloaded_layers(with_offload: list[tuple[float, float, bool]], cap: int) -> None:
+    """Offloaded layers take pinned host memory: a plan offloads no more layers than the host budget holds, and is
+    never costlier than recomputation alone nor cheaper than brute force over the assignments within the cap."""
+    per_layer = layer_activations(TINY, WL).offloaded("offload")
+    host = cap * per_layer * 1.001
+    within = []
+    for loss in LOSSES:
+        for layers in itertools.product((*POLICIES, "offload"), repeat=TINY.n_layers):
+            if layers.count("offload") <= cap:
+                est = estimate(TINY, _mode(loss), Policy(layers=layers))
+                within.append((est.peak, est.recompute_flops + OFFLOAD * layers.count("offload"), "offload" in layers))
+    capped = 0
+    for budget in _budgets([p for p in with_offload if p[0] >= min(q[0] for q in within)]):
+        fits = [(cost, offloads) for peak, cost, offloads in within if peak <= budget]
+        if not fits:
+            continue
+        try:
+            got = plan(TINY, WL, budget, losses=LOSSES, offload=OFFLOAD, host_budget=host)
+        except ConfigError:  # the chain bounds an offloading plan by one copied-back layer: it may find none
+            continue
+        layers = got.policy.per_layer(TINY.n_layers)
+        assert layers.count("offload") <= cap and got.estimate.host <= host and got.estimate.peak <= budget
+        without = min((cost for cost, offloads in fits if not offloads), default=float("inf"))
+        assert min(cost for cost, _ in fits) - 1e-3 <= got.cost <= without + 1e-3
+        capped += layers.count("offload") == cap
+    assert capped  # the cap binds somewhere
+
+
+def test_cli_says_what_offload_takes_of_host_memory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    fast = dataclasses.replace(datasheet_device("h100-80gb"), host_link=1e13)
+    fast.save(tmp_path / "fast.json")
+    assert main(["plan", *GPT, "--budget", "20GiB", "--device-profile", str(tmp_path / "fast.json")]) == 0
+    assert "of pinned host memory per GPU; cap it with --host-budget" in capsys.readouterr().out
+    free = _plan_json(capsys, "--budget", "20GiB", "--device-profile", str(tmp_path / "fast.json"))
+    half = free["predicted"]["host"] / 2
+    capped = _plan_json(capsys, "--budget", "20GiB", "--device-profile", str(tmp_path / "fast.json"),
+                        "--host-budget", str(half))  # fmt: skip
+    assert 0 < capped["predicted"]["host"] <= half
+    assert capped["policy"]["layers"].count("offload") < free["policy"]["layers"].count("offload")
+    assert main(["plan", *GPT, "--budget", "20GiB", "--host-budget", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--host-budget 'lots' is not a size" in err
 
 
 def test_the_frontier_bounds_each_offloading_plan_from_above() -> None:

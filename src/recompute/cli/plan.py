@@ -58,6 +58,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "recomputation and the loss mode)",
     )
     p.add_argument(
+        "--host-budget",
+        help="host memory per GPU that offloaded layers may take, e.g. 96GiB (their saved tensors, pinned; a node's "
+        "RAM over its GPUs, less what the job needs besides): the plan offloads no more (default: unchecked)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="trace the chosen plan's step on fake tensors and re-plan until its traced peak fits (needs torch)",
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     )
     device = time_device(args) if args.cost == "time" else None
     output = writable(args.output, "--output", "plan.json") if args.output else None
+    host_budget = parse_budget(args.host_budget, "--host-budget") if args.host_budget is not None else None
     if wants_profile(args):
         return _run_profiled(args, budget, output, device)
     spec = analytic_model(args.model)
@@ -107,7 +113,13 @@ def run(args: argparse.Namespace) -> int:
         time_device=device.label if device else "",
         offload=offload,
         losses=() if args.bench else losses,
+        host_budget=host_budget,
     )
+    if result.estimate.host:
+        notes.append(
+            f"the offloaded layers take {gib(result.estimate.host)} of pinned host memory per GPU"
+            + ("" if host_budget is not None else "; cap it with --host-budget (a node's RAM over its GPUs)")
+        )
     if result.workload["loss"] == "chunked" and wl.loss == "full":
         notes.append(
             "the plan uses the chunked loss: apply it with recompute.apply(model, plan, loss='chunked') "

@@ -166,7 +166,9 @@ def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) 
             + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else ""),
             render_table(
                 ["component", "bytes"],
-                [[k, gib(v)] for k, v in est.activations.items() if v] + [["model states", gib(est.states.total)]],
+                [[k, gib(v)] for k, v in est.activations.items() if v]
+                + [["model states", gib(est.states.total)]]
+                + ([["host memory (offloaded)", gib(est.host)]] if est.host else []),
             ),
             "",
             f"frontier ({len(plan.frontier)} Pareto-optimal plans; {len(sample)} shown, * = chosen):",

@@ -18,7 +18,8 @@ The planner searches ``POLICIES`` and, when given its cost, ``offload`` per laye
 device, and costs the copy time to and from host memory that the layer's compute does not hide
 (``offload_seconds``; only when costs are seconds, and never on a CPU, whose "host" is its own memory). Under
 offload a layer's backward also holds the layer below's tensors being copied back, which the chain's backward
-terms add (an upper bound) whenever a plan offloads. The loss mode is a global choice on top: with
+terms add (an upper bound) whenever a plan offloads; a host budget caps how many layers it offloads (their
+saved tensors take pinned host memory). The loss mode is a global choice on top: with
 ``losses=("full", "chunked")`` each mode's frontier is built, the chunked loss costing its own step time (in
 FLOPs it costs nothing: it replays nothing), and the cheapest plan of either that fits wins; at equal cost the
 workload's own loss mode.
@@ -78,8 +79,8 @@ _UNITS = {
 }
 
 
-def parse_budget(text: str | float) -> float:
-    """Bytes from ``70GiB``, ``80 GB``, ``7.5e10`` or a number.
+def parse_budget(text: str | float, what: str = "budget") -> float:
+    """Bytes from ``70GiB``, ``80 GB``, ``7.5e10`` or a number (``what`` names it in the message).
 
     Raises:
         ConfigError: not a positive size.
@@ -91,11 +92,15 @@ def parse_budget(text: str | float) -> float:
         unit = m.group(2).lower() if m else ""
         require(
             m is not None and unit in _UNITS,
-            f"budget {text!r} is not a size; write e.g. 70GiB or 80GB",
-            fields=("budget",),
+            f"{what} {text!r} is not a size; write e.g. 70GiB or 80GB",
+            fields=(what.replace(" ", "_"),),
         )
         value = float(m.group(1)) * _UNITS[unit]  # type: ignore[union-attr]
-    require(0 < value < float("inf"), f"budget must be a positive, finite size, got {text!r}", fields=("budget",))
+    require(
+        0 < value < float("inf"),
+        f"{what} must be a positive, finite size, got {text!r}",
+        fields=(what.replace(" ", "_"),),
+    )
     return value
 
 
@@ -166,6 +171,7 @@ class Plan:
                 "cost": self.cost,
                 "model_cost": self.model_cost,
                 "traced_peak": self.traced_peak,
+                "host": self.estimate.host,
             },
             "frontier": [point(p) for p in self.frontier],
             "uniform": {name: point(p) for name, p in self.uniform.items()},
@@ -197,6 +203,8 @@ class _Chain:
     """Costs are seconds (measured or predicted), not FLOPs."""
     ahead: float = 0.0
     """An offloaded layer's bytes: copied back while the layer above runs its backward."""
+    max_offload: int | None = None
+    """The most layers the host budget lets a plan offload (None: no host budget)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -249,7 +257,13 @@ def offload_seconds(layer_bytes: float, forward: float, backward: float, host_li
 
 
 def _chain(
-    spec: ModelSpec, wl: Workload, cost: dict[str, float], model_cost: float, timed: bool, offload: float | None = None
+    spec: ModelSpec,
+    wl: Workload,
+    cost: dict[str, float],
+    model_cost: float,
+    timed: bool,
+    offload: float | None = None,
+    host_budget: float | None = None,
 ) -> _Chain:
     la = layer_activations(spec, wl)
     outer = outer_activations(spec, wl, last_stage=wl.pp == 1)
@@ -271,11 +285,20 @@ def _chain(
         model_cost=model_cost,
         timed=timed,
         ahead=la.offloaded("offload"),
+        max_offload=_max_offload(k * la.offloaded("offload"), host_budget),
     )
 
 
-def _chain_front(chain: _Chain, n: int, names: Sequence[str]) -> list[tuple[float, float, tuple[int, ...]]]:
-    """Exact Pareto set of (stored bytes, cost, layers per option in ``names``) over ``n`` alike layers.
+def _max_offload(per_layer: float, host_budget: float | None) -> int | None:
+    """Offloaded layers whose host bytes (``per_layer`` each, all micro-batches in flight) fit ``host_budget``."""
+    if host_budget is None:
+        return None
+    return int(host_budget // per_layer) if per_layer > 0 else None
+
+
+def _chain_fronts(chain: _Chain, n: int, names: Sequence[str]) -> list[list[tuple[float, float, dict[str, int]]]]:
+    """Exact Pareto sets of (stored bytes, cost, layers per option in ``names``) over 0, 1, ..., ``n`` alike
+    layers.
 
     Dynamic programming one layer at a time over whole Pareto sets (no memory discretisation, so exact):
     front_n = pareto(front_{n-1} + each option), with back-pointers to recover the counts.
@@ -286,6 +309,7 @@ def _chain_front(chain: _Chain, n: int, names: Sequence[str]) -> list[tuple[floa
     oc = np.array([chain.cost[p] for p in names])
     mem, cost = np.zeros(1), np.zeros(1)
     steps: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: (parent index, option index) of each point
+    fronts = [[(0.0, 0.0, dict.fromkeys(names, 0))]]
     for _ in range(n):
         m_all, c_all = (mem[:, None] + om[None, :]).ravel(), (cost[:, None] + oc[None, :]).ravel()
         order = np.lexsort((c_all, m_all))  # by memory, then cost
@@ -293,11 +317,14 @@ def _chain_front(chain: _Chain, n: int, names: Sequence[str]) -> list[tuple[floa
         keep = order[c_all[order] < best_before]
         steps.append((keep // len(names), keep % len(names)))
         mem, cost = m_all[keep], c_all[keep]
-    counts, index = np.zeros((len(mem), len(names)), dtype=int), np.arange(len(mem))
-    for parents, options in reversed(steps):  # walk every point's back-pointers at once
-        counts[np.arange(len(mem)), options[index]] += 1
-        index = parents[index]
-    return [(float(m), float(c), tuple(int(x) for x in row)) for m, c, row in zip(mem, cost, counts)]
+        counts, index = np.zeros((len(mem), len(names)), dtype=int), np.arange(len(mem))
+        for parents, options in reversed(steps):  # walk every point's back-pointers at once
+            counts[np.arange(len(mem)), options[index]] += 1
+            index = parents[index]
+        fronts.append(
+            [(float(m), float(c), dict(zip(names, (int(x) for x in row)))) for m, c, row in zip(mem, cost, counts)]
+        )
+    return fronts
 
 
 _ORDER = ("offload", *reversed(POLICIES))
@@ -305,10 +332,9 @@ _ORDER = ("offload", *reversed(POLICIES))
 the most recomputing policies (as Megatron's block method)."""
 
 
-def _layers(counts: tuple[int, ...], names: Sequence[str], top: str) -> tuple[str, ...]:
-    """Layers from counts of ``names``, in ``_ORDER``, then ``top``."""
-    by_name = dict(zip(names, counts))
-    return (*(name for name in _ORDER for _ in range(by_name.get(name, 0))), top)
+def _layers(counts: Mapping[str, int], top: str) -> tuple[str, ...]:
+    """Layers from counts per option, in ``_ORDER``, then ``top``."""
+    return (*(name for name in _ORDER for _ in range(counts.get(name, 0))), top)
 
 
 def _candidates(chain: _Chain, *, loss: str = "full", extra: float = 0.0, base: float = 0.0) -> list[FrontierPoint]:
@@ -316,24 +342,30 @@ def _candidates(chain: _Chain, *, loss: str = "full", extra: float = 0.0, base: 
 
     The cost of a plan is p times that of the first stage, whose pattern every stage repeats, plus ``extra``
     (the loss mode's own cost); overheads are over ``base`` (the model cost of the reference loss mode, else
-    the chain's). With offload among the options the chain is solved twice, without and with it, as a plan
-    that offloads carries the copied-back layer in its peak.
+    the chain's). With offload among the options, each count j of offloaded layers (the bottom ones, at most
+    the host budget's) is tried with the recomputing front of the rest, as a plan that offloads carries the
+    copied-back layer in its peak: exact, the layers being alike.
     """
     without = tuple(n for n in chain.names if n != "offload")
-    runs = [(without, False)] + ([(chain.names, True)] if "offload" in chain.names else [])
+    fronts = _chain_fronts(chain, chain.n - 1, without)
+    most = chain.n if chain.max_offload is None else min(chain.n, chain.max_offload)
+    offloaded = range(1, most + 1) if "offload" in chain.names else range(0)
     points = []
-    for names, offloads in runs:
-        for S_rest, cost_rest, counts in _chain_front(chain, chain.n - 1, names):
-            for top in names:
-                S = S_rest + chain.stored[top]
-                cost = chain.stages * (cost_rest + chain.cost[top]) + extra
-                peak = chain.peak(S, chain.stored[top], offloads)
-                points.append((peak, cost, counts, names, top))
+    for j in (0, *offloaded):
+        below = j - (j == chain.n)  # offloaded layers under the top one, which is offloaded only if all are
+        tops = ("offload",) if j == chain.n else without
+        off_bytes, off_cost = (below * chain.stored["offload"], below * chain.cost["offload"]) if j else (0.0, 0.0)
+        for S_rest, cost_rest, counts in fronts[chain.n - 1 - below]:
+            for top in tops:
+                S = S_rest + off_bytes + chain.stored[top]
+                own = cost_rest + off_cost + chain.cost[top]
+                peak = chain.peak(S, chain.stored[top], j > 0)
+                points.append((peak, chain.stages * own + extra, {**counts, "offload": below}, top))
     points.sort(key=lambda p: (p[0], p[1]))
     best: list[FrontierPoint] = []
-    for m, c, counts, names, top in points:
+    for m, c, counts, top in points:
         if not best or c < best[-1].cost:
-            layers = _layers(counts, names, top)
+            layers = _layers(counts, top)
             best.append(
                 FrontierPoint(peak=m, cost=c, overhead=c / (base or chain.model_cost), layers=layers, loss=loss)
             )
@@ -357,10 +389,11 @@ def frontier(
     times: Times | None = None,
     offload: float | None = None,
     losses: Sequence[str] = (),
+    host_budget: float | None = None,
 ) -> list[FrontierPoint]:
     """The Pareto frontier of predicted peak vs recompute cost, smallest peak first (arguments as ``plan``'s)."""
     wl.check(spec)
-    return _frontier(spec, wl, measured, times, offload, losses)[0]
+    return _frontier(spec, wl, measured, times, offload, losses, host_budget)[0]
 
 
 Times = Mapping[str, float] | Callable[[Workload], Mapping[str, float]]
@@ -374,6 +407,7 @@ def _frontier(
     times: Times | None,
     offload: float | None,
     losses: Sequence[str],
+    host_budget: float | None = None,
 ) -> tuple[list[FrontierPoint], _Chain, list[FrontierPoint]]:
     """The frontier over every loss mode in ``losses`` (default: ``wl.loss``), the chain of ``wl``'s mode and
     that mode's own frontier."""
@@ -394,12 +428,12 @@ def _frontier(
 
     timed = measured is not None or times is not None
     base_costs, base = costs(wl)
-    chains = {wl.loss: _chain(spec, wl, base_costs, base, timed, offload)}
+    chains = {wl.loss: _chain(spec, wl, base_costs, base, timed, offload, host_budget)}
     by_mode: dict[str, list[FrontierPoint]] = {}
     for mode in modes:
         w = _with_loss(wl, mode)
         if mode not in chains:
-            chains[mode] = _chain(spec, w, *costs(w), timed, offload)
+            chains[mode] = _chain(spec, w, *costs(w), timed, offload, host_budget)
         extra = _loss_cost(spec, w, chains[mode]) - _loss_cost(spec, wl, chains[wl.loss])
         by_mode[mode] = _candidates(chains[mode], loss=mode, extra=extra, base=base)
     return _pareto([p for points in by_mode.values() for p in points]), chains[wl.loss], by_mode.get(wl.loss, [])
@@ -460,6 +494,7 @@ def plan(
     time_device: str = "",
     offload: float | None = None,
     losses: Sequence[str] = (),
+    host_budget: float | None = None,
 ) -> Plan:
     """The least-cost per-layer policy whose predicted peak is at most ``budget`` bytes.
 
@@ -469,6 +504,8 @@ def plan(
             plan on predicted time. A function of the workload when ``losses`` has another mode than ``wl``'s.
         offload: the cost of offloading one layer in the unit of the costs (``offload_seconds``); None leaves
             offload out.
+        host_budget: host-memory bytes per rank that offloaded layers may take (their saved tensors, pinned,
+            all micro-batches in flight): a plan offloads no more layers than fit; None: unchecked.
         losses: the loss modes to choose from (``full``, ``chunked``); default ``wl.loss`` alone.
         traced_peak: the peak of a policy's real step, e.g. ``recompute.trace``'s on fake tensors (the CLI's
             ``plan --trace``); while the chosen plan's is over the budget, re-plan against a budget lowered by
@@ -480,7 +517,7 @@ def plan(
         ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
     """
     wl.check(spec)
-    points, chain, own = _frontier(spec, wl, measured, times, offload, losses)
+    points, chain, own = _frontier(spec, wl, measured, times, offload, losses, host_budget)
     chosen = _fitting(points, budget)
     if chosen is None:
         raise ConfigError(_nothing_fits(spec, wl, budget, points[0].peak), fields=ALTERNATIVE_FIELDS)
