@@ -210,16 +210,19 @@ class _Chain:
     def names(self) -> tuple[str, ...]:
         return tuple(self.cost)
 
-    def peak(self, S: float, s_top: float, offloads: bool = False) -> float:
+    def peak(self, S: Any, s_top: float, offloads: bool = False) -> Any:
         """Note: [endpoints suffice] in layer order (offloaded, then most recomputing first) a layer's backward
         holds the stored bytes below it, the whole layer again, and the gradients made above it: stored bytes
         grow and gradients shrink by a constant per layer going up, and stored bytes grow fastest at the top,
         so the largest backward phase is at the top layer or at the bottom one. A plan that ``offloads`` adds
-        one layer being copied back to both (at most one is in flight: the bound holds for every layer)."""
+        one layer being copied back to both (at most one is in flight: the bound holds for every layer).
+        ``S`` is a number or a numpy array of them."""
+        import numpy as np
+
         ahead = self.ahead if offloads else 0.0
         top = self.k * S - s_top + self.top_extra + self.grads.before(self.n - 1, self.n) + ahead
         bottom = (self.k - 1) * S + self.top_extra + self.grads.before(0, self.n) + ahead
-        return self.states + max(self.k * S + self.loss_extra, top, bottom, self.after)
+        return self.states + np.maximum(np.maximum(self.k * S + self.loss_extra, top), np.maximum(bottom, self.after))
 
 
 def policy_costs(
@@ -296,35 +299,46 @@ def _max_offload(per_layer: float, host_budget: float | None) -> int | None:
     return int(host_budget // per_layer) if per_layer > 0 else None
 
 
-def _chain_fronts(chain: _Chain, n: int, names: Sequence[str]) -> list[list[tuple[float, float, dict[str, int]]]]:
-    """Exact Pareto sets of (stored bytes, cost, layers per option in ``names``) over 0, 1, ..., ``n`` alike
-    layers.
+@dataclass(frozen=True)
+class _Fronts:
+    """Exact Pareto sets of (stored bytes, cost) over 0, 1, ..., n alike layers, each choosing among ``names``.
 
     Dynamic programming one layer at a time over whole Pareto sets (no memory discretisation, so exact):
-    front_n = pareto(front_{n-1} + each option), with back-pointers to recover the counts.
+    front_n = pareto(front_{n-1} + each option), with back-pointers to recover a point's layers.
     """
-    import numpy as np
 
-    om = np.array([chain.stored[p] for p in names])
-    oc = np.array([chain.cost[p] for p in names])
-    mem, cost = np.zeros(1), np.zeros(1)
-    steps: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: (parent index, option index) of each point
-    fronts = [[(0.0, 0.0, dict.fromkeys(names, 0))]]
-    for _ in range(n):
-        m_all, c_all = (mem[:, None] + om[None, :]).ravel(), (cost[:, None] + oc[None, :]).ravel()
-        order = np.lexsort((c_all, m_all))  # by memory, then cost
-        best_before = np.concatenate(([np.inf], np.minimum.accumulate(c_all[order])[:-1]))
-        keep = order[c_all[order] < best_before]
-        steps.append((keep // len(names), keep % len(names)))
-        mem, cost = m_all[keep], c_all[keep]
-        counts, index = np.zeros((len(mem), len(names)), dtype=int), np.arange(len(mem))
-        for parents, options in reversed(steps):  # walk every point's back-pointers at once
-            counts[np.arange(len(mem)), options[index]] += 1
-            index = parents[index]
-        fronts.append(
-            [(float(m), float(c), dict(zip(names, (int(x) for x in row)))) for m, c, row in zip(mem, cost, counts)]
-        )
-    return fronts
+    names: tuple[str, ...]
+    mem: list[Any]
+    """Per length, the stored bytes of its points (numpy arrays)."""
+    cost: list[Any]
+    steps: list[tuple[Any, Any]]
+    """Per layer added: (parent index, option index) of each point of that length."""
+
+    @classmethod
+    def of(cls, chain: _Chain, n: int, names: Sequence[str]) -> _Fronts:
+        import numpy as np
+
+        om = np.array([chain.stored[p] for p in names])
+        oc = np.array([chain.cost[p] for p in names])
+        mems, costs, steps = [np.zeros(1)], [np.zeros(1)], []
+        for _ in range(n):
+            m_all = (mems[-1][:, None] + om[None, :]).ravel()
+            c_all = (costs[-1][:, None] + oc[None, :]).ravel()
+            order = np.lexsort((c_all, m_all))  # by memory, then cost
+            best_before = np.concatenate(([np.inf], np.minimum.accumulate(c_all[order])[:-1]))
+            keep = order[c_all[order] < best_before]
+            steps.append((keep // len(names), keep % len(names)))
+            mems.append(m_all[keep])
+            costs.append(c_all[keep])
+        return cls(tuple(names), mems, costs, steps)
+
+    def counts(self, length: int, index: int) -> dict[str, int]:
+        """Layers per option of point ``index`` of ``length``, by its back-pointers."""
+        out = dict.fromkeys(self.names, 0)
+        for parents, options in reversed(self.steps[:length]):
+            out[self.names[int(options[index])]] += 1
+            index = int(parents[index])
+        return out
 
 
 _ORDER = ("offload", *reversed(POLICIES))
@@ -346,29 +360,35 @@ def _candidates(chain: _Chain, *, loss: str = "full", extra: float = 0.0, base: 
     the host budget's) is tried with the recomputing front of the rest, as a plan that offloads carries the
     copied-back layer in its peak: exact, the layers being alike.
     """
+    import numpy as np
+
     without = tuple(n for n in chain.names if n != "offload")
-    fronts = _chain_fronts(chain, chain.n - 1, without)
+    fronts = _Fronts.of(chain, chain.n - 1, without)
     most = chain.n if chain.max_offload is None else min(chain.n, chain.max_offload)
     offloaded = range(1, most + 1) if "offload" in chain.names else range(0)
-    points = []
+    peaks, costs, tags = [], [], []
     for j in (0, *offloaded):
         below = j - (j == chain.n)  # offloaded layers under the top one, which is offloaded only if all are
-        tops = ("offload",) if j == chain.n else without
+        length = chain.n - 1 - below
         off_bytes, off_cost = (below * chain.stored["offload"], below * chain.cost["offload"]) if j else (0.0, 0.0)
-        for S_rest, cost_rest, counts in fronts[chain.n - 1 - below]:
-            for top in tops:
-                S = S_rest + off_bytes + chain.stored[top]
-                own = cost_rest + off_cost + chain.cost[top]
-                peak = chain.peak(S, chain.stored[top], j > 0)
-                points.append((peak, chain.stages * own + extra, {**counts, "offload": below}, top))
-    points.sort(key=lambda p: (p[0], p[1]))
+        for top in ("offload",) if j == chain.n else without:
+            S = fronts.mem[length] + off_bytes + chain.stored[top]
+            peaks.append(chain.peak(S, chain.stored[top], j > 0))
+            costs.append(chain.stages * (fronts.cost[length] + off_cost + chain.cost[top]) + extra)
+            tags += [(below, length, i, top) for i in range(len(S))]
+    peak, cost = np.concatenate(peaks), np.concatenate(costs)
+    order = np.lexsort((cost, peak))  # by peak, then cost
+    best_before = np.concatenate(([np.inf], np.minimum.accumulate(cost[order])[:-1]))
     best: list[FrontierPoint] = []
-    for m, c, counts, top in points:
-        if not best or c < best[-1].cost:
-            layers = _layers(counts, top)
-            best.append(
-                FrontierPoint(peak=m, cost=c, overhead=c / (base or chain.model_cost), layers=layers, loss=loss)
+    for i in order[cost[order] < best_before]:
+        below, length, index, top = tags[i]
+        layers = _layers({**fronts.counts(length, index), "offload": below}, top)
+        c = float(cost[i])
+        best.append(
+            FrontierPoint(
+                peak=float(peak[i]), cost=c, overhead=c / (base or chain.model_cost), layers=layers, loss=loss
             )
+        )
     return best
 
 
