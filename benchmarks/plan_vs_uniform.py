@@ -214,7 +214,7 @@ def main() -> None:
     plans = {}
     for f, b in budgets.items():
         try:
-            plans[f] = plan(spec, wl, b, measured=measured, traced_peak=lambda pol: trace(spec, wl, pol).peak)
+            plans[f] = plan(spec, wl, b, measured=measured, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
         except ConfigError as e:
             print(f"  {f:.0%} budget left out: {e}")
     uniforms = {f: best_uniform(spec, wl, b) for f, b in budgets.items()}

@@ -176,6 +176,33 @@ def test_a_head_reading_a_parameter_it_does_not_own_is_refused() -> None:
     assert "\n" not in str(e.value)
 
 
+def test_fp16_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Gradients taken in the forward come before a loss scaler scales them: fp16's would underflow."""
+    model = own("gpt").half()
+    recompute.apply(model, "none", loss="chunked", loss_chunk=16)
+    with pytest.raises(ConfigError, match="chunked loss in fp16") as e:
+        model(*batch())
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="dtype fp16 with the chunked loss"):
+        Workload(loss="chunked", dtype="fp16")
+    assert main(["estimate", "--loss", "chunked", "--dtype", "fp16"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--dtype fp16 with the chunked loss" in err
+    assert main(["plan", "--model", "gpt2", "--dtype", "fp16", "--budget", "80GiB", "--cost", "flops"]) == 0
+    assert "the chunked loss not considered: with --dtype fp16 its gradients" in capsys.readouterr().out
+
+
+def test_a_head_emptied_outside_its_forward_is_refused() -> None:
+    """ZeRO-3 partitions a module's weights outside its forward; the chunks run the head's forward hooks aside."""
+    model = own("gpt")
+    model.lm_head = nn.Linear(32, V, bias=False).double()
+    model.lm_head.weight = nn.Parameter(torch.empty(0, dtype=torch.float64))
+    recompute.apply(model, "none", loss="chunked", loss_chunk=16)
+    with pytest.raises(ConfigError, match="the head's weight is empty outside its forward") as e:
+        model(*batch())
+    assert "\n" not in str(e.value)
+
+
 def ignore_some(tgt: Tensor) -> None:
     tgt[0, :] = -100  # a whole chunk of ignored targets among others
     tgt[1, 5:9] = -100

@@ -119,7 +119,7 @@ def test_traced_plans_fit_by_the_trace(spec: ModelSpec, attention: str) -> None:
     none = estimate(spec, wl, "none")
     for fraction in (0.3, 0.7):
         budget = none.states.total + fraction * (none.peak - none.states.total)
-        chosen = plan(spec, wl, budget, traced_peak=lambda pol: trace(spec, wl, pol).peak)
+        chosen = plan(spec, wl, budget, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
         assert chosen.traced_peak is not None and chosen.traced_peak <= budget
         # Without the trace the analytic plan is the same or a neighbour: the analytic peak is close.
         assert abs(plan(spec, wl, budget).estimate.peak / chosen.traced_peak - 1) < 0.05
@@ -136,7 +136,7 @@ def test_the_trace_check_replaces_an_analytic_plan_that_is_over_the_budget() -> 
     budget = block.peak + 0.1 * (none.peak - block.peak)
     analytic = plan(spec, wl, budget)
     assert analytic.estimate.peak <= budget < trace(spec, wl, analytic.policy).peak
-    checked = plan(spec, wl, budget, traced_peak=lambda pol: trace(spec, wl, pol).peak)
+    checked = plan(spec, wl, budget, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
     assert checked.policy != analytic.policy and checked.traced_peak is not None and checked.traced_peak <= budget
 
 

@@ -94,21 +94,21 @@ def test_a_host_budget_caps_the_offloaded_layers(with_offload: list[tuple[float,
             if layers.count("offload") <= cap:
                 est = estimate(TINY, _mode(loss), Policy(layers=layers))
                 within.append((est.peak, est.recompute_flops + OFFLOAD * layers.count("offload"), "offload" in layers))
-    capped = 0
-    for budget in _budgets([p for p in with_offload if p[0] >= min(q[0] for q in within)]):
+    capped = planned = 0
+    budgets = _budgets([p for p in with_offload if p[0] >= min(q[0] for q in within)])
+    for budget in budgets:
         fits = [(cost, offloads) for peak, cost, offloads in within if peak <= budget]
-        if not fits:
-            continue
         try:
             got = plan(TINY, WL, budget, losses=LOSSES, offload=OFFLOAD, host_budget=host)
         except ConfigError:  # the chain bounds an offloading plan by one copied-back layer: it may find none
             continue
+        planned += 1
         layers = got.policy.per_layer(TINY.n_layers)
         assert layers.count("offload") <= cap and got.estimate.host <= host and got.estimate.peak <= budget
         without = min((cost for cost, offloads in fits if not offloads), default=float("inf"))
         assert min(cost for cost, _ in fits) - 1e-3 <= got.cost <= without + 1e-3
         capped += layers.count("offload") == cap
-    assert capped  # the cap binds somewhere
+    assert capped and planned >= len(budgets) - 2  # the cap binds somewhere; only the tightest budgets find none
 
 
 def test_cli_says_what_offload_takes_of_host_memory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -125,6 +125,8 @@ def test_cli_says_what_offload_takes_of_host_memory(capsys: pytest.CaptureFixtur
     assert main(["plan", *GPT, "--budget", "20GiB", "--host-budget", "lots"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--host-budget 'lots' is not a size" in err
+    assert main(["plan", *GPT, "--budget", "20GiB", "--host-budget", "8GiB", "--cost", "flops"]) == 0
+    assert "--host-budget unused: the plan offloads nothing" in capsys.readouterr().out
 
 
 def test_the_frontier_bounds_each_offloading_plan_from_above() -> None:
@@ -171,7 +173,11 @@ def test_cli_chooses_the_chunked_loss_when_only_it_fits(capsys: pytest.CaptureFi
     assert data["workload"]["loss"] == "chunked" and data["predicted"]["peak"] <= float(budget)
     assert {p["loss"] for p in data["frontier"]} == {"chunked"}  # in FLOPs it is free: its points dominate
     loose = _plan_json(capsys, "--budget", str(full * 2), "--cost", "flops")
-    assert loose["workload"]["loss"] == "full"  # a tie keeps the loss the user has
+    assert loose["workload"]["loss"] == "full"  # a tie keeps the loss the user has, and it is on the frontier
+    assert any(p["loss"] == "full" and p["cost"] == loose["predicted"]["cost"] for p in loose["frontier"])
+    assert main(["plan", *GPT, "--budget", str(full * 2), "--cost", "flops"]) == 0
+    chosen = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("*"))
+    assert "full" in chosen.split()
     assert main(["plan", *GPT, "--budget", budget, "--consider", "none"]) == 2  # recomputation alone: no fit
     assert "no plan fits" in capsys.readouterr().err
 

@@ -12,7 +12,15 @@ from recompute.core.analytic import layer_overheads
 from recompute.core.errors import ConfigError
 from recompute.core.hardware import usable_bytes
 from recompute.core.policy import POLICIES
-from recompute.report.data import COMPONENTS, build_report, components, family, sequence_lengths, worked_example
+from recompute.report.data import (
+    COMPONENTS,
+    _savings,
+    build_report,
+    components,
+    family,
+    sequence_lengths,
+    worked_example,
+)
 
 LLAMA = ModelSpec.from_name("llama3.1-8b")
 K = 1024
@@ -124,3 +132,9 @@ def test_the_chosen_model_must_run() -> None:
         build_report(ModelSpec.from_name("gpt2-xl"), Workload(attention="eager", seq_len=1024, tp=4))
     with pytest.raises(ConfigError, match="not a known GPU"):
         build_report(LLAMA, Workload(attention="eager"), gpu="b300")
+
+
+def test_fp16_has_no_chunked_loss_row() -> None:
+    """The chunked loss refuses fp16 (its gradients, taken in the forward, would underflow before a loss scaler)."""
+    rows = [r.policy for r in _savings(LLAMA, Workload(dtype="fp16", seq_len=4 * K))]
+    assert "chunked loss" not in rows and rows[-1] == "offload"

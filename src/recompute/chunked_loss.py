@@ -10,8 +10,9 @@ scaled by the loss's incoming gradient (Liger-Kernel's fused linear cross-entrop
 hand-written kernels; here each chunk runs the model's own head and loss under autograd). Such a forward
 returns no logits: ``(None, loss)``, or transformers' output with ``logits=None``; without targets or labels
 (or with autograd off) the model runs as it always did. What it costs: the head's weight gradient exists from
-the loss's forward on, summed over the chunks in place (two at once while a chunk's is added), and the
-backward runs once (``retain_graph=True`` and a second backward are refused).
+the loss's forward on, summed over the chunks in place (two at once while a chunk's is added); the
+backward runs once (``retain_graph=True`` and a second backward are refused); and fp16 is refused, as its
+gradients, taken before a loss scaler scales them, would underflow (bf16 needs no scaler).
 
 How: three instance-level replacements, which the next ``apply`` restores (``apply(model, "none")`` too):
 
@@ -19,8 +20,10 @@ How: three instance-level replacements, which the next ``apply`` restores (``app
   then drops the logits from what it returns;
 - the head (``lm_head``, or ``get_output_embeddings()``): deferred, it hands its input back unchanged (its
   module hooks see that one call); the chunks call its original ``forward`` directly, hooks aside, so that
-  tools watching module backward hooks (``MemTracker``, FSDP) do not take the chunks' gradients for the
-  backward;
+  tools watching module backward hooks (``MemTracker``, ``ModTracker``) do not take the chunks' gradients for
+  the backward. So a head whose weights are gathered only inside its own forward (ZeRO-3, or an FSDP2 unit of
+  its own that reshards after its forward) is not covered; a head inside its parent's unit (the model's
+  root, as ``recompute.parallel`` wraps it) is;
 - the loss (``model.loss_fn`` of recompute's models, which ``recompute.parallel.parallelize`` makes
   vocabulary-parallel; ``model.loss_function`` of transformers'): handed the head's input, it runs
   head + loss chunk by chunk. A model that changes the logits between its head and its loss (Gemma's
@@ -330,7 +333,28 @@ def _head_loss(
     params = tuple(p for p in head.parameters() if p.requires_grad)
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
         return functools.reduce(operator.add, map(part, split(x), targets))
+    _check_trainable(head, x)
     return _GradientsInForward.apply(_Chunks(part, split, targets, params), x, *params)  # type: ignore[no-any-return]
+
+
+def _check_trainable(head: nn.Module, x: Tensor) -> None:
+    """Refuse what the gradients taken in the forward cannot serve: fp16, a head whose weights are gathered
+    only inside its own forward (ZeRO-3's partitioned parameters)."""
+    device = x.device.type
+    fp16 = x.dtype == torch.float16 or (
+        torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
+    )
+    require(
+        not fp16,
+        "chunked loss in fp16: it takes its gradients in the forward, before a loss scaler scales them, and in fp16 "
+        "they would underflow; train in bf16 (no scaler needed) or use loss='full'",
+    )
+    empty = [n for n, p in head.named_parameters() if p.numel() == 0]
+    require(
+        not empty,
+        f"chunked loss: the head's {empty[0] if empty else ''} is empty outside its forward (partitioned, as by "
+        "ZeRO-3), and the chunks run the head's forward without its hooks; use loss='full'",
+    )
 
 
 @dataclass(frozen=True)

@@ -82,14 +82,19 @@ def run(args: argparse.Namespace) -> int:
     )
     device = time_device(args) if args.cost == "time" else None
     output = writable(args.output, "--output", "plan.json") if args.output else None
-    host_budget = parse_budget(args.host_budget, "--host-budget") if args.host_budget is not None else None
+    host_budget = parse_budget(args.host_budget, "host_budget") if args.host_budget is not None else None
     if wants_profile(args):
         return _run_profiled(args, budget, output, device)
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)
     consider = _considered("offload,chunked" if args.consider is None else args.consider)
-    losses = ("full", "chunked") if "chunked" in consider and args.loss == "full" else (wl.loss,)
     notes = []
+    losses: tuple[str, ...] = (wl.loss,)
+    if "chunked" in consider and wl.loss == "full":
+        if wl.dtype == "fp16":
+            notes.append(f"the chunked loss not considered: {_FP16}")
+        else:
+            losses = ("full", "chunked")
     times: Times | None = None
     offload: float | None = None
     if device is not None:
@@ -97,12 +102,14 @@ def run(args: argparse.Namespace) -> int:
         if why_not:
             notes.append(f"planned on recomputed FLOPs: no time predicted with {why_not}")
         else:
-            require_fits(spec, wl, budget, offload="offload" in consider, losses=losses)
+            require_fits(spec, wl, budget, offload="offload" in consider, losses=losses, host_budget=host_budget)
             times = _predicted_times(spec, device, quiet=args.json)
             offload = offload_layer_seconds(spec, wl, device, quiet=args.json) if "offload" in consider else None
     if "offload" in consider and offload is None:
         notes.append(f"offload not considered: {_unpriced_offload(args, device)}")
-    traced = _traced_peak(spec, wl) if args.trace else None
+    if host_budget is not None and offload is None:
+        notes.append("--host-budget unused: the plan offloads nothing")
+    traced = _traced_peak(spec) if args.trace else None
     result = plan(
         spec,
         wl,
@@ -144,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_FP16 = "with --dtype fp16 its gradients, taken in the forward before a loss scaler scales them, would underflow"
+
+
 def _considered(text: str) -> set[str]:
     names = {n.strip() for n in text.split(",") if n.strip()}
     require(
@@ -179,11 +189,16 @@ def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, 
     prof, wl = profile_for(args, quiet=args.json)
     profiles, notes = [prof], []
     if "chunked" in considered and wl.loss == "full":
+        why_not = ""
         if args.profile:
-            notes.append("the chunked loss not considered: --profile holds one loss mode's profile")
-        else:
+            why_not = "--profile holds one loss mode's profile"
+        elif wl.dtype == "fp16":
+            why_not = _FP16
+        if not why_not:
             profiles.append(profile_for(argparse.Namespace(**{**vars(args), "loss": "chunked"}), quiet=args.json)[0])
-    if "offload" in considered:
+        elif args.consider is not None or wl.dtype == "fp16":
+            notes.append(f"the chunked loss not considered: {why_not}")
+    if "offload" in considered or args.host_budget is not None:
         notes.append("offload not considered: a profiled model is planned on recomputation and the loss mode")
     result = plan_profiles(profiles, budget, device)
     wl = Workload(**result.profile.workload)
@@ -229,11 +244,11 @@ def _fit_traced_profile(model: str, wl: Workload, result: ProfilePlan, budget: f
     raise ConfigError(f"no plan's traced peak fits {gib(budget)}; raise the budget", fields=("budget",))
 
 
-def _traced_peak(spec: ModelSpec, wl: Workload) -> Callable[[Policy], float]:
+def _traced_peak(spec: ModelSpec) -> Callable[[Policy, Workload], float]:
     """A policy's peak by ``recompute.trace``: the real step on fake tensors, the same step estimate models."""
     trace = torch_floor("recompute.trace").trace
 
-    def peak(policy: Policy) -> float:
+    def peak(policy: Policy, wl: Workload) -> float:
         return float(trace(spec, wl, policy).peak)
 
     return peak

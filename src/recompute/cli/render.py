@@ -133,7 +133,8 @@ def layer_runs(layers: Sequence[str]) -> str:
 def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) -> str:
     """The chosen plan, its breakdown, a sample of the frontier and the uniform policies."""
     est = plan.estimate
-    chosen = next(p for p in plan.frontier if p.cost == plan.cost and p.peak <= plan.budget)
+    mode = plan.workload.get("loss", "full")
+    chosen = next(p for p in plan.frontier if p.cost == plan.cost and p.peak <= plan.budget and p.loss == mode)
     sample = sorted({*_sample(plan.frontier, points), chosen}, key=lambda p: p.peak)
     over = "time overhead" if plan.timed else "overhead"
     timed = ["step time", "tokens/s"] if plan.timed else []

@@ -80,7 +80,7 @@ _UNITS = {
 
 
 def parse_budget(text: str | float, what: str = "budget") -> float:
-    """Bytes from ``70GiB``, ``80 GB``, ``7.5e10`` or a number (``what`` names it in the message).
+    """Bytes from ``70GiB``, ``80 GB``, ``7.5e10`` or a number (``what``: the field it is for).
 
     Raises:
         ConfigError: not a positive size.
@@ -93,13 +93,13 @@ def parse_budget(text: str | float, what: str = "budget") -> float:
         require(
             m is not None and unit in _UNITS,
             f"{what} {text!r} is not a size; write e.g. 70GiB or 80GB",
-            fields=(what.replace(" ", "_"),),
+            fields=(what,),
         )
         value = float(m.group(1)) * _UNITS[unit]  # type: ignore[union-attr]
     require(
         0 < value < float("inf"),
         f"{what} must be a positive, finite size, got {text!r}",
-        fields=(what.replace(" ", "_"),),
+        fields=(what,),
     )
     return value
 
@@ -468,14 +468,20 @@ def _loss_cost(spec: ModelSpec, wl: Workload, chain: _Chain) -> float:
 
 
 def require_fits(
-    spec: ModelSpec, wl: Workload, budget: float, *, offload: bool = False, losses: Sequence[str] = ()
+    spec: ModelSpec,
+    wl: Workload,
+    budget: float,
+    *,
+    offload: bool = False,
+    losses: Sequence[str] = (),
+    host_budget: float | None = None,
 ) -> None:
     """Check that some plan fits ``budget`` before anything is spent pricing plans (the peaks depend on no cost).
 
     Raises:
         ConfigError: nothing fits; the message gives the smallest achievable peak and what would fit.
     """
-    smallest = frontier(spec, wl, offload=0.0 if offload else None, losses=losses)[0].peak
+    smallest = frontier(spec, wl, offload=0.0 if offload else None, losses=losses, host_budget=host_budget)[0].peak
     if smallest > budget:
         raise ConfigError(_nothing_fits(spec, wl, budget, smallest), fields=ALTERNATIVE_FIELDS)
 
@@ -483,6 +489,13 @@ def require_fits(
 def _fitting(points: Sequence[FrontierPoint], budget: float) -> FrontierPoint | None:
     fits = [p for p in points if p.peak <= budget]
     return min(fits, key=lambda p: (p.cost, p.peak)) if fits else None
+
+
+def _choose(points: Sequence[FrontierPoint], own: Sequence[FrontierPoint], budget: float) -> FrontierPoint | None:
+    """The cheapest point that fits; at equal cost one of ``own``, the workload's loss mode (another loss mode
+    changes the training loop: the chunked loss returns no logits)."""
+    chosen, kept = _fitting(points, budget), _fitting(own, budget)
+    return kept if kept is not None and chosen is not None and kept.cost <= chosen.cost else chosen
 
 
 def best_uniform(
@@ -509,7 +522,7 @@ def plan(
     budget: float,
     *,
     measured: str | Path | None = None,
-    traced_peak: Callable[[Policy], float] | None = None,
+    traced_peak: Callable[[Policy, Workload], float] | None = None,
     times: Times | None = None,
     time_device: str = "",
     offload: float | None = None,
@@ -527,7 +540,8 @@ def plan(
         host_budget: host-memory bytes per rank that offloaded layers may take (their saved tensors, pinned,
             all micro-batches in flight): a plan offloads no more layers than fit; None: unchecked.
         losses: the loss modes to choose from (``full``, ``chunked``); default ``wl.loss`` alone.
-        traced_peak: the peak of a policy's real step, e.g. ``recompute.trace``'s on fake tensors (the CLI's
+        traced_peak: the peak of a policy's real step at a workload (the plan's loss mode), e.g.
+            ``recompute.trace``'s on fake tensors (the CLI's
             ``plan --trace``); while the chosen plan's is over the budget, re-plan against a budget lowered by
             the overshoot. The analytic peak is within 0.7 % of the trace
             (``recompute validate --peaks``) but may fall on either side; with ``traced`` the plan fits by
@@ -538,15 +552,14 @@ def plan(
     """
     wl.check(spec)
     points, chain, own = _frontier(spec, wl, measured, times, offload, losses, host_budget)
-    chosen = _fitting(points, budget)
+    chosen = _choose(points, own, budget)
     if chosen is None:
         raise ConfigError(_nothing_fits(spec, wl, budget, points[0].peak), fields=ALTERNATIVE_FIELDS)
-    kept = _fitting(own, budget)
-    if kept is not None and kept.cost <= chosen.cost:
-        chosen = kept  # a tie keeps the workload's own loss: another changes the training loop (no logits)
     peak_of_trace = None
     if traced_peak is not None:
-        chosen, peak_of_trace = _fit_traced(spec, wl, points, chosen, budget, traced_peak)
+        chosen, peak_of_trace = _fit_traced(spec, wl, (points, own), chosen, budget, traced_peak)
+    if chosen not in points:  # the workload's own loss, at the cost of a point of the other's
+        points = sorted([*points, chosen], key=lambda p: (p.peak, p.cost))
     policy = _policy(spec, wl, chosen)
     uniform = {}
     for name in chain.names:
@@ -589,23 +602,25 @@ def _policy(spec: ModelSpec, wl: Workload, point: FrontierPoint) -> Policy:
 def _fit_traced(
     spec: ModelSpec,
     wl: Workload,
-    points: Sequence[FrontierPoint],
+    fronts: tuple[Sequence[FrontierPoint], Sequence[FrontierPoint]],
     chosen: FrontierPoint,
     budget: float,
-    traced_peak: Callable[[Policy], float],
+    traced_peak: Callable[[Policy, Workload], float],
 ) -> tuple[FrontierPoint, float]:
     """The cheapest frontier point whose traced peak fits ``budget``, and that peak.
 
-    Each round traces the candidate; an overshoot lowers the analytic target by that much (the analytic
-    error is nearly the same for neighbouring plans), and the next candidate is traced in turn.
+    ``fronts``: every loss mode's frontier and the workload's own (``_choose``). Each round traces the
+    candidate in its loss mode; an overshoot lowers the analytic target by that much (the analytic error is
+    nearly the same for neighbouring plans), and the next candidate is traced in turn.
     """
+    points, own = fronts
     target = budget
-    for _ in range(len(points)):
-        peak = float(traced_peak(_policy(spec, wl, chosen)))
+    for _ in range(len(points) + len(own)):
+        peak = float(traced_peak(_policy(spec, wl, chosen), _with_loss(wl, chosen.loss)))
         if peak <= budget:
             return chosen, peak
         target -= max(peak - budget, 1.0)
-        lower = _fitting(points, target)
+        lower = _choose(points, own, target)
         if lower is None:
             break
         chosen = lower

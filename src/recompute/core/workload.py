@@ -43,6 +43,12 @@ LIMITS = {
 ATTENTIONS = ("eager", "flash")
 """``eager``: the attention math written out (saves the s^2 softmax); ``flash``: SDPA / FlashAttention."""
 
+_FP16_REASON = (
+    "dtype fp16 with the chunked loss: it takes its gradients in the forward, before a scaler scales them, and "
+    "in fp16 they would underflow; use dtype bf16 (no scaler needed) or the full loss"
+)
+"""Why the chunked loss refuses fp16 (``recompute.chunked_loss``)."""
+
 LOSSES = ("full", "chunked")
 """``full``: the (b, s, v) logits at once; ``chunked``: the output layer and cross-entropy over token chunks,
 each chunk's gradients taken in the forward while its logits live (``recompute.apply(..., loss="chunked")``)."""
@@ -149,6 +155,7 @@ class Workload:
         one_of("attention", self.attention, ATTENTIONS)
         one_of("device", self.device, ("cuda", "cpu"))
         one_of("loss", self.loss, LOSSES)
+        require(not (self.loss == "chunked" and self.dtype == "fp16"), _FP16_REASON, fields=("dtype",))
         if self.loss_chunk is not None:
             positive_int("loss_chunk", self.loss_chunk)
             require(

@@ -158,10 +158,9 @@ def _savings(spec: ModelSpec, wl: Workload, times: Mapping[str, Timing] | None =
     all alive; no FLOPs, its price is its own step time) and offload (every layer's saved tensors in host
     memory, copied back in the backward: no FLOPs, its price is copy time)."""
     none = estimate(spec, wl, "none")
-    alternatives = {
-        "chunked loss": estimate(spec, dataclasses.replace(wl, loss="chunked"), "none"),
-        "offload": estimate(spec, wl, "offload"),
-    }
+    alternatives = {"offload": estimate(spec, wl, "offload")}
+    if wl.dtype != "fp16":  # the chunked loss refuses fp16 (its gradients would underflow before a loss scaler)
+        alternatives = {"chunked loss": estimate(spec, dataclasses.replace(wl, loss="chunked"), "none"), **alternatives}
     rows = []
     for name, est in [*((p, estimate(spec, wl, p)) for p in POLICIES if p != "none"), *alternatives.items()]:
         saved = none.activation_bytes - est.activation_bytes
