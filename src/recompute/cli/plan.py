@@ -128,10 +128,7 @@ def run(args: argparse.Namespace) -> int:
             + ("" if host_budget is not None else "; cap it with --host-budget (a node's RAM over its GPUs)")
         )
     if result.workload["loss"] == "chunked" and wl.loss == "full":
-        notes.append(
-            "the plan uses the chunked loss: apply it with recompute.apply(model, plan, loss='chunked') "
-            "(--loss chunked on bench and train)"
-        )
+        notes.append(_USE_CHUNKED)
     note = "\n".join(f"note: {n}" for n in notes)
     data = result.to_dict()
     if times is not None and device is not None:
@@ -151,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_USE_CHUNKED = (
+    "the plan uses the chunked loss: apply it with recompute.apply(model, plan, loss='chunked') "
+    "(--loss chunked on bench and train)"
+)
 _FP16 = "with --dtype fp16 its gradients, taken in the forward before a loss scaler scales them, would underflow"
 
 
@@ -203,10 +204,7 @@ def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, 
     result = plan_profiles(profiles, budget, device)
     wl = Workload(**result.profile.workload)
     if wl.loss == "chunked" and prof.workload.get("loss") == "full":
-        notes.append(
-            "the plan uses the chunked loss: apply it with recompute.apply(model, plan, loss='chunked') "
-            "(--loss chunked on bench and train)"
-        )
+        notes.append(_USE_CHUNKED)
     traced = None
     if args.trace:
         result, traced = _fit_traced_profile(args.model, wl, result, budget)

@@ -561,11 +561,7 @@ def plan_profile(profile: Profile, budget: float, device: Device | None = None) 
     Raises:
         ConfigError: nothing fits; the message gives the smallest achievable peak.
     """
-    chosen, front = _search(profile, budget, device=device)
-    if chosen is None:
-        raise _nothing_fits(profile, budget, smallest_peak(profile))
-    uniform = {p: profile.compose([p] * profile.n_layers, device) for p in profile.applicable()}
-    return ProfilePlan(profile, budget, chosen, tuple(front), uniform, device)
+    return plan_profiles([profile], budget, device)
 
 
 def plan_profiles(profiles: Sequence[Profile], budget: float, device: Device | None = None) -> ProfilePlan:
@@ -578,15 +574,17 @@ def plan_profiles(profiles: Sequence[Profile], budget: float, device: Device | N
     Raises:
         ConfigError: no profile's plan fits; the message gives the smallest achievable peak over all of them.
     """
-    plans: list[tuple[float, int, Profile]] = []
-    for profile in profiles:
-        chosen, _ = _search(profile, budget, device=device)
+    found = []
+    for i, profile in enumerate(profiles):
+        chosen, front = _search(profile, budget, device=device)
         if chosen is not None:
-            plans.append((_step_cost(chosen), len(plans), profile))
-    if not plans:
-        smallest = min(profiles, key=smallest_peak)
-        raise _nothing_fits(smallest, budget, smallest_peak(smallest))
-    return plan_profile(min(plans, key=lambda p: p[:2])[2], budget, device)
+            found.append((_step_cost(chosen), i, profile, chosen, front))
+    if not found:
+        peak, i = min((smallest_peak(p), i) for i, p in enumerate(profiles))
+        raise _nothing_fits(profiles[i], budget, peak)
+    _, _, profile, chosen, front = min(found, key=lambda f: (f[0], f[1]))
+    uniform = {p: profile.compose([p] * profile.n_layers, device) for p in profile.applicable()}
+    return ProfilePlan(profile, budget, chosen, tuple(front), uniform, device)
 
 
 def _step_cost(c: Composed) -> float:
