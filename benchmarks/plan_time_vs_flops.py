@@ -32,9 +32,11 @@ from plan_vs_uniform import paired_overhead, use_allocator
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.bench import bench
 from recompute.bench.calibrate import calibrate
+from recompute.core.analytic.table import analytic_table
 from recompute.core.errors import ConfigError
 from recompute.core.plan import plan
 from recompute.core.policy import POLICIES
+from recompute.core.pricing import layer_costs
 from recompute.core.table import render_table
 from recompute.core.timing import Device, mixed_timing
 from recompute.trace import cached_works
@@ -84,15 +86,18 @@ def main() -> None:
     )  # fmt: skip
     device = Device.load(args.device_profile) if args.device_profile else calibrate("cpu", quick=True)
     works = cached_works(spec, wl, list(POLICIES))
-    times = {p: w.seconds(device) for p, w in works.items()}
+    seconds, base = layer_costs(works, device, spec.n_layers)
+    priced = analytic_table(
+        spec, wl, seconds=seconds, model_seconds=base, cost_kind=f"predicted seconds on {device.label}"
+    )
     none = estimate(spec, wl, "none")
     act = none.peak - none.states.total
     budgets = {f: none.states.total + f * act for f in FRACTIONS}
     made: dict[float, dict[str, Any]] = {}
     for f, b in budgets.items():
         try:
-            by_time = plan(spec, wl, b, times=times, time_device=device.label)
-            by_flops = plan(spec, wl, b)
+            by_time = plan(priced, b)
+            by_flops = plan(analytic_table(spec, wl), b)
         except ConfigError as e:
             print(f"  {f:.0%} budget left out: {e}")
             continue

@@ -53,9 +53,11 @@ import torch
 
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.bench import bench
+from recompute.core.analytic.table import analytic_table
 from recompute.core.errors import ConfigError
 from recompute.core.plan import best_uniform, plan
 from recompute.core.policy import POLICIES
+from recompute.core.pricing import measured_costs
 from recompute.core.table import render_table
 from recompute.trace import trace
 
@@ -211,10 +213,14 @@ def main() -> None:
         costs = bench(spec, wl, list(POLICIES), steps=args.steps, warmup=1)
         measured = Path(__file__).parent / "results" / "plan_vs_uniform_costs.json"
         measured.write_text(json.dumps(costs.to_dict(), indent=2) + "\n")
+    table = analytic_table(spec, wl)
+    if measured is not None:
+        seconds, base = measured_costs(measured, spec.name, spec.n_layers)
+        table = analytic_table(spec, wl, seconds=seconds, model_seconds=base, cost_kind="measured seconds")
     plans = {}
     for f, b in budgets.items():
         try:
-            plans[f] = plan(spec, wl, b, measured=measured, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
+            plans[f] = plan(table, b, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
         except ConfigError as e:
             print(f"  {f:.0%} budget left out: {e}")
     uniforms = {f: best_uniform(spec, wl, b) for f, b in budgets.items()}
@@ -251,8 +257,8 @@ def main() -> None:
                 "overhead": p_over,
                 "overhead_of_minima": min(p.step_times) / min(base_times) - 1,
                 "peak": p.peak,
-                "predicted_peak": plans[f].estimate.peak,
-                "peak_error": p.peak / plans[f].estimate.peak - 1,
+                "predicted_peak": plans[f].peak,
+                "peak_error": p.peak / plans[f].peak - 1,
                 "traced_peak": plans[f].traced_peak,
                 "fits": p.peak <= budgets[f],
                 "saved": p.activations,
@@ -279,7 +285,7 @@ def main() -> None:
                 f"{budgets[f] / 2**20:.0f} MiB",
                 p.policy,
                 f"{100 * p_over:+.1f}%",
-                f"{p.peak / 2**20:.0f} / {plans[f].estimate.peak / 2**20:.0f} MiB",
+                f"{p.peak / 2**20:.0f} / {plans[f].peak / 2**20:.0f} MiB",
                 u.policy if u else "-",
                 f"{100 * u_over:+.1f}%" if u_over is not None else "-",
                 "-" if record["plan_over_uniform"] is None else f"{record['plan_over_uniform']:.2f}",

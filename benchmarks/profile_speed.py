@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from recompute.core.profile import Profile, smallest_peak
+from recompute.core.profile import Profile
+from recompute.core.search import smallest_peak
 
 QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B config.json
     "model_type": "qwen3_moe",
@@ -85,8 +86,8 @@ def main() -> None:
     )
     prof = json.loads(child.stdout.strip().splitlines()[-1])
     loaded = Profile.load(saved)
-    none = loaded.compose(["none"] * loaded.n_layers).peak
-    budget = (none + int(smallest_peak(loaded))) // 2  # between the extremes: a plan with work to do
+    none = loaded.cost_table().compose(["none"] * loaded.n_layers).peak
+    budget = (none + int(smallest_peak(loaded.cost_table()))) // 2  # between the extremes: a plan with work to do
     times, imported = [], []
     for _ in range(args.runs):
         start = time.perf_counter()

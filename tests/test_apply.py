@@ -23,11 +23,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from grads import Grads, assert_same, grads_of
 from recompute import POLICIES, ConfigError, ModelSpec, Policy, Workload
+from recompute.check_gradients import loss_of
 from recompute.checkpointing import _iter_wrapped, applied_policy, apply, find_layers
 from recompute.core.analytic import layer_flops
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
-from recompute.verification import loss_of
 from tiny import tiny_gpt, tiny_llama
 
 GPT = tiny_gpt(n_layers=2)

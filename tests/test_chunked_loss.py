@@ -441,7 +441,7 @@ def test_one_tensor_parallel_rank_is_close_to_the_estimate(sp: bool) -> None:
 
 
 def test_trace_cli_measures_the_chunked_loss(capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["trace", "--model", "gpt2", "--seq-len", "512", "--layers", "1", "--json"]
+    base = ["trace", "--model", "gpt2", "--seq-len", "512", "--scale-from", "1", "--json"]
     assert main(base) == 0
     full = json.loads(capsys.readouterr().out)
     assert main([*base, "--loss", "chunked", "--loss-chunk", "128"]) == 0

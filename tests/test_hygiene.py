@@ -16,7 +16,7 @@ SHRUNK = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64"]
 COMMANDS = {
     "estimate": ["estimate", "--model", "gpt2", "--seq-len", "512", "--json"],
     "plan": ["plan", "--model", "gpt2", "--seq-len", "512", "--budget", "4GiB"],
-    "trace": ["trace", "--model", "gpt2", "--seq-len", "64", "--layers", "1", "--policy", "block"],
+    "trace": ["trace", "--model", "gpt2", "--seq-len", "64", "--scale-from", "1", "--policy", "block"],
     "validate": ["validate", "--models", "gpt2", "--policies", "block", "--attention", "flash", "--seq-lens", "64"],
     "verify": ["verify", "--model", "gpt2", *SHRUNK, "--seq-len", "16", "--policy", "block"],
     "bench": ["bench", "--model", "gpt2", *SHRUNK, "--seq-len", "16", "--steps", "1", "--warmup", "0"],

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from recompute import Workload
+from recompute.check_gradients import verify
 from recompute.checkpointing import _iter_wrapped, apply, find_layers
 from recompute.cli import main
 from recompute.core.analytic import estimate
@@ -23,7 +24,6 @@ from recompute.core.policy import ALL_POLICIES, MOE_POLICIES, OFFLOAD_POLICIES, 
 from recompute.core.spec import ModelSpec
 from recompute.models.source import build_source, resolve_source
 from recompute.trace import trace
-from recompute.verification import verify
 from test_zoo import WL, ZOO, config_json, real_saved_per_layer
 
 transformers = pytest.importorskip("transformers")

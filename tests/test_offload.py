@@ -21,15 +21,16 @@ from torch import Tensor, nn
 from grads import Grads, assert_same, grads_of
 from recompute import ConfigError, ModelSpec, Policy, Workload, estimate
 from recompute import offload as offload_module
+from recompute.check_gradients import loss_of
 from recompute.checkpointing import _iter_wrapped, applied_policy, apply, find_layers
 from recompute.cli import main
 from recompute.core.analytic.memory import layer_activations
+from recompute.core.analytic.table import analytic_table
 from recompute.core.plan import best_uniform, frontier
 from recompute.core.policy import ALL_POLICIES, OFFLOAD_POLICIES, POLICIES
 from recompute.models import build_model
 from recompute.offload import Offloader, _Handle
 from recompute.trace import trace, trace_module
-from recompute.verification import loss_of
 from tiny import tiny_gpt, tiny_llama
 
 B, S = 2, 32
@@ -373,14 +374,14 @@ def test_the_analytic_model_costs_offload() -> None:
 def test_the_planner_leaves_offload_out() -> None:
     """Its price is copy time, which no cost here models: in FLOPs it would be free and win every plan."""
     assert "offload" in OFFLOAD_POLICIES and "offload" not in POLICIES and "offload" in ALL_POLICIES
-    points = frontier(SPEC, WL)
+    points = frontier(analytic_table(SPEC, WL))
     assert not any("offload" in p.layers for p in points)
     found = best_uniform(SPEC, WL, estimate(SPEC, WL, "offload").peak, names=("offload",))
     assert found is not None and found[0] == Policy("offload", every=1)
 
 
 def test_the_commands_show_host_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["trace", "--model", "gpt2", "--seq-len", "128", "--layers", "2", "--policy", "offload"]) == 0
+    assert main(["trace", "--model", "gpt2", "--seq-len", "128", "--scale-from", "2", "--policy", "offload"]) == 0
     out = capsys.readouterr().out
     assert "host memory: " in out and "in host memory" in out
     assert main(["estimate", "--model", "gpt2", "--seq-len", "128", "--policy", "offload", "--no-time"]) == 0

@@ -1,17 +1,24 @@
-"""The planner: exact against brute force, a monotone frontier, plans that fit, clear failures."""
+"""The planner: exact against brute force over both kinds of cost table (the analytic model's and a measured
+profile's), a monotone frontier, plans that fit, clear failures."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import random
 
 import pytest
 
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.cli import main
+from recompute.core.analytic.table import analytic_table
+from recompute.core.costs import CostTable, KindCosts
 from recompute.core.errors import ConfigError
+from recompute.core.hardware import usable_bytes
 from recompute.core.plan import best_uniform, frontier, parse_budget, plan
 from recompute.core.policy import POLICIES
+from recompute.core.pricing import measured_costs
+from recompute.core.search import search, smallest_peak
 from tiny import tiny_gpt, tiny_llama, write_bench
 
 TINY = ModelSpec(hidden=256, n_layers=6, n_heads=4, max_positions=4096, vocab=8000, name="tiny")
@@ -36,10 +43,10 @@ def _budgets(points: list[tuple[float, float]], n: int = 9) -> list[float]:
 def test_plan_equals_brute_force_on_a_six_layer_chain(brute_force: list[tuple[float, float]]) -> None:
     for budget in _budgets(brute_force):
         best = min(cost for peak, cost in brute_force if peak <= budget)
-        chosen = plan(TINY, EAGER, budget)
+        chosen = plan(analytic_table(TINY, EAGER), budget)
         assert chosen.cost == pytest.approx(best, rel=1e-12), budget
-        assert chosen.estimate.peak <= budget
-        assert chosen.estimate.recompute_flops == pytest.approx(best, rel=1e-12)
+        assert chosen.peak <= budget and estimate(TINY, EAGER, chosen.policy).peak <= budget
+        assert chosen.recompute_flops == pytest.approx(best, rel=1e-12)
 
 
 def test_frontier_is_the_brute_force_pareto_set(brute_force: list[tuple[float, float]]) -> None:
@@ -47,7 +54,7 @@ def test_frontier_is_the_brute_force_pareto_set(brute_force: list[tuple[float, f
     for peak, cost in sorted(brute_force):
         if not pareto or cost < pareto[-1][1] - 1e-6:
             pareto.append((peak, cost))
-    got = [(p.peak, p.cost) for p in frontier(TINY, EAGER)]
+    got = [(p.peak, p.cost) for p in frontier(analytic_table(TINY, EAGER))]
     assert len(got) == len(pareto)
     for (gp, gc), (bp, bc) in zip(got, pareto, strict=True):
         assert gp == pytest.approx(bp, rel=1e-12) and gc == pytest.approx(bc, rel=1e-12)
@@ -61,9 +68,81 @@ def test_pipeline_plans_repeat_the_first_stage() -> None:
         for stage in itertools.product(POLICIES, repeat=3)
         for est in [estimate(spec, wl, Policy(layers=stage * 2))]
     ]
+    pareto = []
+    for peak, cost in sorted(results):
+        if not pareto or cost < pareto[-1][1] - 1e-6:
+            pareto.append((peak, cost))
+    got = [x for p in frontier(analytic_table(spec, wl)) for x in (p.peak, p.cost)]
+    assert got == pytest.approx([x for point in pareto for x in point], rel=1e-12)  # (k - 1) S: exact too
     for budget in _budgets(results, 5):
         best = min(cost for peak, cost in results if peak <= budget)
-        assert plan(spec, wl, budget).cost == pytest.approx(best, rel=1e-12)
+        assert plan(analytic_table(spec, wl), budget).cost == pytest.approx(best, rel=1e-12)
+
+
+def random_table(seed: int, *, n: int = 5, in_flight: float = 1.0) -> CostTable:
+    """A cost table with everything the analytic one lacks: two kinds, links that depend on the next layer's
+    option, forward phases, an option that loads the next layer's backward (as offload does), host bytes."""
+    rng = random.Random(seed)
+    options = ("none", "a", "b", "off")
+    kinds = tuple(
+        KindCosts(
+            name=f"kind {k}",
+            options=options,
+            forward={o: rng.uniform(-5, 5) for o in options},
+            kept={o: rng.uniform(0, 50) for o in options},
+            flops={"none": 0.0, **{o: rng.uniform(1, 20) for o in options[1:]}},
+            below={"off": rng.uniform(0, 30)},
+            host={"off": rng.choice((10.0, 15.0))},
+        )
+        for k in range(2)
+    )
+    layer_kind = tuple(rng.randrange(2) for _ in range(n))
+    links = {
+        (a, b): {p: {q: (rng.uniform(0, 40), rng.uniform(-10, 10)) for q in options} for p in options}
+        for a in range(2)
+        for b in range(2)
+    }
+    return CostTable(
+        model="random",
+        workload=Workload().to_dict(),
+        kinds=kinds,
+        layer_kind=layer_kind,
+        links=links,
+        last={o: (rng.uniform(0, 40), rng.uniform(-10, 10), rng.uniform(0, 20), rng.uniform(0, 20)) for o in options},
+        base_forward=tuple(rng.uniform(50, 100) for _ in range(n)),
+        base_backward=tuple(rng.uniform(50, 120) for _ in range(n)),
+        head_forward=rng.uniform(60, 100),
+        head_backward=rng.uniform(60, 100),
+        fixed={"optimizer step": rng.uniform(50, 150)},
+        model_layers=n,
+        model_flops=1000.0,
+        tokens=1,
+        in_flight=in_flight,
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("in_flight", [1.0, 2.5], ids=["k=1", "k=2.5"])
+def test_search_equals_brute_force_on_any_table(seed: int, in_flight: float) -> None:
+    """The one search over a table as a profile makes it (links, forward phases, copies into the next layer's
+    backward) and with micro-batches in flight: its frontier is the brute force's, and so is every budget's
+    cheapest plan, with and without a cap on host bytes."""
+    table = random_table(seed, in_flight=in_flight)
+    every = [table.compose(layers) for layers in itertools.product(table.options(), repeat=table.n)]
+    pareto: list[tuple[float, float]] = []
+    for c in sorted(every, key=lambda c: (c.peak, c.flops)):
+        if not pareto or c.flops < pareto[-1][1] - 1e-9:
+            pareto.append((c.peak, c.flops))
+    got = [x for c in search(table).frontier for x in (c.peak, c.flops)]
+    assert got == pytest.approx([x for point in pareto for x in point], rel=1e-12)
+    assert smallest_peak(table) == pytest.approx(pareto[0][0], rel=1e-12)
+    for budget in _budgets([(c.peak, c.flops) for c in every], 7):
+        for cap in (None, 20.0):
+            fits = [c.flops for c in every if c.peak <= budget and (cap is None or c.host <= cap)]
+            found = search(table, budget, host_budget=cap).chosen
+            assert (found is None) == (not fits)
+            if found is not None:
+                assert found.flops == pytest.approx(min(fits), rel=1e-12) and found.peak <= budget * (1 + 1e-12)
 
 
 CASES = {
@@ -80,25 +159,26 @@ CASES = {
 @pytest.mark.parametrize(("name", "wl"), list(CASES.values()), ids=list(CASES))
 def test_frontier_is_monotone_and_every_plan_fits(name: str, wl: Workload) -> None:
     spec = ModelSpec.from_name(name)
-    points = frontier(spec, wl)
+    table = analytic_table(spec, wl)
+    points = frontier(table)
     assert all(a.peak < b.peak and a.cost > b.cost for a, b in itertools.pairwise(points))
+    assert points[0].peak == pytest.approx(smallest_peak(table), rel=1e-12)
     for fraction in (0.0, 0.3, 0.6, 1.0):
         budget = points[0].peak + fraction * (points[-1].peak - points[0].peak)
-        chosen = plan(spec, wl, budget)
-        assert chosen.estimate.peak <= budget
-        # The planner's shortcut for the chain's peak agrees with the estimate's full chain walk.
-        point = next(p for p in points if p.cost == chosen.cost and p.peak <= budget)
-        assert chosen.estimate.peak == pytest.approx(point.peak, rel=1e-12)
+        chosen = plan(table, budget)
+        # The cost table's composed peak is the estimate's own chain walk, for the whole model.
+        assert chosen.peak == pytest.approx(estimate(spec, wl, chosen.policy).peak, rel=1e-12)
+        assert chosen.peak <= budget
 
 
 @pytest.mark.parametrize(("name", "wl"), list(CASES.values())[:2], ids=list(CASES)[:2])
 def test_plan_beats_or_equals_the_best_every_kth_setting(name: str, wl: Workload) -> None:
     spec = ModelSpec.from_name(name)
-    points = frontier(spec, wl)
+    points = frontier(analytic_table(spec, wl))
     budget = (points[0].peak + points[-1].peak) / 2
     uniform = best_uniform(spec, wl, budget)
     assert uniform is not None
-    assert plan(spec, wl, budget).cost <= uniform[1].recompute_flops * (1 + 1e-12)
+    assert plan(analytic_table(spec, wl), budget).cost <= uniform[1].recompute_flops * (1 + 1e-12)
 
 
 TRACED = {
@@ -119,10 +199,10 @@ def test_traced_plans_fit_by_the_trace(spec: ModelSpec, attention: str) -> None:
     none = estimate(spec, wl, "none")
     for fraction in (0.3, 0.7):
         budget = none.states.total + fraction * (none.peak - none.states.total)
-        chosen = plan(spec, wl, budget, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
+        chosen = plan(analytic_table(spec, wl), budget, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
         assert chosen.traced_peak is not None and chosen.traced_peak <= budget
         # Without the trace the analytic plan is the same or a neighbour: the analytic peak is close.
-        assert abs(plan(spec, wl, budget).estimate.peak / chosen.traced_peak - 1) < 0.05
+        assert abs(plan(analytic_table(spec, wl), budget).peak / chosen.traced_peak - 1) < 0.05
     assert trace(spec, wl, chosen.policy).peak == chosen.traced_peak  # an independent trace
 
 
@@ -134,19 +214,19 @@ def test_the_trace_check_replaces_an_analytic_plan_that_is_over_the_budget() -> 
     wl = Workload(seq_len=64, micro_batch=2, dtype="fp32", device="cpu", attention="flash")
     none, block = estimate(spec, wl, "none"), estimate(spec, wl, "block")
     budget = block.peak + 0.1 * (none.peak - block.peak)
-    analytic = plan(spec, wl, budget)
-    assert analytic.estimate.peak <= budget < trace(spec, wl, analytic.policy).peak
-    checked = plan(spec, wl, budget, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
+    analytic = plan(analytic_table(spec, wl), budget)
+    assert analytic.peak <= budget < trace(spec, wl, analytic.policy).peak
+    checked = plan(analytic_table(spec, wl), budget, traced_peak=lambda pol, w: trace(spec, w, pol).peak)
     assert checked.policy != analytic.policy and checked.traced_peak is not None and checked.traced_peak <= budget
 
 
 def test_nothing_fits_names_the_smallest_peak_and_a_fix() -> None:
     spec, wl = ModelSpec.from_name("llama3.1-8b"), Workload(seq_len=8192)
-    smallest = frontier(spec, wl)[0].peak / 2**30
+    smallest = frontier(analytic_table(spec, wl))[0].peak / 2**30
     with pytest.raises(
         ConfigError, match=rf"smallest achievable peak .* is {smallest:.1f} GiB; would fit: precision distributed dp 8"
     ):
-        plan(spec, wl, 75 * 2**30)
+        plan(analytic_table(spec, wl), 75 * 2**30, alternatives=lambda w: smallest_peak(analytic_table(spec, w)))
 
 
 @pytest.mark.parametrize(
@@ -154,6 +234,10 @@ def test_nothing_fits_names_the_smallest_peak_and_a_fix() -> None:
 )
 def test_parse_budget(text: str | float, value: float) -> None:
     assert parse_budget(text) == value
+
+
+def test_a_budget_may_name_a_gpu() -> None:
+    assert parse_budget("rtx4090-24gb") == usable_bytes("rtx4090-24gb") == parse_budget(" RTX4090-24GB ")
 
 
 @pytest.mark.parametrize("text", ["lots", "70 GiBs", "-5GB", "0"])
@@ -172,7 +256,8 @@ def test_cli_plan_writes_a_file_apply_and_estimate_read(capsys: pytest.CaptureFi
     assert policy.model == "llama3.1-70b" and len(policy.per_layer(80)) == 80
     assert main(["estimate", *workload, "--policy", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["chosen"]["peak"] == json.loads(out.read_text())["predicted"]["peak"] <= 70 * 2**30
+    predicted = json.loads(out.read_text())["predicted"]["peak"]
+    assert data["chosen"]["peak"] == pytest.approx(predicted, rel=1e-12) and predicted <= 70 * 2**30
 
 
 @pytest.mark.parametrize(
@@ -199,5 +284,6 @@ def test_measured_costs_from_bench_results(tmp_path) -> None:
     times = {"none": 1.0, "core_attn": 1.02, "attn": 1.08, "mlp": 1.2, "attn+mlp": 1.3, "block": 1.31}
     spec, wl = ModelSpec.from_name("gpt2"), Workload(seq_len=1024, micro_batch=8)
     bench = write_bench(tmp_path / "bench.json", spec, wl, times)
-    points = frontier(spec, wl, measured=bench)
+    seconds, base = measured_costs(bench, spec.name, spec.n_layers)
+    points = frontier(analytic_table(spec, wl, seconds=seconds, model_seconds=base, cost_kind="measured seconds"))
     assert points[-1].cost == 0 and points[0].overhead == pytest.approx(0.31, rel=1e-9)

@@ -1,5 +1,5 @@
 """The joint planner (issue 15): per layer among keep, each recompute policy and offload, the loss mode as a
-global choice; checked against brute force over every assignment and loss mode of a four-layer chain."""
+global choice; exact against brute force over every assignment and loss mode of a four-layer chain."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from recompute import ConfigError, ModelSpec, Policy, Workload, estimate
+from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.cli import main
 from recompute.core.analytic.memory import layer_activations
+from recompute.core.analytic.table import analytic_tables
 from recompute.core.hardware import datasheet_device
-from recompute.core.plan import frontier, offload_seconds, plan
+from recompute.core.plan import frontier, plan
 from recompute.core.policy import POLICIES
+from recompute.core.pricing import offload_seconds
 
 TINY = ModelSpec(hidden=256, n_layers=4, n_heads=4, max_positions=4096, vocab=32000, name="tiny")
 WL = Workload(seq_len=2048, micro_batch=2, dtype="fp32", device="cpu")
@@ -58,34 +60,32 @@ def test_the_loss_mode_is_chosen_as_brute_force_would(recompute_only: list[tuple
     chosen_modes = set()
     for budget in _budgets(recompute_only):
         best = min(cost for peak, cost, _ in recompute_only if peak <= budget)
-        got = plan(TINY, WL, budget, losses=LOSSES)
+        got = plan(analytic_tables(TINY, WL, losses=LOSSES), budget)
         assert got.cost == pytest.approx(best, rel=1e-12), budget
-        assert got.estimate.peak <= budget and got.workload["loss"] in LOSSES
+        assert got.peak <= budget and got.workload["loss"] in LOSSES
         chosen_modes.add(got.workload["loss"])
     assert chosen_modes == set(LOSSES)  # tight budgets take the chunked loss; loose ones keep the full (a tie)
 
 
-def test_offload_plans_fit_and_are_never_worse(with_offload: list[tuple[float, float, bool]]) -> None:
-    # the chain bounds a plan that offloads by one copied-back layer more than it may need: its smallest peak is
-    # within that of the brute force's
-    smallest = frontier(TINY, WL, offload=OFFLOAD, losses=LOSSES)[0].peak
-    one_layer = layer_activations(TINY, WL).offloaded("offload")
-    assert min(p[0] for p in with_offload) <= smallest <= min(p[0] for p in with_offload) + one_layer
+def test_offload_plans_are_exactly_the_brute_forces(with_offload: list[tuple[float, float, bool]]) -> None:
+    """Offload is one more option per layer: the cheapest plan at each budget is the brute force's, offloading
+    plans included (a layer's backward holds the offloaded layer below it, being copied back)."""
+    tables = analytic_tables(TINY, WL, losses=LOSSES, offload=OFFLOAD)
+    assert frontier(tables)[0].peak == pytest.approx(min(p[0] for p in with_offload), rel=1e-12)
     offloaded = 0
-    for budget in _budgets([p for p in with_offload if p[0] >= smallest]):
-        fits = [(cost, offloads) for peak, cost, offloads in with_offload if peak <= budget]
-        got = plan(TINY, WL, budget, losses=LOSSES, offload=OFFLOAD)
-        assert got.estimate.peak <= budget  # the chain's bound on the copied-back layer holds
-        without = min(cost for cost, offloads in fits if not offloads)
-        assert min(cost for cost, _ in fits) - 1e-3 <= got.cost <= without + 1e-3
-        offloaded += "offload" in got.policy.per_layer(TINY.n_layers)
+    for budget in _budgets(with_offload):
+        best = min(cost for peak, cost, _ in with_offload if peak <= budget)
+        got = plan(tables, budget)
+        assert got.cost == pytest.approx(best, rel=1e-12) and got.peak <= budget
+        assert estimate(TINY, _mode(got.loss), got.policy).peak == pytest.approx(got.peak, rel=1e-12)
+        offloaded += "offload" in got.layers
     assert offloaded  # some budget is met more cheaply by offloading than by recomputing
 
 
 @pytest.mark.parametrize("cap", [1, 2])
-def test_a_host_budget_caps_the_offloaded_layers(with_offload: list[tuple[float, float, bool]], cap: int) -> None:
-    """Offloaded layers take pinned host memory: a plan offloads no more layers than the host budget holds, and is
-    never costlier than recomputation alone nor cheaper than brute force over the assignments within the cap."""
+def test_a_host_budget_caps_the_offloaded_layers(cap: int) -> None:
+    """Offloaded layers take pinned host memory: a plan offloads no more layers than the host budget holds, and
+    is the cheapest of the brute force over the assignments within the cap."""
     per_layer = layer_activations(TINY, WL).offloaded("offload")
     host = cap * per_layer * 1.001
     within = []
@@ -93,22 +93,15 @@ def test_a_host_budget_caps_the_offloaded_layers(with_offload: list[tuple[float,
         for layers in itertools.product((*POLICIES, "offload"), repeat=TINY.n_layers):
             if layers.count("offload") <= cap:
                 est = estimate(TINY, _mode(loss), Policy(layers=layers))
-                within.append((est.peak, est.recompute_flops + OFFLOAD * layers.count("offload"), "offload" in layers))
-    capped = planned = 0
-    budgets = _budgets([p for p in with_offload if p[0] >= min(q[0] for q in within)])
-    for budget in budgets:
-        fits = [(cost, offloads) for peak, cost, offloads in within if peak <= budget]
-        try:
-            got = plan(TINY, WL, budget, losses=LOSSES, offload=OFFLOAD, host_budget=host)
-        except ConfigError:  # the chain bounds an offloading plan by one copied-back layer: it may find none
-            continue
-        planned += 1
-        layers = got.policy.per_layer(TINY.n_layers)
-        assert layers.count("offload") <= cap and got.estimate.host <= host and got.estimate.peak <= budget
-        without = min((cost for cost, offloads in fits if not offloads), default=float("inf"))
-        assert min(cost for cost, _ in fits) - 1e-3 <= got.cost <= without + 1e-3
-        capped += layers.count("offload") == cap
-    assert capped and planned >= len(budgets) - 2  # the cap binds somewhere; only the tightest budgets find none
+                within.append((est.peak, est.recompute_flops + OFFLOAD * layers.count("offload")))
+    tables = analytic_tables(TINY, WL, losses=LOSSES, offload=OFFLOAD)
+    capped = 0
+    for budget in _budgets([(p, c, False) for p, c in within]):
+        got = plan(tables, budget, host_budget=host)
+        assert got.cost == pytest.approx(min(c for p, c in within if p <= budget), rel=1e-12)
+        assert got.layers.count("offload") <= cap and got.host <= host and got.peak <= budget
+        capped += got.layers.count("offload") == cap
+    assert capped  # the cap binds somewhere
 
 
 def test_cli_says_what_offload_takes_of_host_memory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -129,18 +122,16 @@ def test_cli_says_what_offload_takes_of_host_memory(capsys: pytest.CaptureFixtur
     assert "--host-budget unused: the plan offloads nothing" in capsys.readouterr().out
 
 
-def test_the_frontier_bounds_each_offloading_plan_from_above() -> None:
-    points = frontier(TINY, WL, offload=OFFLOAD, losses=LOSSES)
+def test_the_frontier_peaks_are_exact_offloading_plans_included() -> None:
+    points = frontier(analytic_tables(TINY, WL, losses=LOSSES, offload=OFFLOAD))
     assert any("offload" in p.layers for p in points)
     for p in points:
-        exact = estimate(TINY, _mode(p.loss), Policy(layers=p.layers)).peak
-        assert exact <= p.peak * (1 + 1e-12)
-        if "offload" not in p.layers:
-            assert exact == pytest.approx(p.peak, rel=1e-12)  # without offload the chain is exact
+        assert estimate(TINY, _mode(p.loss), Policy(layers=p.layers)).peak == pytest.approx(p.peak, rel=1e-12)
 
 
 def test_offloaded_layers_go_first() -> None:
-    mixed = [p.layers for p in frontier(TINY, WL, offload=OFFLOAD) if 0 < p.layers.count("offload") < TINY.n_layers]
+    points = frontier(analytic_tables(TINY, WL, offload=OFFLOAD))
+    mixed = [p.layers for p in points if 0 < p.layers.count("offload") < TINY.n_layers]
     assert mixed
     for layers in mixed:
         k = layers.count("offload")
@@ -165,8 +156,8 @@ def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 
 def test_cli_chooses_the_chunked_loss_when_only_it_fits(capsys: pytest.CaptureFixture[str]) -> None:
     gpt, wl = ModelSpec.from_name("gpt2"), Workload(seq_len=1024, micro_batch=8)
-    full = frontier(gpt, wl)[0].peak
-    chunked = frontier(gpt, dataclasses.replace(wl, loss="chunked"))[0].peak
+    full = frontier(analytic_tables(gpt, wl))[0].peak
+    chunked = frontier(analytic_tables(gpt, dataclasses.replace(wl, loss="chunked")))[0].peak
     assert chunked < full
     budget = str((full + chunked) / 2)
     data = _plan_json(capsys, "--budget", budget, "--cost", "flops")

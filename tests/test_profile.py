@@ -4,6 +4,7 @@ peak against whole traces, layer kinds told apart, the cache, and plan/estimate 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 import subprocess
@@ -15,8 +16,10 @@ import torch
 
 from recompute.checkpointing import apply
 from recompute.cli import main
+from recompute.core.plan import plan
 from recompute.core.policy import Policy
-from recompute.core.profile import Profile, plan_profile, smallest_peak
+from recompute.core.profile import Profile
+from recompute.core.search import search, smallest_peak
 from recompute.models.source import build_source, resolve_source
 from recompute.trace import cached_profile, profile, trace
 
@@ -100,24 +103,45 @@ def test_composed_peak_is_held_to_whole_traces(profiled: tuple[str, Path, Profil
     source = resolve_source(str(path))
     hidden = ZOO[path.stem].get("hidden_size", ZOO[path.stem].get("n_embd"))
     bound = 4 * WL.micro_batch * WL.seq_len * int(hidden) * 4  # fp32
-    assert prof.compose(["none"] * prof.n_layers).peak == trace(source, WL, "none").peak
+    table = prof.cost_table()
+    assert table.compose(["none"] * prof.n_layers).peak == trace(source, WL, "none").peak
     rng = random.Random(0)
     names = prof.applicable()
     for layers in [[n] * prof.n_layers for n in names] + [[rng.choice(names) for _ in range(4)] for _ in range(3)]:
-        composed, traced = prof.compose(layers), trace(source, WL, Policy(layers=tuple(layers)))
+        composed, traced = table.compose(layers), trace(source, WL, Policy(layers=tuple(layers)))
         assert abs(composed.peak - traced.peak) <= bound, layers
 
 
 def test_the_plan_fits_its_budget_by_the_trace(profiled: tuple[str, Path, Profile]) -> None:
     _, path, prof = profiled
-    none, smallest = prof.compose(["none"] * prof.n_layers).peak, prof.compose(["block"] * prof.n_layers).peak
+    table = prof.cost_table()
+    none, smallest = table.compose(["none"] * prof.n_layers).peak, table.compose(["block"] * prof.n_layers).peak
     budget = (none + smallest) / 2
-    chosen = plan_profile(prof, budget).chosen
+    chosen = plan(table, budget).chosen
     assert chosen.peak <= budget
-    assert chosen.recompute_flops <= prof.compose(["block"] * prof.n_layers).recompute_flops
+    assert chosen.flops <= table.compose(["block"] * prof.n_layers).flops
     hidden = ZOO[path.stem].get("hidden_size", ZOO[path.stem].get("n_embd"))
     traced = trace(resolve_source(str(path)), WL, Policy(layers=chosen.layers)).peak
     assert traced <= budget + 4 * WL.micro_batch * WL.seq_len * int(hidden) * 4
+
+
+def test_the_search_over_a_profile_equals_brute_force(profiled: tuple[str, Path, Profile]) -> None:
+    """The one search, over a measured profile's table: its frontier is the Pareto set of every assignment's
+    composed (peak, recomputed FLOPs), and each budget's cheapest plan is the brute force's."""
+    _, _, prof = profiled
+    table = prof.cost_table()
+    options = [table.kind_of(i).options for i in range(table.n)]  # an MoE layer's include experts
+    every = [table.compose(layers) for layers in itertools.product(*options)]
+    pareto: list[float] = []
+    for c in sorted(every, key=lambda c: (c.peak, c.flops)):
+        if not pareto or c.flops < pareto[-1] - 0.5:
+            pareto += [c.peak, c.flops]
+    got = [x for c in search(table).frontier for x in (c.peak, c.flops)]
+    assert got == pytest.approx(pareto, rel=1e-12)
+    low, high = pareto[0], pareto[-2]
+    for budget in (low, (low + high) / 2, high):
+        best = min(c.flops for c in every if c.peak <= budget)
+        assert plan(table, budget).recompute_flops == pytest.approx(best, rel=1e-12)
 
 
 def test_a_profile_is_cached_and_plans_without_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +155,7 @@ def test_a_profile_is_cached_and_plans_without_torch(tmp_path: Path, monkeypatch
     code = f"""
 import sys
 from recompute.cli import main
-code = main(["plan", *{args!r}, "--budget", "{first.compose(["block"] * 4).peak + 1}", "-o", "{out}"])
+code = main(["plan", *{args!r}, "--budget", "{first.cost_table().compose(["block"] * 4).peak + 1}", "-o", "{out}"])
 assert code == 0 and "torch" not in sys.modules, code
 """
     env = {"RECOMPUTE_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
@@ -164,8 +188,9 @@ def test_the_plan_of_a_profiled_model_chooses_the_loss_mode(
     wl = dataclasses.replace(WL, seq_len=64, micro_batch=4)
     full, _ = cached_profile(str(path), wl)
     chunked, _ = cached_profile(str(path), dataclasses.replace(wl, loss="chunked"))
-    assert smallest_peak(chunked) < smallest_peak(full)
-    between = str((smallest_peak(chunked) + smallest_peak(full)) / 2)
+    low_chunked, low_full = smallest_peak(chunked.cost_table()), smallest_peak(full.cost_table())
+    assert low_chunked < low_full
+    between = str((low_chunked + low_full) / 2)
 
     def planned(*extra: str) -> dict:
         assert main(["plan", *args, "--cost", "flops", "--json", *extra]) == 0
@@ -173,7 +198,7 @@ def test_the_plan_of_a_profiled_model_chooses_the_loss_mode(
 
     tight = planned("--budget", between)
     assert tight["workload"]["loss"] == "chunked" and tight["predicted"]["peak"] <= float(between)
-    loose = planned("--budget", str(2 * full.compose(["none"] * 4).peak))
+    loose = planned("--budget", str(2 * full.cost_table().compose(["none"] * 4).peak))
     assert loose["workload"]["loss"] == "full"  # nothing replayed either way: the tie keeps the user's loss
     assert main(["plan", *args, "--cost", "flops", "--budget", between, "--consider", "none"]) == 2
     assert "smallest achievable peak" in capsys.readouterr().err

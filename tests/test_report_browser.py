@@ -20,6 +20,7 @@ import pytest
 
 import tiny
 from recompute import ModelSpec, Workload, estimate
+from recompute.core.analytic.table import analytic_table
 from recompute.core.plan import plan
 from recompute.report import bench_section, build_report, plan_section, render_html, trace_section
 from recompute.report.data import components
@@ -70,7 +71,7 @@ def _write_report(folder: Path) -> Path:
     """The page for Llama 3.1 8B with all three optional sections (the trace: policy attn at s = 1K)."""
     plan_wl = Workload(seq_len=8 * K, attention="flash", precision="distributed", dp=8)
     plan_file = folder / "plan.json"
-    plan_file.write_text(json.dumps(plan(LLAMA, plan_wl, 80 * GiB).to_dict()))
+    plan_file.write_text(json.dumps(plan(analytic_table(LLAMA, plan_wl), 80 * GiB).to_dict()))
     sections = {
         "trace": trace_section(
             LLAMA, Workload(attention="eager", seq_len=1 * K), trace=trace, policies=("attn",), layers=1

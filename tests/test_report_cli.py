@@ -18,6 +18,7 @@ import tiny
 from recompute import ModelSpec, Workload, estimate
 from recompute.cli import main
 from recompute.core.analytic import layer_activations
+from recompute.core.analytic.table import analytic_table
 from recompute.core.plan import plan
 from recompute.core.policy import Policy
 
@@ -44,7 +45,7 @@ def page_data(html: str) -> dict:  # type: ignore[type-arg]
 def write_plan(path: Path, model: str = "llama3.1-8b", seq_len: int = 8 * K, budget: float = 80 * GiB) -> Path:
     """A real plan file from recompute.core.plan (flash attention, ZeRO-1 over 8 ranks, an 80 GB budget)."""
     wl = Workload(seq_len=seq_len, attention="flash", precision="distributed", dp=8)
-    path.write_text(json.dumps(plan(ModelSpec.from_name(model), wl, budget).to_dict()))
+    path.write_text(json.dumps(plan(analytic_table(ModelSpec.from_name(model), wl), budget).to_dict()))
     return path
 
 

@@ -15,8 +15,9 @@ from recompute import ModelSpec, Workload
 from recompute.cli import main
 from recompute.core.errors import ConfigError
 from recompute.core.hardware import BANDWIDTH_SHARE, GPUS, MATMUL_SHARE, datasheet_device
+from recompute.core.plan import plan
 from recompute.core.policy import POLICIES
-from recompute.core.profile import Profile, plan_profile
+from recompute.core.profile import Profile
 from recompute.core.timing import Curve, Device, StepWork, merge, mixed_timing, op_class, timing
 from recompute.trace import profile, step_work, step_works
 
@@ -246,14 +247,15 @@ def test_profile_times_compose_to_the_whole_step(tiny_profile: Profile) -> None:
 
 def test_plans_on_time_pick_the_least_predicted_time(tiny_profile: Profile) -> None:
     dev = flat_device()
-    budget = tiny_profile.compose(["block"] * 2 + ["none"] * 2).peak
-    by_time = plan_profile(tiny_profile, budget, dev)
-    assert by_time.device is dev and by_time.chosen.peak <= budget
-    chosen = by_time.chosen.recompute_seconds
+    table = tiny_profile.cost_table(dev)
+    budget = table.compose(["block"] * 2 + ["none"] * 2).peak
+    by_time = plan(table, budget)
+    assert by_time.device == dev.to_dict() and by_time.peak <= budget
+    chosen = by_time.chosen.step_seconds
     assert chosen is not None
     for point in by_time.frontier:  # nothing that fits is faster
         if point.peak <= budget:
-            assert point.recompute_seconds is not None and point.recompute_seconds >= chosen - 1e-12
+            assert point.step_seconds is not None and point.step_seconds >= chosen - 1e-12
     data = by_time.to_dict()
     assert data["cost_kind"] == "predicted seconds on test device" and data["predicted"]["step_seconds"] > 0
     assert Profile.from_dict(json.loads(json.dumps(tiny_profile.to_dict()))) == tiny_profile

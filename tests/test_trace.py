@@ -101,8 +101,8 @@ def test_states_and_saved_bytes_are_exact_for_gpt2() -> None:
 
 @pytest.mark.parametrize("attention", ["eager", "flash"])
 def test_layer_components_match_the_analytic_model_exactly_for_llama_8b(attention: str) -> None:
+    from recompute.check_formulas import analytic_components
     from recompute.core.analytic import layer_activations
-    from recompute.validate import analytic_components
 
     spec = ModelSpec.from_name("llama3.1-8b")
     wl = Workload(seq_len=8192, device="cpu", attention=attention)
@@ -160,7 +160,7 @@ def test_optimizer_priming_matches_a_real_first_step() -> None:
     [
         (["--model", "gpt2", "--seq-len", "2048"], "exceeds gpt2's 1024 positions"),
         (["--model", "gpt2", "--policy", "everything"], "is not a policy"),
-        (["--model", "gpt2", "--policy", "block", "--every", "2", "--layers", "2"], "trace every layer instead"),
+        (["--model", "gpt2", "--policy", "block", "--every", "2", "--scale-from", "2"], "trace every layer instead"),
         (["--model", "no-such-model"], "is not a known model"),
         (["--model", "gpt2", "--dp", "2"], "drop --pp and --dp"),
     ],
@@ -202,7 +202,7 @@ def test_a_plan_for_another_model_is_refused() -> None:
 def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    assert main(["trace", "--model", "gpt2", "--seq-len", "128", "--policy", "mlp", "--layers", "1", "--json"]) == 0
+    assert main(["trace", "--model", "gpt2", "--seq-len", "128", "--policy", "mlp", "--scale-from", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["scaled"] is True and data["traced"] == [1, 2] and len(data["layers"]) == 12
     assert data["peak"] >= data["parameters"] + data["optimizer"]

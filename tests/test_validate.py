@@ -11,11 +11,7 @@ import json
 
 import pytest
 
-from recompute.cli import main
-from recompute.core.analytic import layer_activations
-from recompute.core.spec import ModelSpec
-from recompute.core.workload import Workload
-from recompute.validate import (
+from recompute.check_formulas import (
     TARGETS,
     Validation,
     ValidationRow,
@@ -23,6 +19,10 @@ from recompute.validate import (
     render_validation,
     validate,
 )
+from recompute.cli import main
+from recompute.core.analytic import layer_activations
+from recompute.core.spec import ModelSpec
+from recompute.core.workload import Workload
 
 
 @pytest.fixture(scope="module")

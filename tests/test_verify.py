@@ -11,10 +11,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from recompute import Policy
+from recompute.check_gradients import GroupDiff, VerifyResult, render_verify, verify, verify_spec
 from recompute.cli import main
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
-from recompute.verification import GroupDiff, VerifyResult, render_verify, verify, verify_spec
 from tiny import tiny_gpt
 
 GPT = tiny_gpt()

@@ -17,13 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from recompute import Workload
+from recompute.check_gradients import verify
 from recompute.checkpointing import apply, find_layers
 from recompute.cli import main
 from recompute.core.errors import ConfigError
 from recompute.core.policy import ALL_POLICIES
 from recompute.models.source import ModelSource, build_source, resolve_source
 from recompute.trace import trace
-from recompute.verification import verify
 
 transformers = pytest.importorskip("transformers")
 

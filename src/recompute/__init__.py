@@ -16,7 +16,7 @@ from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload
 
 # Torch-using functions, imported on first access so that ``import recompute`` stays torch-free.
-_LAZY = {"apply": "recompute.checkpointing", "verify": "recompute.verification"}
+_LAZY = {"apply": "recompute.checkpointing", "verify": "recompute.check_gradients"}
 
 
 def __getattr__(name: str) -> Any:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from recompute.check_gradients import CPU_PARAM_LIMIT, verify_spec
 from recompute.checkpointing import apply, find_layers
 from recompute.core.analytic import estimate
 from recompute.core.errors import ConfigError, one_of, require
@@ -49,7 +50,6 @@ from recompute.runtime import (
     sync,
 )
 from recompute.trace import TraceResult, step_work, trace, trace_module
-from recompute.verification import CPU_PARAM_LIMIT, verify_spec
 
 __all__ = ["CPU_GPT2", "BenchResult", "BenchRow", "bench", "bench_source", "bench_spec", "render_bench"]
 

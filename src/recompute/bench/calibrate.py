@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from recompute.core import store
 from recompute.core.errors import ConfigError
-from recompute.core.profile import cache_root
 from recompute.core.progress import Progress, no_progress
 from recompute.core.timing import Curve, Device
 from recompute.trace._flops import span, tensors_of
@@ -369,8 +369,8 @@ def _require_device(device: str) -> None:
 
 
 def cached_calibration(device: str, *, progress: Progress = no_progress) -> Device:
-    """A quick calibration of this machine's ``device`` (and thread count), kept under
-    ``$RECOMPUTE_CACHE/devices``: what ``bench`` predicts times with when given no device profile.
+    """A quick calibration of this machine's ``device`` (and thread count), kept in the store
+    (``recompute.core.store``): what ``bench`` predicts times with when given no device profile.
 
     Raises:
         ConfigError: an unknown device, or CUDA asked for without CUDA.
@@ -379,14 +379,10 @@ def cached_calibration(device: str, *, progress: Progress = no_progress) -> Devi
     label = local_device_label(device)
     threads = "" if device == "cuda" else f"-{torch.get_num_threads()}t"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{platform.node()}-{label}{threads}")
-    path = cache_root() / "devices" / f"{name}.json"
-    if path.is_file():
-        try:
-            return Device.load(path)
-        except ConfigError:
-            pass  # an unreadable cache entry is measured again
-    found = calibrate(device, quick=True, progress=progress)
-    found.save(path)
+    found = store.load("devices", name, Device.from_dict)  # an unreadable entry is measured again
+    if found is None:
+        found = calibrate(device, quick=True, progress=progress)
+        store.save("devices", name, found.to_dict())
     return found
 
 

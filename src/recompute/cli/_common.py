@@ -1,6 +1,7 @@
 """Options and helpers every command shares: the model, the workload, the policy, JSON output, output paths.
 
-Workload options are generated from ``Workload``'s fields, so each is declared once.
+Workload options are generated from ``Workload``'s fields, so each is declared once; each command's defaults
+(where they differ) and the fields it takes are stated once here.
 """
 
 from __future__ import annotations
@@ -15,27 +16,50 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from recompute.core.errors import ConfigError
 from recompute.core.policy import ALL_POLICIES, Policy
+from recompute.core.pricing import DEFAULT_GPU, choose_device
 from recompute.core.spec import ModelSpec
+from recompute.core.timing import Device
 from recompute.core.workload import Workload, workload_fields
 
 if TYPE_CHECKING:  # the analytic commands run without torch
     from recompute.models.source import ModelSource
 
 __all__ = [
-    "DEFAULT_SEQ_LEN",
     "Parser",
     "add_field_args",
     "add_model_args",
     "add_policy_args",
+    "add_source_args",
+    "add_time_args",
     "add_workload_args",
     "csv",
     "emit_json",
     "policy_from",
+    "time_device",
     "workload_from",
     "writable",
 ]
 
-DEFAULT_SEQ_LEN = 2048
+SEQ_LEN = {"report": 16384, "bench": 256, "verify": 64, "train": 256}
+"""Each command's default sequence length (else 2048), or the model's context if shorter: the commands that run
+real steps here (bench, verify, train) default to sizes a CPU runs in seconds; the report's savings table sits
+at the workshop page's 16K."""
+
+WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "trace": {"device": "cpu"},
+    "bench": {"micro_batch": 4, "dtype": "fp32", "device": "auto"},
+    "verify": {"micro_batch": 2, "dtype": "fp32", "device": "cpu"},
+    "train": {"micro_batch": 8, "dtype": "fp32", "device": "auto"},
+    "compare-train": {"micro_batch": 8, "dtype": "fp32", "device": "auto"},
+}
+"""Each command's workload defaults where they differ from ``Workload``'s (``auto``: cuda when torch sees one)."""
+
+WORKLOAD_FIELDS: dict[str, tuple[str, ...]] = {
+    "verify": ("micro_batch", "seq_len", "attention", "device"),
+    "train": ("micro_batch", "seq_len", "dtype", "attention", "loss", "loss_chunk", "device", "tp", "sp", "dp"),
+    "compare-train": ("micro_batch", "seq_len", "dtype", "attention", "loss", "loss_chunk", "device"),
+}
+"""The workload fields a command takes where it does not take them all (a flag it would ignore is not offered)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,16 +83,23 @@ def add_field_args(p: argparse.ArgumentParser, fields: Sequence[dataclasses.Fiel
             p.add_argument(meta["flag"], dest=f.name, action="store_true", default=default, help=meta["help"])
             continue
         kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-        extra = {"choices": meta["choices"]} if "choices" in meta else {}
+        choices = tuple(meta.get("choices", ())) + (("auto",) if default == "auto" else ())
+        extra: dict[str, Any] = {"choices": choices} if choices else {}
         shown = f" (default: {default})" if default is not None else ""
-        if f.name == "seq_len" and default is None:
-            shown = f" (default: {DEFAULT_SEQ_LEN}, or the model's context if shorter)"
         p.add_argument(meta["flag"], dest=f.name, type=kind, default=default, help=meta["help"] + shown, **extra)
 
 
-def add_workload_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
-    """One option per ``Workload`` field; ``--seq-len`` defaults to 2048, or the model's context if shorter."""
-    add_field_args(p, workload_fields(), **{"seq_len": None, **defaults})
+def add_workload_args(p: argparse.ArgumentParser, command: str) -> None:
+    """The workload options ``command`` takes (``WORKLOAD_FIELDS``), with its defaults (``WORKLOAD_DEFAULTS``,
+    ``SEQ_LEN``), declared once by ``Workload``'s fields."""
+    wanted = WORKLOAD_FIELDS.get(command)
+    fields = [f for f in workload_fields() if wanted is None or f.name in wanted]
+    add_field_args(p, fields, **{**WORKLOAD_DEFAULTS.get(command, {}), "seq_len": None})
+    for action in p._actions:
+        if action.dest == "seq_len":
+            action.help = f"{action.help} (default: {SEQ_LEN.get(command, 2048)}, or the model's context if shorter)"
+        if action.dest == "device" and action.default == "auto":
+            action.help = f"{action.help}; auto: cuda when torch sees one, else cpu"
 
 
 class HasPositions(Protocol):
@@ -78,14 +109,56 @@ class HasPositions(Protocol):
     def max_positions(self) -> int | None: ...
 
 
-def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource | HasPositions) -> Workload:
-    """The Workload the options describe, with an unset ``--seq-len`` fitted to the model's positions."""
-    values = {f.name: getattr(args, f.name) for f in workload_fields()}
-    if values["seq_len"] is None:
-        values["seq_len"] = min(DEFAULT_SEQ_LEN, model.max_positions or DEFAULT_SEQ_LEN)
+def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource | HasPositions | int | None) -> Workload:
+    """The Workload the options describe: an unset ``--seq-len`` is the command's default or the model's
+    context (``model``: its longest sequence, or something with ``max_positions``), whichever is shorter;
+    ``--device auto`` is cuda when torch sees one."""
+    values = {f.name: getattr(args, f.name) for f in workload_fields() if hasattr(args, f.name)}
+    if values.get("seq_len") is None:
+        default = SEQ_LEN.get(args.command, 2048)
+        positions = model if isinstance(model, int) or model is None else model.max_positions
+        values["seq_len"] = min(default, positions or default)
+    if values.get("device") == "auto":
+        import torch
+
+        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     wl = Workload(**values)
     wl.check_loss_chunk()
     return wl
+
+
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    """``--analytic`` and ``--profile``: where a model that is not a preset gets its figures."""
+    p.add_argument(
+        "--analytic",
+        action="store_true",
+        help="use the closed-form model even for a model that is not a preset (default: its measured profile)",
+    )
+    p.add_argument("--profile", help="a `recompute profile -o` file: use it, at its workload (no torch needed)")
+
+
+def add_time_args(p: argparse.ArgumentParser, *, what: str = "predict step times", no_time: bool = True) -> None:
+    """``--gpu`` (the device everywhere), ``--device-profile`` and ``--no-time``."""
+    p.add_argument("--gpu", help=f"the GPU you train on: {what} on its datasheet row (default: {DEFAULT_GPU})")
+    p.add_argument(
+        "--device-profile",
+        help=f"a `recompute calibrate -o` file: {what} on that device (instead of --gpu's datasheet row)",
+    )
+    if no_time:
+        p.add_argument(
+            "--no-time",
+            action="store_true",
+            help="leave predicted times out (no fake-tensor trace of the step; FLOPs only, without torch)",
+        )
+
+
+def time_device(args: argparse.Namespace) -> Device:
+    """The device of ``--device-profile``, else ``--gpu``'s datasheet row, else the default GPU's.
+
+    Raises:
+        ConfigError: a missing or unreadable device profile, or an unknown GPU.
+    """
+    return choose_device(gpu=getattr(args, "gpu", None), device_profile=getattr(args, "device_profile", None))
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str | None = "block") -> None:

@@ -15,7 +15,7 @@ from recompute.cli._common import add_workload_args, csv, emit_json, workload_fr
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, require
 from recompute.core.policy import Policy
-from recompute.core.timing import Device
+from recompute.core.pricing import choose_device
 from recompute.core.workload import Workload
 from recompute.models.source import ModelSource
 from recompute.parallel import end_process_group
@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "names runs (default: GPT-2 at 6 layers, h 384, 6 heads: CPU-sized)",
     )
     add_size_args(p)
-    add_workload_args(p, seq_len=256, micro_batch=4, dtype="fp32", device=None)
+    add_workload_args(p, "bench")
     p.add_argument("--policies", default="none,block", help="comma-separated; the first is the reference")
     p.add_argument("--plan", help="a plan JSON file (recompute plan -o), benched after --policies")
     p.add_argument(
@@ -65,7 +65,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     source = bench_source(args.model, **size_overrides(args))
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     policies = csv(args.policies) + ([args.plan] if args.plan else [])
     for name in policies:
         Policy.parse(name)
@@ -76,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
     require(not (args.no_time and args.device_profile), "--no-time and --device-profile exclude each other")
     device = None
     if not args.no_time:
-        device = Device.load(args.device_profile) if args.device_profile else None
+        device = choose_device(device_profile=args.device_profile) if args.device_profile else None
         if device is not None:
-            device.check_runs_on(args.device, threads=torch.get_num_threads())
+            device.check_runs_on(wl.device, threads=torch.get_num_threads())
     with progress_bar("bench") as progress:
         if not args.no_time and device is None:
-            device = cached_calibration(args.device, progress=progress)
+            device = cached_calibration(wl.device, progress=progress)
         losses = csv(args.loss_modes) if args.loss_modes else []
         result = bench(source, wl, policies, **runs, progress=progress, device_profile=device, losses=losses)
     emit_json(result.to_dict()) if args.json else print(render_bench(result))

@@ -1,7 +1,8 @@
 """``recompute estimate``: memory by component and FLOPs of a step for every policy.
 
 A preset (or ``--analytic``) is estimated by the closed-form model, without torch; any other model by its
-profile (``recompute profile``: the real class measured on fake tensors, cached).
+profile (``recompute profile``: the real class measured on fake tensors, kept in the store). Predicted times
+come from ``recompute.core.pricing`` on the ``--gpu`` (or ``--device-profile``) device.
 """
 
 from __future__ import annotations
@@ -12,42 +13,52 @@ from dataclasses import asdict
 from recompute.cli._common import (
     add_model_args,
     add_policy_args,
+    add_source_args,
+    add_time_args,
     add_workload_args,
     emit_json,
     policy_from,
+    time_device,
     workload_from,
 )
-from recompute.cli._profiled import add_profile_args, profile_for, wants_profile
-from recompute.cli._timed import add_time_args, preset_works, time_device, timings, untimed_reason
+from recompute.cli.progress import progress_bar
 from recompute.cli.render import device_note, render_estimate, render_profile, seconds
 from recompute.core.analytic import estimate, estimate_policies
+from recompute.core.presets import PRESETS
+from recompute.core.pricing import timings, unpriced
+from recompute.core.profile import Profile
 from recompute.core.spec import analytic_model
 from recompute.core.table import gib
 from recompute.core.timing import Device
+from recompute.core.workload import build_workload
+from recompute.planning import is_profiled, max_positions, preset_works, profiles_of
 
 __all__ = ["add_args", "run"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, built=True)
-    add_workload_args(p)
+    add_workload_args(p, "estimate")
     add_policy_args(p)
-    add_profile_args(p)
+    add_source_args(p)
     add_time_args(p)
     p.add_argument("--json", action="store_true", help="print the same numbers as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     device = time_device(args)
-    if wants_profile(args):
+    if is_profiled(args.model, analytic=args.analytic, profile=args.profile):
         return _run_profiled(args, device)
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)
     rows, chosen = estimate_policies(spec, wl), estimate(spec, wl, policy_from(args))
-    why_not = untimed_reason(args, wl)
+    why_not = "--no-time" if args.no_time else unpriced(wl)
+    if why_not is None and args.model not in PRESETS:
+        why_not = "--analytic on a config.json: its times come from tracing transformers' class, so drop --analytic"
     times, note = None, f"times: not predicted ({why_not})" if why_not else ""
     if why_not is None:
-        works = preset_works(spec, wl, quiet=args.json)
+        with progress_bar("time model", enabled=not args.json) as progress:
+            works = preset_works(spec, wl, progress=progress)
         n = spec.n_layers
         times = timings(works, [[e.policy] * n for e in rows] + [list(chosen.per_layer)], device)
         note = device_note(device, wl)
@@ -72,16 +83,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_profiled(args: argparse.Namespace, device: Device) -> int:
-    prof, wl = profile_for(args, quiet=args.json)
+    if args.profile:
+        prof = Profile.load(args.profile)
+    else:
+        with progress_bar("profile", enabled=not args.json) as progress:
+            prof = profiles_of(args.model, workload_from(args, max_positions(args.model)), progress=progress)[0]
+    wl = build_workload(**prof.workload_dict())
     timed = None if args.no_time else device
+    table = prof.cost_table(timed)
     layers = policy_from(args).per_layer(prof.n_layers)
-    chosen = prof.compose(layers, timed)
+    chosen = table.compose(layers)
+    step = (
+        table.model_seconds + chosen.seconds if table.model_seconds is not None and chosen.seconds is not None else None
+    )
     if args.json:
+        uniform = {name: table.compose([name] * table.n) for name in table.options()}
         emit_json(
             {
                 "profile": prof.to_dict(),
-                "policies": {name: asdict(prof.compose([name] * prof.n_layers, timed)) for name in prof.applicable()},
-                "chosen": asdict(chosen),
+                "policies": {name: asdict(c) for name, c in uniform.items()},
+                "chosen": asdict(chosen) | {"activations": prof.activations(layers), "step_seconds": step},
                 "device": timed.to_dict() if timed else None,
             }
         )
@@ -89,10 +110,10 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
     print(render_profile(prof, timed))
     line = (
         f"\nchosen ({args.policy}): peak {gib(chosen.peak)} ({chosen.peak_phase}), activations "
-        f"{gib(chosen.activations)}, recompute {chosen.overhead(prof.step_flops):.1%} of the step's FLOPs"
+        f"{gib(prof.activations(layers))}, recompute {chosen.flops / table.model_flops:.1%} of the step's FLOPs"
     )
-    if chosen.step_seconds is not None and chosen.time_overhead is not None:
-        line += f"; step {seconds(chosen.step_seconds)}, {chosen.time_overhead:+.1%} time"
+    if step is not None and table.model_seconds and chosen.seconds is not None:
+        line += f"; step {seconds(step)}, {chosen.seconds / table.model_seconds:+.1%} time"
     print(line)
     if timed:
         print(device_note(timed, wl))

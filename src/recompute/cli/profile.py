@@ -1,8 +1,8 @@
 """``recompute profile``: what each kind of layer of the real model keeps, replays and costs under every policy.
 
-Measured on fake tensors of the model's own class (``recompute.trace.profile``), cached by the hash of its
-config, the workload and the library versions; ``plan`` and ``estimate`` use it for any model that is not a
-preset.
+Measured on fake tensors of the model's own class (``recompute.trace.profile``) and kept in the store
+(``recompute.core.store``) under the model's identity, the workload and the library versions; ``plan`` and
+``estimate`` use it for any model that is not a preset.
 """
 
 from __future__ import annotations
@@ -10,22 +10,29 @@ from __future__ import annotations
 import argparse
 import json
 
-from recompute.cli._common import add_model_args, add_workload_args, emit_json, workload_from, writable
+from recompute.cli._common import (
+    add_model_args,
+    add_time_args,
+    add_workload_args,
+    emit_json,
+    time_device,
+    workload_from,
+    writable,
+)
 from recompute.cli._lazy import torch_floor
-from recompute.cli._timed import add_time_args, time_device
 from recompute.cli.progress import progress_bar
 from recompute.cli.render import device_note, render_profile
-from recompute.core.profile import cache_path
+from recompute.core import store
 
 __all__ = ["add_args", "run"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, built=True)
-    add_workload_args(p)
+    add_workload_args(p, "profile")
     p.add_argument("-o", "--output", help="also write the profile here (plan --profile takes it)")
-    p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
-    add_time_args(p)
+    p.add_argument("--refresh", action="store_true", help="measure again even if the store has this profile")
+    add_time_args(p, what="price each layer's replay")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
@@ -40,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
             result = trace.profile(source, wl, progress=progress)
             key = trace.profile_key(source, wl)
             if key:
-                result.save(cache_path(key))
+                store.save("profiles", key, result.to_dict())
         else:
             result, _ = trace.cached_profile(source, wl, progress=progress)
     if output:
-        output.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        store.atomic_write(output, json.dumps(result.to_dict(), indent=1) + "\n")
     if args.json:
         emit_json(result.to_dict())
     else:

@@ -5,21 +5,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from recompute.core.analytic.estimate import Estimate
-from recompute.core.plan import FrontierPoint, Plan
-from recompute.core.profile import Composed, Profile, ProfilePlan
+from recompute.core.plan import Plan, PlanPoint
+from recompute.core.profile import Profile
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table, size
 from recompute.core.timing import Device, Timing
-from recompute.core.workload import Workload
+from recompute.core.workload import Workload, build_workload
 
 __all__ = [
+    "apply_line",
     "describe_workload",
     "device_note",
     "layer_runs",
     "render_estimate",
     "render_plan",
     "render_profile",
-    "render_profile_plan",
     "seconds",
     "time_cells",
 ]
@@ -34,11 +34,11 @@ def device_note(device: Device, wl: Workload | None = None) -> str:
     return f"times: predicted on {device.label} ({kind}; see docs/time.md for what the model ignores){traced}"
 
 
-def describe_workload(spec: ModelSpec, wl: Workload) -> str:
+def describe_workload(model: str, wl: Workload) -> str:
     """One line naming the model and the step's shape."""
     parallel = f"t={wl.tp}{' +sp' if wl.sp else ''} p={wl.pp}" + (f" m={wl.interleave}" if wl.interleave > 1 else "")
     return (
-        f"{spec.name}: b={wl.micro_batch} s={wl.seq_len} {wl.dtype} on {wl.device}, {wl.attention} attention, "
+        f"{model}: b={wl.micro_batch} s={wl.seq_len} {wl.dtype} on {wl.device}, {wl.attention} attention, "
         f"{parallel} d={wl.dp}, {wl.precision} precision"
     )
 
@@ -79,7 +79,7 @@ def render_estimate(
     )
     st = chosen.states
     lines = [
-        describe_workload(spec, wl),
+        describe_workload(spec.name, wl),
         f"model states: {gib(st.total)} for {st.params / 1e9:.3g}B parameters on this rank "
         f"(parameters {gib(st.parameters)}, gradients {gib(st.gradients)}, optimizer {gib(st.optimizer)})",
         "",
@@ -130,53 +130,82 @@ def layer_runs(layers: Sequence[str]) -> str:
     return ", ".join(f"{n} (layer{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''})" for n, a, b in runs)
 
 
-def render_plan(spec: ModelSpec, wl: Workload, plan: Plan, *, points: int = 12) -> str:
-    """The chosen plan, its breakdown, a sample of the frontier and the uniform policies."""
-    est = plan.estimate
-    mode = plan.workload.get("loss", "full")
-    chosen = next(p for p in plan.frontier if p.cost == plan.cost and p.peak <= plan.budget and p.loss == mode)
-    sample = sorted({*_sample(plan.frontier, points), chosen}, key=lambda p: p.peak)
-    over = "time overhead" if plan.timed else "overhead"
-    timed = ["step time", "tokens/s"] if plan.timed else []
+def render_plan(
+    plan: Plan,
+    wl: Workload,
+    *,
+    breakdown: Estimate | None = None,
+    output: str | None = None,
+    notes: Sequence[str] = (),
+    points: int = 12,
+) -> str:
+    """The answer first (the plan, its peak against the budget, its cost, the line that applies it), then the
+    analytic breakdown (a preset), a sample of the frontier, the uniform policies and the notes."""
+    timed = plan.timed
+    over = "time overhead" if timed else "FLOP overhead"
+    losses = len({p.loss for p in plan.frontier}) > 1 or plan.loss != wl.loss
+    sample = sorted({*_sample(plan.frontier, points), plan.chosen}, key=lambda p: (p.peak, p.cost))
 
-    def cells(p: FrontierPoint) -> list[str]:
-        step = plan.model_cost + p.cost
-        return [f"{100 * p.overhead:.1f}%", *([seconds(step), f"{plan.tokens / step:,.0f}"] if plan.timed else [])]
+    def cells(p: PlanPoint) -> list[str]:
+        step = [seconds(p.step_seconds), f"{plan.tokens / p.step_seconds:,.0f}"] if p.step_seconds else []
+        return [f"{100 * p.overhead:+.1f}%" if timed else f"{100 * p.overhead:.1f}%", *step]
 
-    losses = len({p.loss for p in plan.frontier}) > 1
-
-    def loss(p: FrontierPoint) -> list[str]:
-        return [p.loss] if losses else []
-
+    heads = [over, *(["step time", "tokens/s"] if timed else [])]
     frontier = render_table(
-        ["", "peak", over, *timed, *(["loss"] if losses else []), "plan (first pipeline stage)"],
-        [["*" if p is chosen else "", gib(p.peak), *cells(p), *loss(p), _counts(p.layers)] for p in sample],
+        ["", "peak", *heads, *(["loss"] if losses else []), "plan (first pipeline stage)"],
+        [
+            ["*" if p == plan.chosen else "", gib(p.peak), *cells(p), *([p.loss] if losses else []), _counts(p.layers)]
+            for p in sample
+        ],
     )
     uniform = render_table(
-        ["uniform policy", "peak", over, *timed, "fits"],
+        ["every layer", "peak", *heads, "fits"],
         [[n, gib(p.peak), *cells(p), "yes" if p.peak <= plan.budget else "no"] for n, p in plan.uniform.items()],
     )
-    return "\n".join(
-        [
-            describe_workload(spec, wl),
-            f"budget {gib(plan.budget)}; cost in {plan.cost_kind}",
-            "",
-            f"plan: {layer_runs(plan.policy.per_layer(spec.n_layers))}"
-            + (f"; {plan.workload['loss']} loss" if losses else ""),
-            f"predicted peak {gib(est.peak)} ({est.peak_phase}), recompute {over} {100 * plan.overhead:.1f}%"
-            + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else ""),
-            render_table(
-                ["component", "bytes"],
-                [[k, gib(v)] for k, v in est.activations.items() if v]
-                + [["model states", gib(est.states.total)]]
-                + ([["host memory (offloaded)", gib(est.host)]] if est.host else []),
-            ),
-            "",
-            f"frontier ({len(plan.frontier)} Pareto-optimal plans; {len(sample)} shown, * = chosen):",
-            frontier,
-            "",
-            uniform,
-        ]
+    lines = [
+        describe_workload(plan.model, build_workload(**plan.workload)),
+        f"plan: {layer_runs(plan.layers)}" + ("; chunked loss" if plan.loss == "chunked" else ""),
+        f"fits: predicted peak {gib(plan.peak)} of the {gib(plan.budget)} budget ({plan.peak_phase})"
+        + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else ""),
+        "cost: " + _plan_cost(plan),
+        "apply: " + apply_line(plan, output),
+    ]
+    if breakdown is not None:
+        lines += ["", _breakdown(breakdown)]
+    lines += [
+        "",
+        f"frontier ({len(plan.frontier)} plans, none both smaller and cheaper; {len(sample)} shown, * = chosen):",
+        frontier,
+        "",
+        uniform,
+        f"source: {plan.source}; costs in {plan.cost_kind}",
+        *(f"note: {n}" for n in notes),
+    ]
+    return "\n".join(lines)
+
+
+def _plan_cost(plan: Plan) -> str:
+    flops = f"recompute {plan.recompute_flops / plan.model_flops:.1%} of the step's FLOPs"
+    step = plan.chosen.step_seconds
+    if step is None:
+        return flops if plan.cost_kind == "FLOPs" else f"{plan.overhead:+.1%} ({plan.cost_kind}); {flops}"
+    return f"{plan.overhead:+.1%} time: step {seconds(step)}, {plan.tokens / step:,.0f} tokens/s ({flops})"
+
+
+def apply_line(plan: Plan, output: str | None) -> str:
+    """The line that applies the plan in a training script (or how to get the file it reads)."""
+    loss = ', loss="chunked"' if plan.loss == "chunked" else ""
+    if output is None:
+        return f'write it with -o plan.json, then recompute.apply(model, "plan.json"{loss})'
+    return f"recompute.apply(model, {output!r}{loss})"
+
+
+def _breakdown(est: Estimate) -> str:
+    return render_table(
+        ["component", "bytes"],
+        [[k, gib(v)] for k, v in est.activations.items() if v]
+        + [["model states", gib(est.states.total)]]
+        + ([["host memory (offloaded)", gib(est.host)]] if est.host else []),
     )
 
 
@@ -184,7 +213,7 @@ def _counts(layers: Sequence[str]) -> str:
     return ", ".join(f"{n} x{layers.count(n)}" for n in dict.fromkeys(layers))
 
 
-def _sample(points: Sequence[FrontierPoint], n: int) -> list[FrontierPoint]:
+def _sample(points: Sequence[PlanPoint], n: int) -> list[PlanPoint]:
     """Up to ``n`` points spread evenly along the frontier, always with both ends."""
     if len(points) <= n:
         return list(points)
@@ -228,12 +257,16 @@ def render_profile(profile: Profile, device: Device | None = None) -> str:
             ),
         ]
         out += [f"  {name}: cannot apply ({why})" for name, why in kind.refused.items()]
-    uniform = [
-        [name, gib(c.peak), c.peak_phase, gib(c.activations), f"{c.overhead(profile.step_flops):.1%}"]
-        + (_composed_time(c, profile.tokens) if device else [])
-        for name in profile.applicable()
-        for c in [profile.compose([name] * profile.n_layers, device)]
-    ]
+    table = profile.cost_table(device)
+    uniform = []
+    for name in table.options():
+        c = table.compose([name] * table.n)
+        kept = gib(profile.activations([name] * table.n))
+        row = [name, gib(c.peak), c.peak_phase, kept, f"{c.flops / table.model_flops:.1%}"]
+        if table.model_seconds is not None and c.seconds is not None:
+            step = table.model_seconds + c.seconds
+            row += time_cells(Timing("", step, profile.tokens / step, c.seconds / table.model_seconds))
+        uniform.append(row)
     timed = ["step time", "tokens/s", "time overhead"] if device else []
     out += [
         "",
@@ -243,39 +276,3 @@ def render_profile(profile: Profile, device: Device | None = None) -> str:
         *(f"note: {n}" for n in profile.notes),
     ]
     return "\n".join(out)
-
-
-def _composed_time(c: Composed, tokens: int) -> list[str]:
-    if c.step_seconds is None or c.time_overhead is None:
-        return ["-", "-", "-"]
-    return time_cells(Timing("", c.step_seconds, tokens / c.step_seconds, c.time_overhead))
-
-
-def render_profile_plan(result: ProfilePlan) -> str:
-    """The chosen plan from a profile, the uniform policies and the frontier (times when planned on a device)."""
-    p, c = result.profile, result.chosen
-    timed = ["step time", "tokens/s", "time overhead"] if result.device else []
-
-    def cells(x: Composed) -> list[str]:
-        return [f"{x.overhead(p.step_flops):.1%}", *(_composed_time(x, p.tokens) if result.device else [])]
-
-    rows = [[name, gib(u.peak), *cells(u)] for name, u in result.uniform.items()]
-    front = [[gib(f.peak), *cells(f), _counts(f.layers)] for f in result.frontier]
-    cost = f"recompute {c.overhead(p.step_flops):.1%} of the step's FLOPs"
-    if result.device and c.step_seconds is not None and c.time_overhead is not None:
-        tokens = p.tokens / c.step_seconds
-        cost += f"; step {seconds(c.step_seconds)} ({c.time_overhead:+.1%} time), {tokens:,.0f} tokens/s"
-    return "\n".join(
-        [
-            f"{p.model} ({p.class_name}), budget {gib(result.budget)}: from its profile {p.key} "
-            f"(b={p.workload['micro_batch']} s={p.workload['seq_len']} {p.workload['dtype']})",
-            f"plan ({'least predicted time' if result.device else 'fewest recomputed FLOPs'}): {layer_runs(c.layers)}",
-            f"  peak {gib(c.peak)} ({c.peak_phase}), activations {gib(c.activations)}, {cost}",
-            "",
-            render_table(["every layer", "peak", "FLOP overhead", *timed], rows),
-            "",
-            f"frontier (peak vs {'time' if result.device else 'recompute'}):",
-            render_table(["peak", "FLOP overhead", *timed, "layers"], front),
-            *([device_note(result.device)] if result.device else []),
-        ]
-    )

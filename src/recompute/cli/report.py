@@ -13,36 +13,33 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recompute.cli._common import add_model_args, add_workload_args, workload_from, writable
+from recompute.cli._common import add_model_args, add_time_args, add_workload_args, time_device, workload_from, writable
 from recompute.cli._lazy import torch_floor
-from recompute.cli._timed import offload_layer_seconds, preset_works, time_device, untimed_reason
+from recompute.core.analytic.memory import layer_activations
 from recompute.core.errors import ConfigError
-from recompute.core.hardware import GPUS, gpu_by_name
+from recompute.core.hardware import gpu_by_name
+from recompute.core.presets import PRESETS
+from recompute.core.pricing import DEFAULT_GPU, offload_layer_seconds, unpriced
 from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.timing import Timing, timing
 from recompute.core.workload import ATTENTIONS, Workload
+from recompute.planning import preset_works
 from recompute.report.data import build_report
 from recompute.report.extras import bench_section, plan_section, trace_section
 from recompute.report.html import render_html
 from recompute.report.png import write_pngs
 
-__all__ = ["DEFAULT_TABLE_SEQ_LEN", "add_args", "run"]
-
-DEFAULT_TABLE_SEQ_LEN = 16384
-"""Where the savings table is taken by default, as on the workshop page (8B at 16K)."""
+__all__ = ["add_args", "run"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The report's options: the model and workload options of ``estimate``, then the report's own."""
     add_model_args(p)
-    add_workload_args(p)
+    add_workload_args(p, "report")
     for action in p._actions:  # the report sweeps s; --seq-len only places the savings table
-        if "--seq-len" in action.option_strings:
-            action.help = (
-                f"s of the savings table (default: {DEFAULT_TABLE_SEQ_LEN}, or the model's context if shorter); "
-                "the charts sweep 1K to 128K"
-            )
-    p.add_argument("--gpu", default="h100-80gb", help=f"the GPU line: one of {', '.join(GPUS)} (default: h100-80gb)")
+        if action.dest == "seq_len":
+            action.help = f"s of the savings table ({str(action.help).split('(', 1)[1]}; the charts sweep 1K to 128K"
+    add_time_args(p, what="draw its memory line and predict the savings table's times")
     p.add_argument(
         "--trace",
         action="store_true",
@@ -50,13 +47,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bench", metavar="RESULTS.json", help="a `recompute bench` result: measured next to predicted")
     p.add_argument("--plan", metavar="PLAN.json", help="a `recompute plan -o` file: the plan per layer and frontier")
-    p.add_argument(
-        "--device-profile",
-        help="a `recompute calibrate -o` file: the savings table's predicted times on it (default: --gpu's datasheet)",
-    )
-    p.add_argument(
-        "--no-time", action="store_true", help="no predicted times in the savings table (no trace of the step)"
-    )
     p.add_argument("-o", "--output", default="report.html", help="the HTML file to write (default: report.html)")
     p.add_argument("--png", metavar="DIR", help="also write the main charts as PNG files into DIR (matplotlib)")
 
@@ -67,13 +57,6 @@ def _require_extra(*modules: str) -> None:
         raise ConfigError(
             f"recompute report needs {' and '.join(missing)}; install the extra: pip install 'recompute[report]'"
         )
-
-
-def _workload(args: argparse.Namespace, spec: ModelSpec) -> Workload:
-    wl = workload_from(args, spec)
-    if args.seq_len is None:
-        wl = dataclasses.replace(wl, seq_len=min(DEFAULT_TABLE_SEQ_LEN, spec.max_positions))
-    return wl
 
 
 def _sections(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str, Any]:
@@ -92,7 +75,7 @@ def _times(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str,
     """Each policy's predicted timing at the savings table's length, per attention (None with --no-time)."""
     device = time_device(args)
     at = dataclasses.replace(wl, seq_len=min(wl.seq_len, spec.max_positions))
-    if untimed_reason(args, at):
+    if args.no_time or unpriced(at) or args.model not in PRESETS:
         return None
     out = {}
     for attention in ATTENTIONS:
@@ -102,7 +85,7 @@ def _times(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str,
         if wl_a.dtype != "fp16":  # the chunked loss refuses fp16
             chunked = preset_works(spec, dataclasses.replace(wl_a, loss="chunked"))
             out[attention]["chunked loss"] = timing(chunked["none"], works["none"], device)
-        layer = offload_layer_seconds(spec, wl_a, device)
+        layer = offload_layer_seconds(works["none"], layer_activations(spec, wl_a).offloaded("offload"), device)
         if layer is not None:
             base = out[attention]["none"]
             step = base.step + spec.n_layers * layer
@@ -116,14 +99,15 @@ def run(args: argparse.Namespace) -> int:
     """Compute the report, render it, write the HTML (and PNGs); print one line saying what was written."""
     _require_extra("plotly", *(["matplotlib"] if args.png else []))
     start = time.perf_counter()
-    gpu_by_name(args.gpu)  # fail on bad input before computing anything
+    gpu = args.gpu or DEFAULT_GPU
+    gpu_by_name(gpu)  # fail on bad input before computing anything
     out = writable(args.output, "-o", "report.html")
     if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
         raise ConfigError(f"--png {args.png!r} is a file; give a folder for the PNGs")
     spec = resolve_model(args.model)
-    wl = _workload(args, spec)
+    wl = workload_from(args, spec)
     wl.check(spec)
-    report = build_report(spec, wl, gpu=args.gpu, sections=_sections(args, spec, wl), times=_times(args, spec, wl))
+    report = build_report(spec, wl, gpu=gpu, sections=_sections(args, spec, wl), times=_times(args, spec, wl))
     try:
         out.write_text(render_html(report), encoding="utf-8")
     except OSError as e:

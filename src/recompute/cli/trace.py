@@ -13,6 +13,7 @@ from recompute.cli._common import (
     workload_from,
 )
 from recompute.cli.progress import progress_bar
+from recompute.core.errors import ConfigError
 from recompute.models.source import resolve_source
 from recompute.trace import render_trace, trace
 
@@ -21,22 +22,29 @@ __all__ = ["add_args", "run"]
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, built=True)
-    add_workload_args(p, device="cpu")
+    add_workload_args(p, "trace")
     add_policy_args(p, default="none")
     p.add_argument(
-        "--layers",
+        "--scale-from",
         type=int,
+        metavar="K",
         help="trace K and K+1 layers and scale to all of them (exact for identical layers; much faster)",
     )
+    p.add_argument("--layers", dest="renamed_layers", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the trace as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.renamed_layers is not None:
+        raise ConfigError(
+            f"trace --layers {args.renamed_layers} is now --scale-from {args.renamed_layers} (trace K and K+1 layers "
+            "and scale); --layers resizes the model in bench, train and verify"
+        )
     source = resolve_source(args.model)
     wl, pol = workload_from(args, source), policy_from(args)
     with progress_bar("trace", enabled=not args.json) as progress:
         progress(f"{args.model}: one step on fake tensors", 0, 1)  # one unit: the bar shows the elapsed time
-        result = trace(source, wl, pol, layers=args.layers)
+        result = trace(source, wl, pol, layers=args.scale_from)
         progress("done", 1, 1)
     emit_json(result.to_dict()) if args.json else print(render_trace(result))
     return 0

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from recompute.check_formulas import render_validation, validate
 from recompute.cli._common import csv, emit_json
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.presets import PRESETS
 from recompute.core.spec import resolve_model
-from recompute.validate import render_validation, validate
 
 __all__ = ["add_args", "run"]
 

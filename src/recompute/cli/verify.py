@@ -7,15 +7,22 @@ import argparse
 import torch
 from torch import nn
 
-from recompute.cli._common import add_model_args, add_policy_args, emit_json, policy_from
+from recompute.check_gradients import build_checked, render_verify, verify, verify_need, verify_spec
+from recompute.cli._common import (
+    add_model_args,
+    add_policy_args,
+    add_workload_args,
+    emit_json,
+    policy_from,
+    workload_from,
+)
 from recompute.cli.bench import add_size_args, size_overrides
 from recompute.core.errors import ConfigError
-from recompute.core.workload import ATTENTIONS, Workload
+from recompute.core.workload import Workload
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
 from recompute.models.source import resolve_source
 from recompute.runtime import require_memory, resolve_device
-from recompute.verification import build_checked, render_verify, verify, verify_need, verify_spec
 
 __all__ = ["add_args", "run"]
 
@@ -24,27 +31,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, built=True)
     add_policy_args(p)
     add_size_args(p)
-    p.add_argument("--seq-len", type=int, default=64, metavar="S", help="s: tokens per sequence (default: 64)")
-    p.add_argument("--micro-batch", type=int, default=2, metavar="B", help="b: sequences per batch (default: 2)")
-    p.add_argument("--attention", choices=ATTENTIONS, default="flash", help="flash (SDPA, the default) or eager math")
+    add_workload_args(p, "verify")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the batch and the dropout masks")
-    p.add_argument("--device", default="cpu", help="where to run: cpu or cuda (default: cpu)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     """0 when the policy changes nothing, 1 when it does."""
-    model, name = _build(args)
+    model, name, wl = _build(args)
     pol = policy_from(args)
-    result = verify(model, pol, micro_batch=args.micro_batch, seq_len=args.seq_len, seed=args.seed, name=name)
+    result = verify(model, pol, micro_batch=wl.micro_batch, seq_len=wl.seq_len, seed=args.seed, name=name)
     emit_json(result.to_dict()) if args.json else print(render_verify(result))
     return 0 if result.passed else 1
 
 
-def _build(args: argparse.Namespace) -> tuple[nn.Module, str]:
+def _build(args: argparse.Namespace) -> tuple[nn.Module, str, Workload]:
     source = resolve_source(args.model)
-    device = resolve_device(args.device)
-    wl = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, device=device, attention=args.attention)
+    wl = workload_from(args, source)
+    device = resolve_device(wl.device)
     if source.spec is None:
         given = [k for k, v in size_overrides(args).items() if v is not None]
         if given:
@@ -53,7 +57,7 @@ def _build(args: argparse.Namespace) -> tuple[nn.Module, str]:
                 "is: edit its config (or factory) instead"
             )
         built = build_checked(source, attention=args.attention, device=device, seed=args.seed)
-        return built.model, f"{built.class_name} from {source.origin}"
+        return built.model, f"{built.class_name} from {source.origin}", wl
     spec, hf = verify_spec(args.model, **size_overrides(args))
     wl.check(spec)
     fix = "use a shorter --seq-len, a smaller --micro-batch, or a smaller model (--layers, --hidden, --vocab)"
@@ -61,4 +65,4 @@ def _build(args: argparse.Namespace) -> tuple[nn.Module, str]:
     build = build_hf_model if hf else build_model
     torch.manual_seed(args.seed)  # the same weights in every invocation with this seed
     model = build(spec, attention=args.attention, device=device)
-    return model, f"{args.model} ({spec.n_layers} layers, h={spec.hidden})"
+    return model, f"{args.model} ({spec.n_layers} layers, h={spec.hidden})", wl

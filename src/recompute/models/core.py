@@ -1,4 +1,5 @@
-"""Pieces both reference models share: core attention (eager math or SDPA), the pre-norm block, the loss.
+"""Pieces both reference models share: core attention (eager math or SDPA), the pre-norm block, the loss, and the
+language-model shell around the layers (``LanguageModel``).
 
 What autograd saves here is what ``recompute.core.analytic.memory`` counts, tensor for tensor, so the analytic
 model can be checked against these modules (see tests/test_apply_memory.py).
@@ -7,6 +8,7 @@ model can be checked against these modules (see tests/test_apply_memory.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from torch import Tensor, nn
 
 from recompute.core.spec import ModelSpec
 
-__all__ = ["Block", "causal_attention", "cross_entropy", "init_weights", "make_norm"]
+__all__ = ["Block", "LanguageModel", "causal_attention", "cross_entropy", "init_weights", "make_norm"]
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, *, impl: str, dropout_p: float) -> Tensor:
@@ -102,3 +104,59 @@ def make_norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "layernorm":
         return nn.LayerNorm(spec.hidden, eps=spec.norm_eps, bias=spec.bias)
     return nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+
+
+class LanguageModel(nn.Module):
+    """The shell of recompute's reference models: token embedding, dropout, the pre-norm layers, the final norm,
+    the output layer and the loss; GPT and Llama differ in their layers' attention and MLP and in how they mark
+    positions (``add_positions``, ``positions``).
+
+    ``forward(idx, targets=None) -> (logits, loss_or_None)``; ``layers`` holds the blocks, each with ``norm1``,
+    ``attn``, ``norm2``, ``mlp``.
+    """
+
+    positions_word = "positions"
+    """How the too-long-sequence error names the model's positions."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        attn: Callable[[], nn.Module],
+        mlp: Callable[[], nn.Module],
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tok_emb = nn.Embedding(spec.vocab, spec.hidden)
+        self.add_positions(spec)  # before the rest: the modules' order is the order weights are drawn in
+        self.drop = nn.Dropout(spec.dropout)
+        self.layers = nn.ModuleList(
+            Block(make_norm(spec), attn(), make_norm(spec), mlp()) for _ in range(spec.n_layers)
+        )
+        self.norm = make_norm(spec)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy  # parallelize swaps it
+        init_weights(self, n_layers=spec.n_layers)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # weight tying, as GPT-2 does
+
+    def add_positions(self, spec: ModelSpec) -> None:
+        """Register what marks positions (learned embeddings); none by default."""
+
+    def positions(self, x: Tensor, s: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The embedded tokens with positions marked, and what every layer takes besides (rotary tables)."""
+        return self.drop(x), ()
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits (b, s, v) for token ids ``idx`` (b, s), and the cross-entropy against ``targets``."""
+        s = idx.size(1)
+        if s > self.spec.max_positions:
+            limit = self.spec.max_positions
+            raise ValueError(f"sequence of {s} tokens exceeds the model's {limit} {self.positions_word}")
+        x, extra = self.positions(self.tok_emb(idx), s)  # (b, s, h)
+        for layer in self.layers:
+            x = layer(x, *extra)
+        del extra  # the loss needs no rotary tables
+        x = self.norm(x)  # the residual stream dies here unless the norm keeps it
+        logits = self.lm_head(x)  # (b, s, v)
+        return logits, None if targets is None else self.loss_fn(logits, targets)

@@ -7,15 +7,13 @@ positions and tied embeddings. With ``attention="eager"`` one layer saves exactl
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
 from recompute.core.errors import one_of
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import ATTENTIONS
-from recompute.models.core import Block, causal_attention, cross_entropy, init_weights, make_norm
+from recompute.models.core import LanguageModel, causal_attention
 
 __all__ = ["GPT", "CausalSelfAttention", "GeluMLP"]
 
@@ -67,39 +65,18 @@ class GeluMLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class GPT(nn.Module):
-    """GPT-2 language model built from a ``ModelSpec`` (``spec.mlp == "gelu"``).
+class GPT(LanguageModel):
+    """GPT-2 language model built from a ``ModelSpec`` (``spec.mlp == "gelu"``): learned positions added to the
+    token embeddings, then the shell's layers (``LanguageModel``)."""
 
-    ``forward(idx, targets=None) -> (logits, loss_or_None)``; ``layers`` holds the blocks, each with
-    ``norm1``, ``attn``, ``norm2``, ``mlp``.
-    """
+    positions_word = "learned positions"
 
     def __init__(self, spec: ModelSpec, *, attention: str = "flash") -> None:
-        super().__init__()
-        self.spec = spec
-        self.tok_emb = nn.Embedding(spec.vocab, spec.hidden)
-        self.pos_emb = nn.Embedding(spec.max_positions, spec.hidden)
-        self.drop = nn.Dropout(spec.dropout)
-        self.layers = nn.ModuleList(
-            Block(make_norm(spec), CausalSelfAttention(spec, attention=attention), make_norm(spec), GeluMLP(spec))
-            for _ in range(spec.n_layers)
-        )
-        self.norm = make_norm(spec)
-        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy  # parallelize swaps it
-        init_weights(self, n_layers=spec.n_layers)
-        if spec.tied_embeddings:
-            self.lm_head.weight = self.tok_emb.weight  # weight tying, as GPT-2 does
+        super().__init__(spec, attn=lambda: CausalSelfAttention(spec, attention=attention), mlp=lambda: GeluMLP(spec))
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Logits (b, s, v) for token ids ``idx`` (b, s), and the cross-entropy against ``targets``."""
-        s = idx.size(1)
-        if s > self.spec.max_positions:
-            raise ValueError(f"sequence of {s} tokens exceeds the {self.spec.max_positions} learned positions")
-        pos = torch.arange(s, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (b, s, h)
-        for layer in self.layers:
-            x = layer(x)
-        x = self.norm(x)  # the residual stream dies here unless the norm keeps it
-        logits = self.lm_head(x)  # (b, s, v)
-        return logits, None if targets is None else self.loss_fn(logits, targets)
+    def add_positions(self, spec: ModelSpec) -> None:
+        self.pos_emb = nn.Embedding(spec.max_positions, spec.hidden)
+
+    def positions(self, x: Tensor, s: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+        pos = torch.arange(s, device=x.device)
+        return self.drop(x + self.pos_emb(pos)), ()

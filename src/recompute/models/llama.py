@@ -7,8 +7,6 @@ K/V: query heads of one KV group are folded into the sequence (``recompute.model
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -16,7 +14,7 @@ from torch import Tensor, nn
 from recompute.core.errors import one_of
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import ATTENTIONS
-from recompute.models.core import Block, causal_attention, cross_entropy, init_weights, make_norm
+from recompute.models.core import LanguageModel, causal_attention
 
 __all__ = ["GroupedQueryAttention", "Llama", "SwiGLU", "apply_rotary", "rope_tables"]
 
@@ -91,39 +89,13 @@ class SwiGLU(nn.Module):
         return self.w1(x), self.w3(x)
 
 
-class Llama(nn.Module):
-    """Llama language model built from a ``ModelSpec`` (``spec.mlp == "swiglu"``).
-
-    ``forward(idx, targets=None) -> (logits, loss_or_None)``; ``layers`` holds the blocks, each with
-    ``norm1``, ``attn``, ``norm2``, ``mlp``; every block also takes the rotary tables ``(cos, sin)``.
-    """
+class Llama(LanguageModel):
+    """Llama language model built from a ``ModelSpec`` (``spec.mlp == "swiglu"``): the shell's layers
+    (``LanguageModel``), every one taking the rotary tables ``(cos, sin)`` built once per forward."""
 
     def __init__(self, spec: ModelSpec, *, attention: str = "flash") -> None:
-        super().__init__()
-        self.spec = spec
-        self.tok_emb = nn.Embedding(spec.vocab, spec.hidden)
-        self.drop = nn.Dropout(spec.dropout)
-        self.layers = nn.ModuleList(
-            Block(make_norm(spec), GroupedQueryAttention(spec, attention=attention), make_norm(spec), SwiGLU(spec))
-            for _ in range(spec.n_layers)
-        )
-        self.norm = make_norm(spec)
-        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy  # parallelize swaps it
-        init_weights(self, n_layers=spec.n_layers)
-        if spec.tied_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+        super().__init__(spec, attn=lambda: GroupedQueryAttention(spec, attention=attention), mlp=lambda: SwiGLU(spec))
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Logits (b, s, v) for token ids ``idx`` (b, s), and the cross-entropy against ``targets``."""
-        s = idx.size(1)
-        if s > self.spec.max_positions:
-            raise ValueError(f"sequence of {s} tokens exceeds the model's {self.spec.max_positions} positions")
-        x = self.drop(self.tok_emb(idx))  # (b, s, h)
-        cos, sin = rope_tables(s, self.spec.head_dim, self.spec.rope_theta, device=idx.device, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        del cos, sin  # the loss needs no rotary tables
-        x = self.norm(x)  # the residual stream dies here unless the norm keeps it
-        logits = self.lm_head(x)  # (b, s, v)
-        return logits, None if targets is None else self.loss_fn(logits, targets)
+    def positions(self, x: Tensor, s: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+        x = self.drop(x)
+        return x, rope_tables(s, self.spec.head_dim, self.spec.rope_theta, device=x.device, dtype=x.dtype)

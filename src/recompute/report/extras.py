@@ -14,6 +14,7 @@ from typing import Any
 
 from recompute.core.analytic import Estimate, estimate, layer_activations
 from recompute.core.errors import ConfigError, require
+from recompute.core.plan import FORMAT
 from recompute.core.policy import OFFLOAD_POLICIES, POLICIES, Policy
 from recompute.core.results import read_bench, read_json
 from recompute.core.spec import ModelSpec
@@ -54,6 +55,10 @@ def _plan_workload(data: dict[str, Any], path: str | Path) -> Workload:
     return build_workload(**raw)
 
 
+PLAN_FORMATS = ("recompute.plan/1", FORMAT)
+"""Plan files the report reads: the one planner's, and the format of the planners before it."""
+
+
 def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     """The plan per layer (policy and stored bytes) and its frontier, from a ``recompute plan -o`` file.
 
@@ -65,7 +70,7 @@ def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     """
     fix = "pass a file written by `recompute plan -o plan.json`"
     data = read_json(path, "plan file", fix)
-    require(data.get("format") == "recompute.plan/1", f"{str(path)!r} is not a recompute plan file; {fix}")
+    require(data.get("format") in PLAN_FORMATS, f"{str(path)!r} is not a recompute plan file; {fix}")
     _check_model(data.get("model"), spec, "plan file", path)
     policy = Policy.from_dict(data)
     if policy.model is not None:

@@ -33,17 +33,10 @@ from torch import nn
 
 from recompute.checkpointing import apply, find_layers
 from recompute.core import policy as policies
+from recompute.core import store
 from recompute.core.errors import ConfigError, first_line, require
 from recompute.core.policy import POLICIES, Policy
-from recompute.core.profile import (
-    PROFILED_WORKLOAD,
-    LayerKind,
-    Profile,
-    cache_key,
-    cache_path,
-    cached,
-    library_versions,
-)
+from recompute.core.profile import LastFigures, LayerKind, PairFigures, Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import work_list
@@ -64,15 +57,14 @@ def profiled_policies() -> tuple[str, ...]:
 
 
 def profile_key(source: ModelSource, wl: Workload) -> str | None:
-    """The cache key of ``source`` at ``wl``; None for a factory (its code is not a config to hash)."""
+    """The store's key of ``source`` at ``wl``; None for a factory (its code is not a config to hash)."""
     if source.raw is not None:
-        ident: dict[str, Any] = {"config": source.raw}
+        identity = store.config_identity(source.raw)
     elif source.spec is not None:
-        ident = {"spec": source.spec.to_dict() if hasattr(source.spec, "to_dict") else repr(source.spec)}
-        ident["hf"] = source.hf
+        identity = store.spec_identity(source.spec.to_dict(), hf=source.hf)
     else:
         return None
-    return cache_key(ident, wl.to_dict())
+    return store.step_key(identity, wl.to_dict())
 
 
 def cached_profile(
@@ -81,12 +73,12 @@ def cached_profile(
     """The profile of ``model`` at ``wl`` from the cache, or measured now and cached; and whether it was cached."""
     source = _source_of(model, False)
     key = profile_key(source, wl)
-    found = cached(key) if key else None
-    if found is not None:
+    found = store.load("profiles", key, Profile.from_dict) if key else None
+    if found is not None and found.key == key:
         return found, True
     result = profile(source, wl, progress=progress)
     if key:
-        result.save(cache_path(key))
+        store.save("profiles", key, result.to_dict())
     return result, False
 
 
@@ -306,19 +298,19 @@ def _link(
     tag: tuple[Any, ...],
     first: Sequence[str],
     then: Sequence[str],
-) -> dict[str, dict[str, tuple[int, int, int]]]:
+) -> dict[str, dict[str, PairFigures]]:
     """Per (a layer's policy, the next one's): what it holds, its backward phase's and its forward phase's
     deltas, against both running ``none``."""
     ref_key: tuple[Any, ...] = (*tag, "none", "none")
     ref, x = records[ref_key]
     fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
-    out: dict[str, dict[str, tuple[int, int, int]]] = {}
+    out: dict[str, dict[str, PairFigures]] = {}
     for p in first:
         out[p] = {}
         for q in then:
             key: tuple[Any, ...] = (*tag, p, q)
             rec, _ = records[key]
-            out[p][q] = (
+            out[p][q] = PairFigures(
                 _held(rec, x) - _held(ref, x),
                 _phase_delta(rec, ref, bwd, x),
                 _phase_delta(rec, ref, fwd, x),
@@ -326,16 +318,14 @@ def _link(
     return out
 
 
-def _last(
-    records: dict[tuple[Any, ...], tuple[StepRecord, int]], policies: Sequence[str]
-) -> dict[str, tuple[int, int, int]]:
+def _last(records: dict[tuple[Any, ...], tuple[StepRecord, int]], policies: Sequence[str]) -> dict[str, LastFigures]:
     """For the last layer, per policy: its backward phase's delta and the head's forward and backward deltas,
     against ``none``."""
     ref, x = records["last", "none"]
     out = {}
     for p in policies:
         rec, _ = records["last", p]
-        out[p] = (
+        out[p] = LastFigures(
             _phase_delta(rec, ref, Phase("backward", "layer", x), x),
             _phase_delta(rec, ref, Phase("forward", "head"), x),
             _phase_delta(rec, ref, Phase("backward", "head"), x),
@@ -357,8 +347,8 @@ def _assemble(
     base: StepRecord,
     kinds: tuple[LayerKind, ...],
     kind_of: tuple[int, ...],
-    links: dict[str, dict[str, dict[str, tuple[int, int, int]]]],
-    last: dict[str, tuple[int, int, int]],
+    links: dict[str, dict[str, dict[str, PairFigures]]],
+    last: dict[str, LastFigures],
     n_params: int,
     seconds: float,
 ) -> Profile:
@@ -383,7 +373,7 @@ def _assemble(
         origin=source.origin,
         class_name=whole.class_name,
         key=key,
-        workload={k: getattr(wl, k) for k in PROFILED_WORKLOAD},
+        workload={k: getattr(wl, k) for k in store.MEASURED_WORKLOAD},
         kinds=kinds,
         layer_kind=kind_of,
         links=links,
@@ -409,7 +399,7 @@ def _assemble(
         },
         tokens=wl.micro_batch * wl.seq_len,
         notes=tuple(notes),
-        versions=library_versions(),
+        versions=store.library_versions(),
         seconds=seconds,
     )
 

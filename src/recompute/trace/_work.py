@@ -3,12 +3,10 @@ the cache or traced now: what ``estimate``, ``plan`` and ``report`` price with a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
+from recompute.core import store
 from recompute.core.policy import Policy
-from recompute.core.profile import cached_work as stored_work
-from recompute.core.profile import work_path
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import StepWork
@@ -27,8 +25,8 @@ def cached_works(
     *,
     progress: Progress = no_progress,
 ) -> dict[str, StepWork]:
-    """``step_work`` of ``model`` at ``wl`` with every layer under each policy named, cached under
-    ``$RECOMPUTE_CACHE/work``.
+    """``step_work`` of ``model`` at ``wl`` with every layer under each policy named, kept in the store
+    (``recompute.core.store``).
 
     A preset's layers are alike: ``step_works`` traces one and two layers and scales (seconds at any size). Any
     other model is traced whole, policy by policy.
@@ -36,7 +34,7 @@ def cached_works(
     source = _source_of(model, False)
     names = [Policy(name).name for name in policies]
     key = profile_key(source, wl)
-    found = {name: stored_work(key, name) if key else None for name in names}
+    found = {name: store.load("work", f"{key}-{name}", StepWork.from_dict) if key else None for name in names}
     missing = [name for name, work in found.items() if work is None]
     if not missing:
         return {name: work for name, work in found.items() if work is not None}
@@ -50,9 +48,5 @@ def cached_works(
         progress("done", len(missing), len(missing))
     for name, work in traced.items():
         if key:
-            path = work_path(key, name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(work.to_dict()) + "\n")
-            tmp.replace(path)
+            store.save("work", f"{key}-{name}", work.to_dict())
     return {name: found[name] or traced[name] for name in names}

@@ -1,0 +1,182 @@
+"""``Plan``: what the planner returns (the chosen plan, its prediction, the frontier), and the plan file it writes.
+
+A plan file is JSON: ``Policy.from_dict`` reads its ``policy`` entry (so ``apply`` takes the file as is) and
+``apply`` its loss mode; the rest is the prediction, the frontier and the uniform policies for comparison, and
+where the figures come from. Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from recompute.core.errors import require
+from recompute.core.hardware import GPUS, gpu_by_name, usable_bytes
+from recompute.core.policy import Policy
+from recompute.core.table import GiB, MiB
+
+__all__ = ["FORMAT", "Plan", "PlanPoint", "parse_budget"]
+
+FORMAT = "recompute.plan/2"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 2**40,
+}
+
+
+def parse_budget(text: str | float, what: str = "budget") -> float:
+    """Bytes from ``70GiB``, ``80 GB``, ``7.5e10``, a number, or a GPU name (``h100-80gb``: its usable memory).
+
+    Raises:
+        ConfigError: neither a positive size nor a known GPU (``what``: the field it is for).
+    """
+    if isinstance(text, str) and text.strip().lower() in GPUS:
+        return float(usable_bytes(gpu_by_name(text.strip().lower())))
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else ""
+        require(
+            m is not None and unit in _UNITS,
+            f"{what} {text!r} is not a size or a GPU; write e.g. 70GiB, 80GB or a GPU name ({', '.join(GPUS)})",
+            fields=(what,),
+        )
+        value = float(m.group(1)) * _UNITS[unit]  # type: ignore[union-attr]
+    require(0 < value < float("inf"), f"{what} must be a positive, finite size, got {text!r}", fields=(what,))
+    return value
+
+
+@dataclass(frozen=True)
+class PlanPoint:
+    """One plan on the frontier: nothing else is both cheaper and smaller."""
+
+    peak: float
+    """Predicted peak bytes per rank."""
+    cost: float
+    """What recomputation (and offload, and the loss mode) adds to the step: FLOPs, or seconds when priced."""
+    overhead: float
+    """``cost`` over the step's cost without recomputation, in the workload's own loss mode."""
+    layers: tuple[str, ...]
+    """The option of each layer of the first pipeline stage (repeated on every stage)."""
+    loss: str = "full"
+    """The loss mode the point is planned with (``Workload.loss``)."""
+    flops: float = 0.0
+    """FLOPs replayed in the step."""
+    step_seconds: float | None = None
+    """The step's predicted seconds, when priced in time."""
+    host: float = 0.0
+    """Host bytes of the offloaded layers."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen plan with its prediction, the frontier and the uniform policies for comparison."""
+
+    model: str
+    workload: dict[str, Any]
+    """The workload planned, in the chosen loss mode."""
+    budget: float
+    layers: tuple[str, ...]
+    """The option of every layer of the model."""
+    chosen: PlanPoint
+    peak_phase: str
+    held: float
+    """Bytes the first stage's layers hold for the backward (one micro-batch)."""
+    kept: tuple[float, ...]
+    """Bytes each layer of the first stage saves for the backward under its option."""
+    cost_kind: str
+    model_cost: float
+    """The step's cost without recomputation, in the unit of ``cost``, in the workload's own loss mode."""
+    model_flops: float
+    tokens: int
+    frontier: tuple[PlanPoint, ...]
+    uniform: dict[str, PlanPoint] = field(default_factory=dict)
+    host_budget: float | None = None
+    traced_peak: float | None = None
+    """The chosen plan's peak by ``recompute.trace`` (``plan(..., traced_peak=...)``), else ``None``."""
+    device: dict[str, Any] | None = None
+    source: str = ""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak(self) -> float:
+        return self.chosen.peak
+
+    @property
+    def cost(self) -> float:
+        return self.chosen.cost
+
+    @property
+    def overhead(self) -> float:
+        return self.chosen.overhead
+
+    @property
+    def loss(self) -> str:
+        return self.chosen.loss
+
+    @property
+    def host(self) -> float:
+        return self.chosen.host
+
+    @property
+    def recompute_flops(self) -> float:
+        return self.chosen.flops
+
+    @property
+    def timed(self) -> bool:
+        """Costs are seconds (predicted or measured): a point's step time is known."""
+        return self.chosen.step_seconds is not None
+
+    @property
+    def policy(self) -> Policy:
+        """The plan as a policy ``apply`` takes."""
+        return Policy(layers=self.layers, model=self.model)
+
+    @property
+    def loss_chunk(self) -> int | None:
+        return self.workload.get("loss_chunk")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file: ``Policy.from_dict`` reads its ``policy`` entry, ``apply`` its loss mode."""
+
+        def point(p: PlanPoint) -> dict[str, Any]:
+            out = {"peak": p.peak, "cost": p.cost, "overhead": p.overhead, "layers": list(p.layers), "loss": p.loss}
+            out |= {"recompute_flops": p.flops, "flop_overhead": p.flops / self.model_flops, "host": p.host}
+            if p.step_seconds is not None:
+                out |= {"step_seconds": p.step_seconds, "tokens_per_second": self.tokens / p.step_seconds}
+            return out
+
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "source": self.source,
+            "workload": self.workload,
+            "budget": self.budget,
+            "host_budget": self.host_budget,
+            "cost_kind": self.cost_kind,
+            "device": self.device,
+            "policy": self.policy.to_dict(),
+            "loss": {"mode": self.loss, "chunk": self.loss_chunk},
+            "predicted": {
+                **point(self.chosen),
+                "peak_phase": self.peak_phase,
+                "held": self.held,
+                "kept": list(self.kept),
+                "model_cost": self.model_cost,
+                "traced_peak": self.traced_peak,
+            },
+            "frontier": [point(p) for p in self.frontier],
+            "uniform": {name: point(p) for name, p in self.uniform.items()},
+            "notes": list(self.notes),
+        }

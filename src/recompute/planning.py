@@ -1,0 +1,246 @@
+"""From a model and a workload to what the planner reads: the model's cost table in each loss mode, priced.
+
+A preset (or any model with ``analytic``) gets the analytic model's table (``recompute.core.analytic.table``);
+any other model (a transformers config.json, a ``module:factory``) the table of its profile, the real class
+measured on fake tensors (``recompute.trace.profile``). Costs are recomputed FLOPs, predicted seconds on a
+device (``recompute.core.pricing``: the uniform policies' traced step work for a preset, the profile's per-kind
+work otherwise), or a ``recompute bench`` result's measured seconds. What has been measured before comes from
+the store (``recompute.core.store``) without torch; only something missing loads the torch floor
+(``recompute.trace``) to measure it. ``plan``, ``estimate`` and ``report`` all come through here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from recompute.core import store
+from recompute.core.analytic.memory import layer_activations
+from recompute.core.analytic.table import analytic_table, with_loss
+from recompute.core.costs import CostTable
+from recompute.core.errors import require
+from recompute.core.plan import smallest_achievable
+from recompute.core.policy import POLICIES
+from recompute.core.presets import PRESETS
+from recompute.core.pricing import (
+    layer_costs,
+    measured_costs,
+    offload_layer_seconds,
+    unpriced,
+    unpriced_offload,
+)
+from recompute.core.profile import Profile
+from recompute.core.progress import Progress, no_progress
+from recompute.core.spec import ModelSpec, analytic_model, hf_config_dict
+from recompute.core.timing import Device, StepWork
+from recompute.core.workload import Workload
+
+__all__ = ["ModelTables", "cost_tables", "is_profiled", "max_positions", "preset_works", "profiles_of"]
+
+FP16_CHUNKED = "with dtype fp16 its gradients, taken in the forward before a loss scaler scales them, would underflow"
+"""Why the chunked loss is not weighed under fp16."""
+
+
+@dataclass(frozen=True)
+class ModelTables:
+    """A model's cost tables (the workload's own loss mode first) and what planning it needs besides."""
+
+    tables: tuple[CostTable, ...]
+    spec: ModelSpec | None
+    """The spec the analytic model read (a preset, or any model with ``analytic``); None for a profile."""
+    profiles: tuple[Profile, ...] = ()
+    """The measured profiles the tables come from, one per loss mode."""
+    notes: tuple[str, ...] = ()
+    """What was left out and why (offload unpriced, the chunked loss under fp16, time not predicted)."""
+    alternatives: Callable[[Workload], float | None] | None = None
+    """The smallest achievable peak at another workload, where it is known without measuring."""
+
+    @property
+    def device(self) -> dict[str, Any] | None:
+        return self.tables[0].device
+
+
+def is_profiled(model: str, *, analytic: bool = False, profile: str | None = None) -> bool:
+    """Whether ``model`` is planned from a measured profile (anything but a preset, unless ``analytic``)."""
+    require(not (analytic and profile), "--analytic and --profile exclude each other; drop one")
+    return profile is not None or (not analytic and model not in PRESETS)
+
+
+def max_positions(model: str) -> int | None:
+    """The longest sequence ``model`` takes, read without torch: a preset's, or a config.json's
+    ``max_position_embeddings`` (None for a factory, or a config that does not say)."""
+    name = model.removeprefix("hf:")
+    if name in PRESETS:
+        return ModelSpec.from_name(name).max_positions
+    if Path(model).exists():
+        raw = hf_config_dict(model)
+        found = raw.get("max_position_embeddings") or raw.get("n_positions")
+        return int(found) if isinstance(found, int) and found > 0 else None
+    return None
+
+
+def cost_tables(
+    model: str,
+    wl: Workload,
+    *,
+    device: Device | None = None,
+    measured: str | Path | None = None,
+    losses: Sequence[str] = (),
+    offload: bool = False,
+    analytic: bool = False,
+    profile: str | Path | None = None,
+    progress: Progress = no_progress,
+) -> ModelTables:
+    """The cost tables of ``model`` at ``wl`` in its own loss mode and each other one in ``losses``.
+
+    Args:
+        device: price in predicted seconds on this device (None: recomputed FLOPs).
+        measured: price in the measured step times of this ``recompute bench --json`` result (a preset).
+        offload: weigh offloading a layer where its copy time can be priced.
+        analytic: the analytic model even for a model that is not a preset.
+        profile: a ``recompute profile -o`` file to plan from, at its own workload.
+
+    Raises:
+        ConfigError: the model or the workload is refused, or a file is unreadable.
+    """
+    modes = list(dict.fromkeys((wl.loss, *losses)))
+    notes: list[str] = []
+    if "chunked" in modes and wl.dtype == "fp16" and wl.loss != "chunked":
+        modes.remove("chunked")
+        notes.append(f"the chunked loss not considered: {FP16_CHUNKED}")
+    if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None):
+        return _profiled(model, wl, modes, device, offload, profile, progress, notes)
+    spec = analytic_model(model)
+    return _analytic(spec, wl, modes, device, measured, offload, progress, notes)
+
+
+def _analytic(
+    spec: ModelSpec,
+    wl: Workload,
+    modes: Sequence[str],
+    device: Device | None,
+    measured: str | Path | None,
+    offload: bool,
+    progress: Progress,
+    notes: list[str],
+) -> ModelTables:
+    wl.check(spec)
+    why_not = unpriced(wl) if device is not None else None
+    if why_not:
+        notes.append(f"costs in recomputed FLOPs: no time predicted with {why_not}")
+        device = None
+    if spec.name not in PRESETS and device is not None:
+        notes.append("costs in recomputed FLOPs: a model read analytically has no traced step to time; drop --analytic")
+        device = None
+    require(
+        measured is None or list(modes) == [wl.loss],
+        "a measured bench file prices one loss mode: plan with its loss only",
+        fields=("loss",),
+    )
+    tables = []
+    priced_offload = None
+    for mode in modes:
+        w = with_loss(wl, mode)
+        if measured is not None:
+            seconds, base = measured_costs(measured, spec.name, spec.n_layers)
+            tables.append(analytic_table(spec, w, seconds=seconds, model_seconds=base, cost_kind="measured seconds"))
+            continue
+        if device is None:
+            tables.append(analytic_table(spec, w))
+            continue
+        works = preset_works(spec, w, progress=progress)
+        seconds, base = layer_costs(works, device, spec.n_layers)
+        off = offload_layer_seconds(works["none"], layer_activations(spec, w).offloaded("offload"), device)
+        priced_offload = off if offload else None
+        tables.append(
+            analytic_table(
+                spec,
+                w,
+                seconds=seconds,
+                model_seconds=base,
+                offload=priced_offload,
+                cost_kind=f"predicted seconds on {device.label}",
+                device=device.to_dict(),
+            )
+        )
+    if offload and priced_offload is None:
+        cost = "measured seconds" if measured is not None else "flops" if device is None else "time"
+        notes.append(f"offload not considered: {unpriced_offload(device, cost)}")
+
+    def alternatives(change: Workload) -> float:
+        return smallest_achievable(analytic_table(spec, change))
+
+    return ModelTables(tuple(tables), spec, (), tuple(notes), alternatives)
+
+
+def _profiled(
+    model: str,
+    wl: Workload,
+    modes: Sequence[str],
+    device: Device | None,
+    offload: bool,
+    profile: str | Path | None,
+    progress: Progress,
+    notes: list[str],
+) -> ModelTables:
+    if profile is not None:
+        found = Profile.load(profile)
+        profiles: tuple[Profile, ...] = (found,)
+        if len(modes) > 1:
+            notes.append("the chunked loss not considered: --profile holds one loss mode's profile")
+    else:
+        profiles = profiles_of(model, wl, modes, progress=progress)
+    if offload:
+        notes.append("offload not considered: a profiled model's offload is not measured yet")
+    return ModelTables(tuple(p.cost_table(device) for p in profiles), None, profiles, tuple(notes))
+
+
+def profiles_of(
+    model: str, wl: Workload, modes: Sequence[str] = (), *, progress: Progress = no_progress
+) -> tuple[Profile, ...]:
+    """The model's profile in ``wl``'s loss mode and each other of ``modes``: from the store without torch, or
+    measured now (the torch floor loaded).
+
+    Raises:
+        ConfigError: a workload a profile cannot take (parallelism), or a model that cannot be built.
+    """
+    require(
+        wl.tp == wl.pp == wl.dp == 1 or _states_only(wl),
+        "a profile measures one device's step; drop tp and pp (recompute estimate --analytic models them)",
+        fields=("tp", "pp"),
+    )
+    wanted = [with_loss(wl, mode) for mode in dict.fromkeys((wl.loss, *modes))]
+    path = Path(model)
+    if path.exists():
+        identity = store.config_identity(hf_config_dict(path))
+        found = [store.load("profiles", store.step_key(identity, w.to_dict()), Profile.from_dict) for w in wanted]
+        if all(p is not None for p in found):
+            return tuple(p for p in found if p is not None)
+    trace = _trace()
+    source = trace.resolve_source(model)
+    return tuple(trace.cached_profile(source, w, progress=progress)[0] for w in wanted)
+
+
+def _states_only(wl: Workload) -> bool:
+    """Data parallelism changes only the model states (the distributed optimizer), not the measured step."""
+    return wl.tp == wl.pp == 1
+
+
+def preset_works(spec: ModelSpec, wl: Workload, *, progress: Progress = no_progress) -> dict[str, StepWork]:
+    """Each uniform policy's step work of a preset, from the store without torch, or traced now (two and three
+    layers, scaled). One device's step: the workload's parallelism is dropped."""
+    one = replace(wl, pp=1, dp=1, sp=False, interleave=1, n_microbatches=None)
+    key = store.step_key(store.spec_identity(spec.to_dict()), one.to_dict())
+    found = {name: store.load("work", f"{key}-{name}", StepWork.from_dict) for name in POLICIES}
+    if all(w is not None for w in found.values()):
+        return {name: w for name, w in found.items() if w is not None}
+    return dict(_trace().cached_works(spec, one, list(POLICIES), progress=progress))
+
+
+def _trace() -> ModuleType:
+    """The torch floor's trace package, loaded on first need (``import torch`` takes seconds)."""
+    return importlib.import_module("recompute.trace")
