@@ -20,9 +20,11 @@ import pytest
 
 import tiny
 from recompute import ModelSpec, Workload, estimate
-from recompute.core.analytic.table import analytic_table
+from recompute.core.analytic.table import analytic_table, analytic_tables
+from recompute.core.hardware import usable_bytes
 from recompute.core.plan import plan
 from recompute.report import bench_section, build_report, plan_section, render_html, trace_section
+from recompute.report.answer import answer_data
 from recompute.report.data import components
 from recompute.trace import trace
 
@@ -80,8 +82,16 @@ def _write_report(folder: Path) -> Path:
         "plan": plan_section(plan_file, LLAMA),
     }
     html = folder / "report.html"
-    html.write_text(render_html(build_report(LLAMA, Workload(attention="eager", seq_len=16 * K), sections=sections)))
+    report = build_report(LLAMA, Workload(attention="eager", seq_len=16 * K), sections=sections, answer=ANSWER)
+    html.write_text(render_html(report))
     return html
+
+
+ANSWER_WL = Workload(seq_len=16 * K, precision="distributed", dp=8)
+ANSWER_PLAN = plan(analytic_tables(LLAMA, ANSWER_WL, losses=("chunked",)), 64 * GiB)
+ANSWER = answer_data(ANSWER_PLAN, budget=64 * GiB, gpu="NVIDIA H100 SXM5 80GB", usable=usable_bytes("h100-80gb"),
+                     command="recompute plan --model llama3.1-8b --seq-len 16384 ... -o plan.json")  # fmt: skip
+"""The first screen's answer: the one planner's plan of Llama 3.1 8B at 16K for a 64 GiB budget (FLOPs)."""
 
 
 def _block_network(browser: Browser, route: Any) -> None:
@@ -248,6 +258,28 @@ def test_bench_chart_shows_measured_and_predicted(browser: Browser) -> None:
     assert overhead["measured overhead"][3] == pytest.approx(
         100 * (estimate(LLAMA, Workload(attention="eager", seq_len=2 * K), "block").overhead / 2) / 1.0, rel=1e-9
     )
+
+
+def test_the_first_screen_answers(browser: Browser) -> None:
+    """Before any scrolling: what fits, the plan, its peak against the budget, its cost and the line to apply it;
+    the figures are the plan's."""
+    page = browser.page
+    page.evaluate("() => window.scrollTo(0, 0)")
+    box = page.locator("#answer").bounding_box()
+    viewport = page.viewport_size
+    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= viewport["height"], (box, viewport)
+    assert box["width"] > 0.8 * min(viewport["width"], 1180)
+    text = page.inner_text("#answer")
+    assert text.startswith("What fits NVIDIA H100 SXM5 80GB: budget 64.00 GiB per GPU")
+    assert page.inner_text("#answer-plan") == "mlp x28, none x4; chunked loss"
+    assert f"predicted peak {ANSWER_PLAN.peak / GiB:.2f} GiB of 64.00 GiB" in page.inner_text("#answer-peak")
+    assert f"{100 * ANSWER_PLAN.overhead:.1f} % of the step's FLOPs" in page.inner_text("#answer-cost")
+    assert page.inner_text("#answer-apply") == "recompute.apply(model, 'plan.json', loss='chunked')"
+    href = page.get_attribute("#answer a[download]", "href")
+    assert href.startswith("data:application/json,")
+    path = browser.folder / "first-screen.png"
+    page.screenshot(path=str(path))  # the first screen only
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
 
 
 def test_screenshot(browser: Browser) -> None:

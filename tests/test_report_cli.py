@@ -264,3 +264,32 @@ def test_missing_extra_is_one_line(
     code, _, err = run(capsys, "report", "--model", "gpt2", "-o", str(out))
     assert code == 2 and "needs plotly; install the extra: pip install 'recompute[report]'" in err
     assert not out.exists()
+
+
+def test_a_report_answers_for_any_model_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config.json (transformers' class, profiled) and a factory the analytic model cannot read: the page
+    opens on the one planner's answer, the same plan `recompute plan` gives; the factory's page has no charts
+    and refuses the sections drawn against the analytic model."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_zoo import config_json
+
+    small = ["--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu", "--no-time"]
+    for model in (config_json("qwen2", tmp_path), "test_real_runs:small_factory"):
+        code, out, err = run(capsys, "plan", "--model", model, *small[:-1], "--cost", "flops", "--budget", "1e15",
+                             "--json")  # fmt: skip
+        assert code == 0, err
+        front = json.loads(out)["frontier"]
+        budget = (front[0]["peak"] + front[-1]["peak"]) / 2
+        page = tmp_path / "page.html"
+        code, _, err = run(capsys, "report", "--model", model, *small, "--budget", str(budget), "-o", str(page))
+        assert code == 0, err
+        answer = page_data(page.read_text())["answer"]
+        code, out, _ = run(capsys, "plan", "--model", model, *small[:-1], "--cost", "flops", "--budget", str(budget),
+                           "--json")  # fmt: skip
+        planned = json.loads(out)
+        assert answer["layers"] == planned["policy"]["layers"] and answer["chosen"]["peak"] <= budget
+        assert answer["chosen"]["peak"] == pytest.approx(planned["predicted"]["peak"], rel=1e-12)
+        assert page.read_text().index("id='answer'") < page.read_text().index("</main>")
+    assert "id='memory'" not in page.read_text() and "is not drawn here" in page.read_text()
+    code, _, err = run(capsys, "report", "--model", "test_real_runs:small_factory", *small, "--trace", "-o", str(page))
+    assert code == 2 and "draw(s) against the analytic model" in err and len(err.strip().splitlines()) == 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from recompute import ModelSpec, Policy, Workload
+from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.checkpointing import apply
 from recompute.cli import main
 from recompute.core.analytic import n_params
@@ -224,3 +224,49 @@ def test_hugging_face_models_trace_like_their_real_step(name: str, policy: str) 
         assert getattr(fake, figure) == getattr(real, figure), figure
     if policy == "block":
         assert fake.layers[1].components == {"checkpoint": 4 * B * S * spec.hidden}
+
+
+def _real_states(spec: ModelSpec, precision: str, dp: int = 1) -> float:
+    """Bytes a real optimizer step holds in model states: plain AdamW in one dtype (fp32, bf16), or Megatron's
+    mixed precision (bf16 weights, fp32 gradients, fp32 master weights and AdamW over them; with ``dp`` > 1 the
+    master weights and AdamW's moments of this rank's 1/dp shard, as a distributed optimizer keeps)."""
+    torch.manual_seed(0)
+    model = build_model(spec)
+    if precision in ("fp32", "bf16"):
+        model = model.to(torch.float32 if precision == "fp32" else torch.bfloat16)
+        params = [p for p in model.parameters()]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = torch.optim.AdamW(params)
+        opt.step()
+        held = [*params, *(p.grad for p in params), *(t for s in opt.state.values() for t in s.values() if t.dim())]
+        return float(sum(t.numel() * t.element_size() for t in held))
+    model = model.to(torch.bfloat16)
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().float().reshape(-1) for p in params])
+    grads = torch.zeros_like(flat)  # fp32 main gradients, all of them
+    shard = flat[: -(-flat.numel() // dp)].clone().requires_grad_()  # this rank's master weights
+    opt = torch.optim.AdamW([shard])
+    shard.grad = torch.zeros_like(shard)
+    opt.step()
+    moments = [t for s in opt.state.values() for t in s.values() if t.dim()]
+    held = [*params, grads, shard, *moments]
+    return float(sum(t.numel() * t.element_size() for t in held))
+
+
+@pytest.mark.parametrize(("precision", "dp"), [("fp32", 1), ("bf16", 1), ("mixed", 1), ("distributed", 4)])
+def test_trace_prices_the_model_states_of_the_precision(precision: str, dp: int) -> None:
+    """The step is traced in one dtype; its states are priced for the workload's precision: equal to the
+    preset's formula and to a real optimizer step's bytes, and every phase moves with them (issue 24)."""
+    spec = tiny_llama(n_layers=2, vocab=4096)  # a vocabulary that weighs: the optimizer step's temporaries
+    wl = Workload(micro_batch=B, seq_len=S, dtype="bf16", device="cpu", precision=precision, dp=dp)
+    t = trace(spec, wl, "block")
+    states = t.parameters + t.gradients + t.optimizer
+    formula = estimate(spec, wl, "block").states
+    assert states == pytest.approx(formula.total, abs=4)  # rounded to whole bytes
+    assert states == pytest.approx(_real_states(spec, precision, dp), rel=1e-3)  # the shard rounds up
+    plain = trace(spec, dataclasses.replace(wl, precision="bf16", dp=1), "block")
+    moved = (t.parameters + t.optimizer) - (plain.parameters + plain.optimizer)
+    assert t.phases["forward: the layers"] - plain.phases["forward: the layers"] == pytest.approx(moved, abs=4)
+    assert (precision == "bf16") == (t.peak == plain.peak)
+    assert (precision == "bf16") == (not any("priced for" in n for n in t.notes))

@@ -22,7 +22,7 @@ from recompute.core import store
 from recompute.core.analytic.memory import layer_activations
 from recompute.core.analytic.table import analytic_table, with_loss
 from recompute.core.costs import CostTable
-from recompute.core.errors import require
+from recompute.core.errors import ConfigError, first_line, require
 from recompute.core.plan import smallest_achievable
 from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
@@ -64,10 +64,11 @@ class ModelTables:
         return self.tables[0].device
 
 
-def is_profiled(model: str, *, analytic: bool = False, profile: str | None = None) -> bool:
-    """Whether ``model`` is planned from a measured profile (anything but a preset, unless ``analytic``)."""
+def is_profiled(model: str | Any, *, analytic: bool = False, profile: str | None = None) -> bool:
+    """Whether ``model`` (a name, or a ``ModelSource``) is planned from a measured profile: anything but a
+    preset, unless ``analytic``."""
     require(not (analytic and profile), "--analytic and --profile exclude each other; drop one")
-    return profile is not None or (not analytic and model not in PRESETS)
+    return profile is not None or (not analytic and not (isinstance(model, str) and model in PRESETS))
 
 
 def max_positions(model: str) -> int | None:
@@ -84,7 +85,7 @@ def max_positions(model: str) -> int | None:
 
 
 def cost_tables(
-    model: str,
+    model: str | Any,
     wl: Workload,
     *,
     device: Device | None = None,
@@ -95,7 +96,8 @@ def cost_tables(
     profile: str | Path | None = None,
     progress: Progress = no_progress,
 ) -> ModelTables:
-    """The cost tables of ``model`` at ``wl`` in its own loss mode and each other one in ``losses``.
+    """The cost tables of ``model`` (a name as ``--model`` takes, or a ``ModelSource``) at ``wl`` in its own loss
+    mode and each other one in ``losses``.
 
     Args:
         device: price in predicted seconds on this device (None: recomputed FLOPs).
@@ -178,7 +180,7 @@ def _analytic(
 
 
 def _profiled(
-    model: str,
+    model: str | Any,
     wl: Workload,
     modes: Sequence[str],
     device: Device | None,
@@ -193,14 +195,19 @@ def _profiled(
         if len(modes) > 1:
             notes.append("the chunked loss not considered: --profile holds one loss mode's profile")
     else:
-        profiles = profiles_of(model, wl, modes, progress=progress)
+        profiles = profiles_of(model, wl, modes[:1], progress=progress)
+        for mode in modes[1:]:  # another loss mode the model cannot take is left out, not the whole plan
+            try:
+                profiles += profiles_of(model, with_loss(wl, mode), progress=progress)
+            except ConfigError as e:
+                notes.append(f"the {mode} loss not considered: {first_line(e)}")
     if offload:
         notes.append("offload not considered: a profiled model's offload is not measured yet")
     return ModelTables(tuple(p.cost_table(device) for p in profiles), None, profiles, tuple(notes))
 
 
 def profiles_of(
-    model: str, wl: Workload, modes: Sequence[str] = (), *, progress: Progress = no_progress
+    model: str | Any, wl: Workload, modes: Sequence[str] = (), *, progress: Progress = no_progress
 ) -> tuple[Profile, ...]:
     """The model's profile in ``wl``'s loss mode and each other of ``modes``: from the store without torch, or
     measured now (the torch floor loaded).
@@ -214,14 +221,13 @@ def profiles_of(
         fields=("tp", "pp"),
     )
     wanted = [with_loss(wl, mode) for mode in dict.fromkeys((wl.loss, *modes))]
-    path = Path(model)
-    if path.exists():
-        identity = store.config_identity(hf_config_dict(path))
+    if isinstance(model, str) and Path(model).exists():
+        identity = store.config_identity(hf_config_dict(model))
         found = [store.load("profiles", store.step_key(identity, w.to_dict()), Profile.from_dict) for w in wanted]
         if all(p is not None for p in found):
             return tuple(p for p in found if p is not None)
     trace = _trace()
-    source = trace.resolve_source(model)
+    source = trace.resolve_source(model) if isinstance(model, str) else model
     return tuple(trace.cached_profile(source, w, progress=progress)[0] for w in wanted)
 
 

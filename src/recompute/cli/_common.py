@@ -36,6 +36,7 @@ __all__ = [
     "emit_json",
     "policy_from",
     "time_device",
+    "workload_flags",
     "workload_from",
     "writable",
 ]
@@ -135,6 +136,18 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
         help="use the closed-form model even for a model that is not a preset (default: its measured profile)",
     )
     p.add_argument("--profile", help="a `recompute profile -o` file: use it, at its workload (no torch needed)")
+
+
+def workload_flags(wl: Workload) -> list[str]:
+    """The options that give ``wl`` on the command line: its fields that differ from the defaults."""
+    defaults = {**Workload().to_dict(), "precision": Workload(dtype=wl.dtype).precision}  # it follows the dtype
+    out = []
+    for f in workload_fields():
+        value = getattr(wl, f.name)
+        if value == defaults[f.name]:
+            continue
+        out += [f.metadata["flag"]] if isinstance(value, bool) else [f.metadata["flag"], str(value)]
+    return out
 
 
 def add_time_args(p: argparse.ArgumentParser, *, what: str = "predict step times", no_time: bool = True) -> None:

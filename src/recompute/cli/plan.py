@@ -30,6 +30,7 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.plan import Plan, parse_budget, plan, require_fits
 from recompute.core.policy import Policy
 from recompute.core.profile import Profile
+from recompute.core.store import atomic_write
 from recompute.core.table import gib
 from recompute.core.workload import Workload, build_workload
 from recompute.planning import cost_tables, is_profiled, max_positions
@@ -73,6 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="trace the chosen plan's step on fake tensors and re-plan until its traced peak fits (needs torch)",
     )
     p.add_argument("-o", "--output", help="write the plan file here (apply, bench, train and verify take it as is)")
+    p.add_argument("--frontier", action="store_true", help="show every plan of the frontier (default: a dozen)")
     p.add_argument("--json", action="store_true", help="print the plan, frontier and prediction as JSON")
 
 
@@ -118,14 +120,17 @@ def run(args: argparse.Namespace) -> int:
     notes = list(result.notes) + _notes(result, wl, host_budget)
     data = result.to_dict() | {"notes": notes}
     if output:
-        output.write_text(json.dumps(data, indent=2) + "\n")
+        atomic_write(output, json.dumps(data, indent=2) + "\n")
     if args.json:
         emit_json(data)
         return 0
     breakdown = None
     if found.spec is not None:
         breakdown = estimate(found.spec, build_workload(**result.workload), result.policy)
-    print(render_plan(result, wl, breakdown=breakdown, output=str(output) if output else None, notes=notes))
+    shown = len(result.frontier) if args.frontier else 12
+    print(
+        render_plan(result, wl, breakdown=breakdown, output=str(output) if output else None, notes=notes, points=shown)
+    )
     return 0
 
 

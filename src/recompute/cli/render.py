@@ -174,7 +174,9 @@ def render_plan(
         lines += ["", _breakdown(breakdown)]
     lines += [
         "",
-        f"frontier ({len(plan.frontier)} plans, none both smaller and cheaper; {len(sample)} shown, * = chosen):",
+        f"frontier ({len(plan.frontier)} plans, none both smaller and cheaper; {len(sample)} shown, * = chosen"
+        + ("; --frontier for all" if len(sample) < len(plan.frontier) else "")
+        + "):",
         frontier,
         "",
         uniform,

@@ -13,17 +13,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recompute.cli._common import add_model_args, add_time_args, add_workload_args, time_device, workload_from, writable
+from recompute.cli._common import (
+    add_model_args,
+    add_time_args,
+    add_workload_args,
+    time_device,
+    workload_flags,
+    workload_from,
+    writable,
+)
 from recompute.cli._lazy import torch_floor
 from recompute.core.analytic.memory import layer_activations
-from recompute.core.errors import ConfigError
-from recompute.core.hardware import gpu_by_name
+from recompute.core.errors import ConfigError, first_line, require
+from recompute.core.hardware import gpu_by_name, usable_bytes
+from recompute.core.plan import NothingFits, parse_budget, plan
 from recompute.core.presets import PRESETS
 from recompute.core.pricing import DEFAULT_GPU, offload_layer_seconds, unpriced
 from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.timing import Timing, timing
 from recompute.core.workload import ATTENTIONS, Workload
-from recompute.planning import preset_works
+from recompute.planning import cost_tables, max_positions, preset_works
+from recompute.report.answer import answer_data
 from recompute.report.data import build_report
 from recompute.report.extras import bench_section, plan_section, trace_section
 from recompute.report.html import render_html
@@ -39,7 +49,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     for action in p._actions:  # the report sweeps s; --seq-len only places the savings table
         if action.dest == "seq_len":
             action.help = f"s of the savings table ({str(action.help).split('(', 1)[1]}; the charts sweep 1K to 128K"
-    add_time_args(p, what="draw its memory line and predict the savings table's times")
+    add_time_args(p, what="plan for it, draw its memory line and predict the savings table's times")
+    p.add_argument(
+        "--budget",
+        help="memory per GPU the answer's plan may use: a size or a GPU name (default: --gpu's usable memory)",
+    )
     p.add_argument(
         "--trace",
         action="store_true",
@@ -59,8 +73,16 @@ def _require_extra(*modules: str) -> None:
         )
 
 
-def _sections(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str, Any]:
+def _sections(args: argparse.Namespace, spec: ModelSpec | None, wl: Workload) -> dict[str, Any]:
     """The optional sections asked for; the files are read (and refused) before the slow trace runs."""
+    asked = [flag for flag, on in (("--plan", args.plan), ("--bench", args.bench), ("--trace", args.trace)) if on]
+    if spec is None:
+        require(
+            not asked,
+            f"{', '.join(asked)} draw(s) against the analytic model, which does not read {args.model}; "
+            "drop them (the page's answer is the model's own plan)",
+        )
+        return {}
     sections: dict[str, Any] = {}
     if args.plan:
         sections["plan"] = plan_section(args.plan, spec)
@@ -69,6 +91,21 @@ def _sections(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[s
     if args.trace:
         sections["trace"] = trace_section(spec, wl, trace=torch_floor("recompute.trace").trace)
     return sections
+
+
+def _answer(args: argparse.Namespace, wl: Workload, budget: float, gpu: str) -> dict[str, Any]:
+    """The first screen: the one planner's plan for this workload on this GPU (offload and the chunked loss
+    weighed), priced in time unless --no-time; what it says when nothing fits."""
+    device = None if args.no_time else time_device(args)
+    flags = " ".join(workload_flags(wl))
+    command = f"recompute plan --model {args.model} {flags} --gpu {gpu} --budget {budget / 2**30:.2f}GiB -o plan.json"
+    usable, label = usable_bytes(gpu), gpu_by_name(gpu).label
+    try:
+        found = cost_tables(args.model, wl, device=device, losses=("chunked",), offload=True)
+        result = plan(found.tables, budget, alternatives=found.alternatives, notes=found.notes)
+    except NothingFits as e:
+        return answer_data(None, budget=budget, gpu=label, usable=usable, command=command, refusal=str(e))
+    return answer_data(result, budget=budget, gpu=label, usable=usable, command=command)
 
 
 def _times(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str, dict[str, Timing]] | None:
@@ -104,10 +141,22 @@ def run(args: argparse.Namespace) -> int:
     out = writable(args.output, "-o", "report.html")
     if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
         raise ConfigError(f"--png {args.png!r} is a file; give a folder for the PNGs")
-    spec = resolve_model(args.model)
-    wl = workload_from(args, spec)
-    wl.check(spec)
-    report = build_report(spec, wl, gpu=gpu, sections=_sections(args, spec, wl), times=_times(args, spec, wl))
+    budget = parse_budget(args.budget) if args.budget is not None else usable_bytes(gpu)
+    try:
+        spec: ModelSpec | None = resolve_model(args.model)
+        why = ""
+    except ConfigError as e:  # a factory, or a class the analytic model does not read: the answer alone
+        spec, why = None, first_line(e)
+    wl = workload_from(args, spec if spec is not None else max_positions(args.model))
+    if spec is not None:
+        wl.check(spec)
+    sections = _sections(args, spec, wl)
+    answer = _answer(args, wl, budget, gpu)
+    times = _times(args, spec, wl) if spec is not None else None
+    report = build_report(
+        spec if spec is not None else args.model, wl, gpu=gpu, sections=sections, times=times, answer=answer,
+        analytic=why,
+    )  # fmt: skip
     try:
         out.write_text(render_html(report), encoding="utf-8")
     except OSError as e:

@@ -16,10 +16,17 @@ from recompute.core.errors import ConfigError
 from recompute.core.table import GiB
 from recompute.core.workload import Workload, build_workload
 
-__all__ = ["ALTERNATIVE_FIELDS", "alternatives_of", "nothing_fits"]
+__all__ = ["ALTERNATIVE_FIELDS", "NothingFits", "alternatives_of", "nothing_fits"]
 
 ALTERNATIVE_FIELDS = ("attention", "micro_batch", "precision", "dp", "tp", "sp")
 """The workload fields the advice changes (it names them)."""
+
+
+class NothingFits(ConfigError):
+    """No plan fits the budget: the message gives the smallest achievable peak and what would fit."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, fields=ALTERNATIVE_FIELDS)
 
 
 def nothing_fits(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from recompute.core.advice import ALTERNATIVE_FIELDS, nothing_fits
+from recompute.core.advice import ALTERNATIVE_FIELDS, NothingFits, nothing_fits
 from recompute.core.analytic.estimate import Estimate, estimate
 from recompute.core.costs import Composed, CostTable
 from recompute.core.errors import ConfigError, require
@@ -30,6 +30,7 @@ from recompute.core.workload import Workload, build_workload
 __all__ = [
     "ALTERNATIVE_FIELDS",
     "FORMAT",
+    "NothingFits",
     "Plan",
     "PlanPoint",
     "best_uniform",
@@ -69,7 +70,7 @@ def plan(
     own = [p for p in points if p.loss == tables[0].workload["loss"]] or _own_frontier(tables[0], host_budget)
     chosen = _choose(points, own, budget)
     if chosen is None:
-        raise ConfigError(_nothing_fits(tables, budget, points, alternatives, host_budget), fields=ALTERNATIVE_FIELDS)
+        raise NothingFits(_nothing_fits(tables, budget, points, alternatives, host_budget))
     traced = None
     if traced_peak is not None:
         chosen, traced = _fit_traced(tables, (points, own), chosen, budget, traced_peak)
@@ -128,7 +129,7 @@ def require_fits(
     tables = _as_tables(tables)
     smallest = smallest_achievable(tables, host_budget=host_budget)
     if smallest > budget:
-        raise ConfigError(nothing_fits(tables[0], budget, smallest, alternatives), fields=ALTERNATIVE_FIELDS)
+        raise NothingFits(nothing_fits(tables[0], budget, smallest, alternatives))
 
 
 def _as_tables(tables: CostTable | Sequence[CostTable]) -> tuple[CostTable, ...]:

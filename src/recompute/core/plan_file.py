@@ -7,13 +7,16 @@ where the figures come from. Torch-free.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import require
 from recompute.core.hardware import GPUS, gpu_by_name, usable_bytes
 from recompute.core.policy import Policy
+from recompute.core.store import atomic_write
 from recompute.core.table import GiB, MiB
 
 __all__ = ["FORMAT", "Plan", "PlanPoint", "parse_budget"]
@@ -146,6 +149,10 @@ class Plan:
     @property
     def loss_chunk(self) -> int | None:
         return self.workload.get("loss_chunk")
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan file (``recompute.apply(model, path)`` takes it as it is)."""
+        atomic_write(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file: ``Policy.from_dict`` reads its ``policy`` entry, ``apply`` its loss mode."""

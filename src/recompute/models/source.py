@@ -38,7 +38,7 @@ from recompute.models import build_model, model_class
 from recompute.models.hf import HF_ALIASES, HF_ATTENTION, build_hf_model, hf_class_name
 from recompute.models.loss import LossFn, hf_loss, lm_loss
 
-__all__ = ["BuiltModel", "ModelSource", "build_source", "load_hf_config", "resolve_source"]
+__all__ = ["BuiltModel", "ModelSource", "build_source", "load_hf_config", "meta_copy", "resolve_source"]
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _REQUIRED = {
@@ -83,6 +83,20 @@ class ModelSource:
             name = name or (path.name if path.is_dir() else path.stem)
         return cls(name=name or str(cfg.model_type), origin=origin, config=cfg, raw=raw)
 
+    @classmethod
+    def from_module(cls, model: nn.Module) -> ModelSource:
+        """A source for a model already built: recompute's GPT/Llama by their spec, a transformers model by its
+        config (its own class rebuilt), any other module by a copy of it on the meta device (its weights are
+        neither copied nor touched)."""
+        spec = getattr(model, "spec", None)
+        if isinstance(spec, ModelSpec):
+            return cls.preset(spec)
+        config = getattr(model, "config", None)
+        if config is not None and type(config).__name__.endswith("Config") and hasattr(config, "to_dict"):
+            return cls.from_config(config, name=getattr(config, "_name_or_path", None) or None)
+        name = f"{type(model).__module__}.{type(model).__name__}"
+        return cls(name=name, origin=f"a {type(model).__name__} instance", factory=lambda: meta_copy(model))
+
     @property
     def kind(self) -> str:
         """``preset``, ``config`` or ``factory``."""
@@ -115,6 +129,16 @@ class BuiltModel:
     """The class built, with its package: ``transformers.MixtralForCausalLM``, ``recompute.models.GPT``."""
     notes: tuple[str, ...] = ()
     """What differs from what was asked (an attention implementation transformers refused, ...)."""
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (shared ones stay shared)."""
+    memo: dict[int, Any] = {}
+    for tensor in model.state_dict(keep_vars=True).values():
+        if id(tensor) not in memo:
+            empty = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
 
 
 def resolve_source(text: str) -> ModelSource:

@@ -47,6 +47,12 @@ th:first-child, td:first-child { text-align: left; }
 tr.on td { background: #eef3fd; }
 .verdict { margin-top: 10px; padding: 8px 12px; border-left: 4px solid var(--accent); background: #f3f6fc; }
 code { font-size: 13px; background: #f0f2f5; padding: 1px 4px; border-radius: 4px; }
+.answer { border: 2px solid var(--accent); }
+.answer.none { border-color: #c0392b; }
+.answer .verdict b { font-size: 19px; }
+.meter { height: 10px; background: #eef0f4; border-radius: 5px; overflow: hidden; margin: 8px 0; }
+.meter div { height: 100%; background: var(--accent); }
+.source { color: var(--muted); font-size: 13px; }
 footer { font-size: 13px; padding-bottom: 32px; }
 """
 
@@ -205,7 +211,8 @@ PAGE_JS = r"""
     drawers: [markButtons, drawMemory, drawOverhead, drawAttention, fillSavings, fillCards],
     once: [],
   };
-  R.render = () => R.drawers.forEach((draw) => draw());
+  // A model the analytic model does not read has no series: the page is its answer and its sections.
+  R.render = () => (series() ? R.drawers : [markButtons]).forEach((draw) => draw());
   window.RECOMPUTE = R;
 })();
 """

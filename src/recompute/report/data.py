@@ -265,6 +265,10 @@ class Report:
     """Family members left out, with the reason (e.g. the tensor-parallel size does not divide their heads)."""
     sections: dict[str, Any] = field(default_factory=dict)
     """Optional ``trace``, ``bench`` and ``plan`` sections (plain JSON-ready dicts, see ``report.extras``)."""
+    answer: dict[str, Any] | None = None
+    """The first screen: what fits the GPU (``report.answer.answer_data``)."""
+    analytic: str = ""
+    """Why the charts are missing when the analytic model does not read the model ("" when they are drawn)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data, embedded in the page as ``<script type="application/json" id="data">``."""
@@ -272,23 +276,38 @@ class Report:
 
 
 def build_report(
-    spec: ModelSpec,
+    spec: ModelSpec | str,
     wl: Workload,
     *,
     gpu: str | GPU = "h100-80gb",
     sections: dict[str, Any] | None = None,
     times: Mapping[str, Mapping[str, Timing]] | None = None,
+    answer: dict[str, Any] | None = None,
+    analytic: str = "",
 ) -> Report:
     """Compute every series of the page for ``spec`` and its family under ``wl``.
 
     ``wl.seq_len`` is where the savings table is taken (clipped to each size's context); the charts sweep
     ``sequence_lengths``. ``wl.attention`` only picks what the page shows first. ``times``: ``spec``'s predicted
-    timings per attention and policy at the table's length (the other sizes show none).
+    timings per attention and policy at the table's length (the other sizes show none). ``spec`` may be a
+    model's name alone, for a model the analytic model does not read (``analytic`` says why): the page is then
+    its ``answer`` and its sections.
 
     Raises:
         ConfigError: unknown GPU, or ``wl`` cannot run ``spec`` itself (other sizes that it cannot run are
         listed in ``Report.skipped``).
     """
+    if isinstance(spec, str):
+        return Report(
+            model=spec,
+            workload=wl.to_dict(),
+            gpu=GpuLine.of(gpu),
+            models={},
+            worked=worked_example(),
+            sections=dict(sections or {}),
+            answer=answer,
+            analytic=analytic or "the analytic model does not read this model",
+        )
     wl.check(spec)
     models, skipped = {}, {}
     for member in family(spec):
@@ -307,4 +326,5 @@ def build_report(
         worked=worked_example(),
         skipped=skipped,
         sections=dict(sections or {}),
+        answer=answer,
     )

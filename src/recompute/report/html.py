@@ -13,6 +13,7 @@ from typing import Any
 
 from recompute.core import __version__
 from recompute.core.table import gib
+from recompute.report.answer import answer_html
 from recompute.report.assets import PAGE_CSS, PAGE_JS, START_JS
 from recompute.report.data import Report, WorkedExample
 from recompute.report.sections import SECTIONS, section
@@ -42,13 +43,13 @@ def render_html(report: Report, *, plotly_js: str | None = None) -> str:
     title = f"Activation recomputation: {report.model}"
     present = [name for name in SECTIONS if name in report.sections]
     script = PAGE_JS + "".join(SECTIONS[name].script for name in present) + START_JS
+    charts = [_controls(report), _cards(), *_analytic_sections(report)] if report.models else [_no_charts(report)]
     body = "\n".join(
         [
             f"<header><h1>{escape(title)}</h1><p class='sub'>{escape(_workload_line(report))}</p></header>",
             "<main>",
-            _controls(report),
-            _cards(),
-            *_analytic_sections(report),
+            *([answer_html(report.answer)] if report.answer else []),
+            *charts,
             *(SECTIONS[name].html(report.sections[name]) for name in present),
             "</main>",
             _footer(report),
@@ -64,12 +65,22 @@ def render_html(report: Report, *, plotly_js: str | None = None) -> str:
     )
 
 
+def _no_charts(report: Report) -> str:
+    return section(
+        "charts",
+        "The workshop's charts",
+        f"They sweep the sequence length with the analytic model, which is not drawn here: {escape(report.analytic)}. "
+        "The answer above comes from the model's own profile, measured at this workload.",
+        "",
+    )
+
+
 def _workload_line(report: Report) -> str:
     w = report.workload
     parallel = f"t={w['tp']}{' + sp' if w['sp'] else ''}, p={w['pp']}, d={w['dp']}"
     return (
         f"micro-batch {w['micro_batch']}, {w['dtype']} activations on {w['device']}, {w['precision']} precision, "
-        f"{parallel}; every number from recompute's analytic model"
+        f"{parallel}" + ("; the charts from recompute's analytic model" if report.models else "")
     )
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from recompute.core.states import Restate
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase, SavedRecord
 
@@ -142,16 +143,27 @@ def from_record(
     seconds: float = 0.0,
     parameter_count: int = 0,
 ) -> TraceResult:
-    """Aggregate a ``StepRecord`` into a ``TraceResult``."""
+    """Aggregate a ``StepRecord`` into a ``TraceResult``, its model states priced for ``workload``'s precision
+    (``recompute.core.states``; the step itself runs in one dtype)."""
     by_layer: dict[int, list[SavedRecord]] = {}
     for r in record.saved:
         by_layer.setdefault(r.layer, []).append(r)
-    peak, phase = record.peak
+    st = record.states
+    restate = Restate.of(st.get("Parameter", 0), workload.get("dtype", "fp32"), workload.get("precision"),
+                         workload.get("dp", 1))  # fmt: skip
+    priced = {
+        ph: (round(restate.phase(value, parts, optimizer=ph.stage == "optimizer")), parts)
+        for ph, (value, parts) in record.phase_peaks.items()
+    }
+    phase, (peak, _) = max(priced.items(), key=lambda kv: (kv[1][0], [-x for x in kv[0].order()]))
     phases: dict[str, int] = {}
-    for ph, (value, _) in sorted(record.phase_peaks.items(), key=lambda kv: kv[0].order()):
+    for ph, (value, _) in sorted(priced.items(), key=lambda kv: kv[0].order()):
         group = _phase_group(ph)
         phases[group] = max(phases.get(group, 0), value)
-    st = record.states
+    states = {"Parameter": st.get("Parameter", 0), "Gradient": st.get("Gradient", 0), "Optstate": st.get("Optstate", 0)}
+    if not restate.identity:
+        states = dict(zip(states, (round(v) for v in restate.states().values())))
+        notes = (*notes, restate.note())
     return TraceResult(
         model=model,
         policy=policy,
@@ -159,16 +171,16 @@ def from_record(
         workload=workload,
         n_layers=record.n_layers,
         traced=traced,
-        parameters=st.get("Parameter", 0),
-        gradients=st.get("Gradient", 0),
-        optimizer=st.get("Optstate", 0),
+        parameters=states["Parameter"],
+        gradients=states["Gradient"],
+        optimizer=states["Optstate"],
         other=st.get("Buffer", 0) + st.get("Other", 0),
         layers=tuple(part_trace(f"layer {j}", by_layer.get(j, [])) for j in range(record.n_layers)),
         embedding=part_trace("embedding", by_layer.get(-1, [])),
         head=part_trace("head and loss", by_layer.get(-2, [])),
         peak=peak,
         peak_phase=str(phase),
-        peak_breakdown={k: v for k, v in record.phase_peaks[phase][1].items() if v},
+        peak_breakdown={k: v for k, v in record.phase_peaks[phase][1].items() if v},  # as traced
         phases=phases,
         notes=notes,
         parameter_count=parameter_count,

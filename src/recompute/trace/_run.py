@@ -234,11 +234,11 @@ def _source_of(model: ModelSpec | ModelSource | str, hf: bool) -> ModelSource:
 
 def _check_traceable(source: ModelSource, wl: Workload) -> None:
     require(
-        wl.pp == wl.dp == 1,
-        "trace runs one tensor-parallel rank of one pipeline stage's model; drop pp and dp "
-        "(recompute estimate models pipeline and data parallelism)",
-        fields=("pp", "dp"),
-    )
+        wl.pp == 1,
+        "trace runs one tensor-parallel rank of one pipeline stage's model; drop pp "
+        "(recompute estimate models pipeline parallelism)",
+        fields=("pp",),
+    )  # a data-parallel rank runs the same step: dp only shards a distributed optimizer's state
     require(
         wl.ep == 1 and wl.capacity_factor == 1.0,
         "trace runs transformers' experts on one rank, where every routed token copy is computed whatever the "
@@ -446,7 +446,8 @@ def trace_module(
 
 def _workload_dict(wl: Workload) -> dict[str, Any]:
     keys = ("micro_batch", "seq_len", "dtype", "attention", "device", "tp", "sp", "keep_grads", "loss", "loss_chunk")
-    return {k: getattr(wl, k) for k in keys}
+    states = ("precision", "dp")  # the model states are priced for them (``recompute.core.states``)
+    return {k: getattr(wl, k) for k in (*keys, *states)}
 
 
 def _notes(source: ModelSource, built: BuiltModel, wl: Workload, counts: tuple[int, ...], n: int) -> tuple[str, ...]:

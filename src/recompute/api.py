@@ -1,0 +1,179 @@
+"""The Python API a notebook user reaches for: ``estimate``, ``profile`` and ``plan`` of any model, by name,
+config or module, with the workload as keyword arguments.
+
+    >>> import recompute
+    >>> recompute.estimate("llama3.1-8b", 4096, "block").peak > 0
+    True
+    >>> plan = recompute.plan("path/to/config.json", budget="24GiB", gpu="rtx4090-24gb", seq_len=4096)  # doctest: +SKIP
+    >>> recompute.apply(model, plan)  # doctest: +SKIP
+
+A model is a preset name, a transformers config (a config.json path or its folder, a dict, a
+``PretrainedConfig``), a ``package.module:factory`` string, or a built ``nn.Module`` (recompute's GPT/Llama, a
+transformers model, any decoder-only LM: measured from a copy on the meta device, its weights untouched).
+Workload keywords are ``Workload``'s fields (``seq_len``, ``micro_batch``, ``dtype``, ``tp``, ...). Nothing here
+imports torch until a model has to be built or measured.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from recompute.core.analytic import Estimate
+from recompute.core.analytic import estimate as analytic_estimate
+from recompute.core.errors import ConfigError, require
+from recompute.core.plan import Plan, parse_budget, require_fits
+from recompute.core.plan import plan as plan_tables
+from recompute.core.policy import Policy
+from recompute.core.presets import PRESETS
+from recompute.core.pricing import choose_device
+from recompute.core.profile import Profile
+from recompute.core.spec import ModelSpec, analytic_model
+from recompute.core.workload import Workload
+from recompute.planning import cost_tables, max_positions
+
+__all__ = ["estimate", "plan", "profile"]
+
+DEFAULT_SEQ_LEN = 2048
+"""The sequence length when none is given (or the model's context if shorter), as on the command line."""
+
+
+def estimate(
+    model: ModelSpec | str,
+    seq_len: int | Workload | None = None,
+    policy: Policy | str = "none",
+    **workload: Any,
+) -> Estimate:
+    """Memory by component and FLOPs of one training step of ``model`` under ``policy``, from the analytic model.
+
+    Args:
+        model: a ``ModelSpec``, a preset name (``"llama3.1-8b"``) or a transformers config.json the analytic model
+            covers (``recompute.profile`` measures any other).
+        seq_len: tokens per sequence (default 2048, or the model's context if shorter), or a whole ``Workload``.
+        policy: a policy name (``"block"``, ``"full"``), a ``Policy`` or a plan file.
+        **workload: any other ``Workload`` field: ``micro_batch=2``, ``tp=8``, ``sp=True``, ...
+
+    Raises:
+        ConfigError: an unknown model or policy, or a workload the model cannot take.
+    """
+    spec = model if isinstance(model, ModelSpec) else analytic_model(str(model))
+    return analytic_estimate(spec, _workload(seq_len, workload, spec.max_positions), policy)
+
+
+def profile(model: Any, seq_len: int | Workload | None = None, **workload: Any) -> Profile:
+    """What every kind of layer of ``model`` keeps, replays and costs under every policy, measured on fake tensors
+    of its own class (``recompute.trace.profile``) and kept in the store: a second call returns at once.
+
+    Args:
+        model: a preset name, a transformers config (path, folder, dict or ``PretrainedConfig``), a
+            ``module:factory`` string or a built ``nn.Module``.
+        seq_len: tokens per sequence (default 2048, or the model's context if shorter), or a whole ``Workload``.
+        **workload: any other ``Workload`` field (one device: no tensor or pipeline parallelism).
+    """
+    trace = importlib.import_module("recompute.trace")
+    source = _source(model)
+    wl = _workload(seq_len, workload, source.max_positions)
+    return trace.cached_profile(source, wl)[0]  # type: ignore[no-any-return]
+
+
+def plan(
+    model: Any,
+    budget: str | float | None = None,
+    *,
+    gpu: str | None = None,
+    device_profile: str | Path | None = None,
+    seq_len: int | Workload | None = None,
+    cost: str = "time",
+    consider: Sequence[str] = ("offload", "chunked"),
+    host_budget: str | float | None = None,
+    trace: bool = False,
+    **workload: Any,
+) -> Plan:
+    """The cheapest per-layer recomputation of ``model`` whose predicted peak fits ``budget``, as
+    ``recompute plan`` finds it; ``recompute.apply(model, plan)`` takes the result (or its file, ``plan.save``).
+
+    Args:
+        model: as ``profile``'s (a preset is read by the analytic model, anything else by its profile).
+        budget: bytes per GPU, a size (``"70GiB"``) or a GPU name (its usable memory); default: ``gpu``'s.
+        gpu: the GPU the plan is priced on (its datasheet row; default an H100 SXM); ``device_profile``: a
+            ``recompute calibrate`` file instead.
+        seq_len: tokens per sequence, or a whole ``Workload``.
+        cost: ``time`` (predicted on the device) or ``flops``.
+        consider: besides recomputation, ``offload`` and ``chunked`` (the chunked loss).
+        host_budget: host memory per GPU the offloaded layers may take.
+        trace: check the chosen plan's peak on the real step (fake tensors) and re-plan until it fits.
+        **workload: any other ``Workload`` field.
+
+    Raises:
+        ConfigError: nothing fits (the message says the smallest achievable peak and what would fit), or bad input.
+    """
+    require(cost in ("time", "flops"), f"cost must be time or flops, got {cost!r}", fields=("cost",))
+    unknown = set(consider) - {"offload", "chunked"}
+    require(not unknown, f"consider takes offload and chunked, got {sorted(unknown)}", fields=("consider",))
+    if budget is None and gpu is None:
+        raise ConfigError("plan needs a budget: give budget= (e.g. '70GiB') or gpu= (its usable memory)")
+    limit = parse_budget(budget if budget is not None else str(gpu))
+    host = parse_budget(host_budget, "host_budget") if host_budget is not None else None
+    device = choose_device(gpu=gpu, device_profile=device_profile) if cost == "time" else None
+    name = _name(model)
+    wl = _workload(seq_len, workload, max_positions(name) if name is not None else _source(model).max_positions)
+    losses = ("chunked",) if "chunked" in consider else ()
+    target: Any = name if name is not None else _source(model)
+    if device is not None and name in PRESETS:  # refuse before pricing (tracing) time
+        found = cost_tables(name, wl, losses=losses, offload="offload" in consider)
+        require_fits(found.tables, limit, host_budget=host, alternatives=found.alternatives)
+    found = cost_tables(target, wl, device=device, losses=losses, offload="offload" in consider)
+    checked = None
+    if trace:
+        run = importlib.import_module("recompute.trace").trace
+        subject = found.spec if found.spec is not None else target
+
+        def checked(policy: Policy, w: Workload) -> float:
+            return float(run(subject, w, policy).peak)
+
+    return plan_tables(
+        found.tables, limit, host_budget=host, traced_peak=checked, alternatives=found.alternatives, notes=found.notes
+    )
+
+
+def _workload(seq_len: int | Workload | None, fields: dict[str, Any], positions: int | None) -> Workload:
+    """A ``Workload`` from a positional ``seq_len`` (or a whole one) and keyword fields."""
+    if isinstance(seq_len, Workload):
+        require(not fields, f"give a Workload or its fields, not both (got {sorted(fields)})")
+        return seq_len
+    known = set(Workload.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    require(not unknown, f"unknown workload fields {unknown}; known: {sorted(known)}")
+    if seq_len is None:
+        seq_len = fields.pop("seq_len", None) or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
+    return Workload(seq_len=seq_len, **fields)
+
+
+def _name(model: Any) -> str | None:
+    """``model`` as the command line names it (a preset, a path, ``module:factory``), or None for an object."""
+    if isinstance(model, Path):
+        return str(model)
+    if isinstance(model, str):
+        return model
+    if isinstance(model, ModelSpec):
+        return model.name if model.name in PRESETS and ModelSpec.from_name(model.name) == model else None
+    return None
+
+
+def _source(model: Any) -> Any:
+    """A ``ModelSource`` for any model ``profile`` takes (the torch floor loaded)."""
+    source = importlib.import_module("recompute.models.source")
+    if isinstance(model, (str, Path)):
+        return source.resolve_source(str(model))
+    if isinstance(model, ModelSpec):
+        return source.ModelSource.preset(model)
+    if isinstance(model, dict) or type(model).__name__.endswith("Config"):
+        return source.ModelSource.from_config(model)
+    if callable(getattr(model, "named_parameters", None)):
+        return source.ModelSource.from_module(model)
+    raise ConfigError(
+        f"a model is a preset name, a config.json path, a transformers config, a module:factory or an nn.Module; "
+        f"got {type(model).__name__}"
+    )

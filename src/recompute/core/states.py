@@ -1,0 +1,80 @@
+"""Model states under a precision mode, for a step traced in one dtype. Torch-free.
+
+A traced step (``recompute.trace``, a profile) is plain training in one dtype: parameters, gradients and
+AdamW's moments all in the activation dtype (fp32: 4 + 4 + 8 = 16 B per parameter, the ``fp32`` mode; bf16 or
+fp16: 2 + 2 + 4 = 8 B, the ``bf16`` mode). A workload may ask for another mode (``mixed``: 18 B, Megatron's;
+``distributed`` over d data-parallel ranks: 6 + 12/d). The activations do not change; the states do, and so
+does every phase of the step that holds them:
+
+    phase' = phase + N (w' - w) + N (o' - o) + G (g'/g - 1)  [+ T (m'/m - 1) in the optimizer step]
+
+with N the parameters on the rank, w, g, o the bytes per parameter of weights, gradients and optimizer state
+(``recompute.core.analytic.params.bytes_per_param``), G the gradient bytes at the phase's peak (the backward
+makes them as it goes; all of them with ``keep_grads``) and T the optimizer step's temporaries, which are of
+one moment's dtype (m). tests/test_trace.py holds a repriced trace to the preset's formula and to a real
+optimizer step's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from recompute.core.analytic.params import bytes_per_param
+
+__all__ = ["Restate", "traced_precision"]
+
+
+def traced_precision(dtype: str) -> str:
+    """The precision mode a step traced in ``dtype`` runs: everything in that dtype."""
+    return "fp32" if dtype == "fp32" else "bf16"
+
+
+def _moment(precision: str) -> float:
+    """Bytes of one element of an Adam moment: fp32 but in the bf16 mode."""
+    return 2.0 if precision == "bf16" else 4.0
+
+
+@dataclass(frozen=True)
+class Restate:
+    """How a traced step's figures change when its states are priced for another precision mode."""
+
+    params: float
+    """N: parameters on the rank."""
+    traced: str
+    wanted: str
+    dp: int = 1
+
+    @classmethod
+    def of(cls, parameter_bytes: float, dtype: str, precision: str | None, dp: int = 1) -> Restate:
+        """From the traced step's parameter bytes and dtype, to ``precision`` (None: as traced)."""
+        traced = traced_precision(dtype)
+        n = parameter_bytes / bytes_per_param(traced)["parameters"]
+        return cls(n, traced, precision or traced, dp)
+
+    @property
+    def identity(self) -> bool:
+        return self.traced == self.wanted
+
+    def states(self) -> dict[str, float]:
+        """Parameters, gradients and optimizer bytes under the wanted mode."""
+        per = bytes_per_param(self.wanted, self.dp)
+        return {k: self.params * v for k, v in per.items()}
+
+    def phase(self, total: float, breakdown: Mapping[str, float], *, optimizer: bool = False) -> float:
+        """A phase's peak under the wanted mode, from its traced peak and MemTracker's categories there."""
+        if self.identity:
+            return total
+        was, now = bytes_per_param(self.traced), bytes_per_param(self.wanted, self.dp)
+        out = total + self.params * (now["parameters"] - was["parameters"] + now["optimizer"] - was["optimizer"])
+        out += breakdown.get("Gradient", 0.0) * (now["gradients"] / was["gradients"] - 1)
+        if optimizer:
+            out += breakdown.get("Temp", 0.0) * (_moment(self.wanted) / _moment(self.traced) - 1)
+        return out
+
+    def note(self) -> str:
+        per = bytes_per_param(self.wanted, self.dp)
+        return (
+            f"model states priced for {self.wanted} precision ({sum(per.values()):g} B per parameter); the step ran "
+            f"in one dtype ({self.traced}: {sum(bytes_per_param(self.traced).values()):g} B), activations unchanged"
+        )
