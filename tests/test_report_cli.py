@@ -274,7 +274,7 @@ def test_a_report_answers_for_any_model_source(tmp_path: Path, capsys: pytest.Ca
     from test_zoo import config_json
 
     small = ["--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu", "--no-time"]
-    for model in (config_json("qwen2", tmp_path), "test_real_runs:small_factory"):
+    for model in (str(config_json("qwen2", tmp_path)), "test_real_runs:small_factory"):
         code, out, err = run(capsys, "plan", "--model", model, *small[:-1], "--cost", "flops", "--budget", "1e15",
                              "--json")  # fmt: skip
         assert code == 0, err

@@ -56,10 +56,11 @@ class Restate:
     def identity(self) -> bool:
         return self.traced == self.wanted
 
-    def states(self) -> dict[str, float]:
-        """Parameters, gradients and optimizer bytes under the wanted mode."""
-        per = bytes_per_param(self.wanted, self.dp)
-        return {k: self.params * v for k, v in per.items()}
+    def states(self, traced: Mapping[str, float]) -> dict[str, float]:
+        """Parameters, gradients and optimizer bytes under the wanted mode, from the traced ones (what is not
+        per parameter, such as AdamW's step counters, stays as traced)."""
+        was, now = bytes_per_param(self.traced), bytes_per_param(self.wanted, self.dp)
+        return {k: traced[k] + self.params * (now[k] - was[k]) for k in now}
 
     def phase(self, total: float, breakdown: Mapping[str, float], *, optimizer: bool = False) -> float:
         """A phase's peak under the wanted mode, from its traced peak and MemTracker's categories there."""

@@ -162,7 +162,8 @@ def from_record(
         phases[group] = max(phases.get(group, 0), value)
     states = {"Parameter": st.get("Parameter", 0), "Gradient": st.get("Gradient", 0), "Optstate": st.get("Optstate", 0)}
     if not restate.identity:
-        states = dict(zip(states, (round(v) for v in restate.states().values())))
+        priced_states = restate.states(dict(zip(("parameters", "gradients", "optimizer"), states.values())))
+        states = dict(zip(states, (round(v) for v in priced_states.values())))
         notes = (*notes, restate.note())
     return TraceResult(
         model=model,
