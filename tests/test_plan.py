@@ -12,7 +12,7 @@ import pytest
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.cli import main
 from recompute.core.analytic.table import analytic_table
-from recompute.core.costs import CostTable, KindCosts
+from recompute.core.costs import CostTable, KindCosts, LinkCost, TopCost
 from recompute.core.errors import ConfigError
 from recompute.core.hardware import usable_bytes
 from recompute.core.plan import best_uniform, frontier, parse_budget, plan
@@ -98,7 +98,7 @@ def random_table(seed: int, *, n: int = 5, in_flight: float = 1.0) -> CostTable:
     )
     layer_kind = tuple(rng.randrange(2) for _ in range(n))
     links = {
-        (a, b): {p: {q: (rng.uniform(0, 40), rng.uniform(-10, 10)) for q in options} for p in options}
+        (a, b): {p: {q: LinkCost(rng.uniform(0, 40), rng.uniform(-10, 10)) for q in options} for p in options}
         for a in range(2)
         for b in range(2)
     }
@@ -108,7 +108,10 @@ def random_table(seed: int, *, n: int = 5, in_flight: float = 1.0) -> CostTable:
         kinds=kinds,
         layer_kind=layer_kind,
         links=links,
-        last={o: (rng.uniform(0, 40), rng.uniform(-10, 10), rng.uniform(0, 20), rng.uniform(0, 20)) for o in options},
+        last={
+            o: TopCost(rng.uniform(0, 40), rng.uniform(-10, 10), rng.uniform(0, 20), rng.uniform(0, 20))
+            for o in options
+        },
         base_forward=tuple(rng.uniform(50, 100) for _ in range(n)),
         base_backward=tuple(rng.uniform(50, 120) for _ in range(n)),
         head_forward=rng.uniform(60, 100),

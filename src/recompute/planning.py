@@ -41,7 +41,7 @@ from recompute.core.workload import Workload
 
 __all__ = ["ModelTables", "cost_tables", "is_profiled", "max_positions", "preset_works", "profiles_of"]
 
-FP16_CHUNKED = "with dtype fp16 its gradients, taken in the forward before a loss scaler scales them, would underflow"
+FP16_CHUNKED = "in fp16 its gradients, taken in the forward before a loss scaler scales them, would underflow"
 """Why the chunked loss is not weighed under fp16."""
 
 
