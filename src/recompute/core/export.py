@@ -205,6 +205,11 @@ def _fit(p: Priced, budget: float) -> str:
     return f"peak {gib(p.peak)}: {gib(p.peak - budget)} OVER the {gib(budget)} budget"
 
 
+def _stage(plan: Plan) -> str:
+    pp = int(plan.workload.get("pp", 1) or 1)
+    return f" (the first of {pp} pipeline stages, each alike)" if pp > 1 else ""
+
+
 def _header(plan: Plan, out: Export, kind: Stack, plan_file: str) -> list[str]:
     """The comment lines: the plan, whether the stack says it, the setting's figures, the exact alternative."""
     w = plan.workload
@@ -212,7 +217,7 @@ def _header(plan: Plan, out: Export, kind: Stack, plan_file: str) -> list[str]:
     lines = [
         f"recompute plan of {plan.model} (b={w['micro_batch']} s={w['seq_len']}), budget {gib(plan.budget)}, "
         f"costs in {plan.cost_kind}",
-        f"plan: {runs(out.plan.layers)}{loss}: peak {gib(out.plan.peak)}, {_cost(out.plan, plan)}",
+        f"plan{_stage(plan)}: {runs(out.plan.layers)}{loss}: peak {gib(out.plan.peak)}, {_cost(out.plan, plan)}",
     ]
     if out.exact:
         lines.append(f"{kind.name} ({kind.source}): exact, the plan as it is")
