@@ -153,7 +153,8 @@ def _export(stack: str | None, result: Plan, tables: Sequence[CostTable], output
         return None
     exported = export(result, tables, stack, plan_file=str(output) if output else "plan.json")
     if output is not None:
-        output.with_name(f"{output.stem}.{stack}.{exported.suffix}").write_text(exported.text)
+        beside = output.with_name(f"{output.stem}.{stack}.{exported.suffix}")
+        writable(beside, "--export", f"plan.{stack}.{exported.suffix}").write_text(exported.text)
     return exported
 
 
