@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recompute.cli import COMMANDS, build_parser, main
+from recompute.core.export import STACKS
 from recompute.models.source import resolve_source
 
 
@@ -159,5 +160,8 @@ def test_every_command_line_gets_an_answer_not_a_traceback(
     asked = {Path(v).name for o, v in itertools.pairwise(argv) if o in OUTPUTS}
     if argv[0] == "report" and code == 0:
         asked.add("report.html")  # the documented default -o
+    if argv[0] == "plan" and "--export" in argv[:-1]:  # the stack's file beside the plan file (docs/export.md)
+        stack = argv[argv.index("--export") + 1]
+        asked |= {f"{Path(a).stem}.{stack}.{STACKS[stack].suffix}" for a in asked if stack in STACKS}
     written = {p.name for p in cwd.iterdir()}
     assert written <= asked, (argv, written)

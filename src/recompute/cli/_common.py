@@ -178,7 +178,8 @@ def add_policy_args(p: argparse.ArgumentParser, default: str | None = "block") -
     p.add_argument(
         "--policy",
         default=default,
-        help=f"one of {', '.join(ALL_POLICIES)}, or a plan/policy JSON file (default: {default})",
+        help=f"one of {', '.join(ALL_POLICIES)} (or full = block, selective = core_attn), with its layers as "
+        f"NAME:every=K or NAME:first=N, or a plan/policy JSON file (default: {default})",
     )
     p.add_argument("--every", type=int, help="apply the policy to every k-th layer only")
     p.add_argument("--first", type=int, help="apply the policy to the first n layers only")
@@ -188,7 +189,7 @@ def policy_from(args: argparse.Namespace) -> Policy:
     pol = Policy.parse(args.policy)
     if args.every is not None or args.first is not None:
         if not pol.is_uniform:
-            raise ConfigError("--every/--first apply to a policy name, not to a per-layer plan file")
+            raise ConfigError("--every/--first apply to a plain policy name, not to a plan file or a NAME:every=K")
         pol = dataclasses.replace(pol, every=args.every, first=args.first)
     return pol
 

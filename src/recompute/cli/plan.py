@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from recompute.cli._common import (
     add_model_args,
@@ -26,7 +27,9 @@ from recompute.cli._lazy import torch_floor
 from recompute.cli.progress import progress_bar
 from recompute.cli.render import render_plan
 from recompute.core.analytic import estimate
+from recompute.core.costs import CostTable
 from recompute.core.errors import ConfigError, require
+from recompute.core.export import STACKS, Export, export
 from recompute.core.plan import Plan, parse_budget, plan, require_fits
 from recompute.core.policy import Policy
 from recompute.core.profile import Profile
@@ -76,6 +79,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="write the plan file here (apply, bench, train and verify take it as is)")
     p.add_argument("--frontier", action="store_true", help="show every plan of the frontier (default: a dozen)")
     p.add_argument("--json", action="store_true", help="print the plan, frontier and prediction as JSON")
+    p.add_argument(
+        "--export",
+        choices=STACKS,
+        help="also write the plan in a stack's own settings (exact, or its closest setting with what that costs; "
+        "docs/export.md); printed, and with -o written beside it (plan.torchtitan.toml)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
     host_budget = parse_budget(args.host_budget, "host_budget") if args.host_budget is not None else None
     consider = _considered(args.consider)
     wl = _workload(args)
+    require(
+        args.export is None or wl.loss == "full",
+        f"--export {args.export} prices the stack's settings with the full loss (it has no chunked loss): plan "
+        "without --loss chunked (the chunked loss is weighed anyway)",
+        fields=("export",),
+    )
     losses = ("chunked",) if "chunked" in consider else ()
     source = {"analytic": args.analytic, "profile": args.profile}
     with progress_bar("plan", enabled=not args.json) as progress:
@@ -121,17 +136,30 @@ def run(args: argparse.Namespace) -> int:
     data = result.to_dict() | {"notes": notes}
     if output:
         atomic_write(output, json.dumps(data, indent=2) + "\n")
+    exported = _export(args.export, result, found.tables, output)
     if args.json:
-        emit_json(data)
+        emit_json(data | ({"export": exported.to_dict()} if exported else {}))
         return 0
     breakdown = None
     if found.spec is not None:
         breakdown = estimate(found.spec, build_workload(**result.workload), result.policy)
     shown = len(result.frontier) if args.frontier else 12
-    print(
-        render_plan(result, wl, breakdown=breakdown, output=str(output) if output else None, notes=notes, points=shown)
-    )
+    written = str(output) if output else None
+    print(render_plan(result, wl, breakdown=breakdown, output=written, notes=notes, points=shown))
+    if exported is not None:
+        print(f"\n{args.export} (--export):\n{exported.text}", end="")
     return 0
+
+
+def _export(stack: str | None, result: Plan, tables: Sequence[CostTable], output: Path | None) -> Export | None:
+    """The plan in ``stack``'s settings (``recompute.core.export``), written beside the plan file."""
+    if stack is None:
+        return None
+    exported = export(result, tables, stack, plan_file=str(output) if output else "plan.json")
+    if output is not None:
+        beside = output.with_name(f"{output.stem}.{stack}.{exported.suffix}")
+        atomic_write(writable(beside, "--export", f"plan.{stack}.{exported.suffix}"), exported.text)
+    return exported
 
 
 def _budget(args: argparse.Namespace) -> float:

@@ -1,9 +1,11 @@
 """Recomputation policies: what each transformer layer recomputes, as data that serialises to JSON.
 
 A policy is one of the names below for every layer, chosen uniformly, for every k-th layer, for the first n
-layers (Megatron's ``block`` method), or given layer by layer (what ``plan`` emits). Op-level selective
-checkpointing (a save-list of ops) and offloading the kept checkpoints to CPU memory are options on top.
-This module imports no torch: the analytic model and the CLI read policies too.
+layers (Megatron's ``block`` method), or given layer by layer (what ``plan`` emits). The training stacks' own
+words are aliases (``ALIASES``: ``full`` is ``block``, ``selective`` is ``core_attn``, Megatron's default), and
+a name takes its layer selection after a colon: ``block:every=2`` (layers 0, 2, 4, ...), ``full:first=16``.
+Op-level selective checkpointing (a save-list of ops) and offloading the kept checkpoints to CPU memory are
+options on top. This module imports no torch: the analytic model and the CLI read policies too.
 
 ``POLICIES`` are the dense policies, the ones the analytic model costs and the planner searches;
 ``MOE_POLICIES`` apply to mixture-of-experts layers only and are measured by ``trace``, not modelled;
@@ -15,6 +17,7 @@ does not model: in FLOPs they would look free).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ from typing import Any
 from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.results import read_json
 
-__all__ = ["ALL_POLICIES", "MOE_POLICIES", "OFFLOAD_POLICIES", "POLICIES", "Policy", "check_analytic"]
+__all__ = ["ALIASES", "ALL_POLICIES", "MOE_POLICIES", "OFFLOAD_POLICIES", "POLICIES", "Policy", "check_analytic"]
 
 POLICIES: dict[str, str] = {
     "none": "store everything; recompute nothing",
@@ -47,14 +50,28 @@ OFFLOAD_POLICIES: dict[str, str] = {
 ALL_POLICIES: dict[str, str] = {**POLICIES, **MOE_POLICIES, **OFFLOAD_POLICIES}
 """Every policy name ``Policy`` accepts."""
 
+ALIASES: dict[str, str] = {
+    "full": "block",  # torchtitan's mode = "full", Megatron's --recompute-granularity full, HF's checkpointing
+    "selective": "core_attn",  # Megatron's --recompute-granularity selective with its default module, core_attn
+}
+"""The training stacks' words for recompute's policies (docs/export.md): accepted wherever a name is, stored as
+the name they stand for."""
+
 FORMAT = "recompute.policy/1"
+
+_SPEC = re.compile(r"(?P<name>[a-z_+]+)(?::(?P<key>every|first)=(?P<value>\d+))?")
 
 
 def check_name(name: str) -> str:
-    """Return ``name`` if it is a policy name, else raise ConfigError listing them."""
-    if name not in ALL_POLICIES:
-        raise ConfigError(f"{name!r} is not a policy; choose one of: {', '.join(ALL_POLICIES)}")
-    return name
+    """The policy ``name`` stands for (itself, or the one its alias names), else raise ConfigError listing them."""
+    if not isinstance(name, str) or ALIASES.get(name, name) not in ALL_POLICIES:
+        raise ConfigError(f"{name!r} is not a policy; choose one of: {_names()}")
+    return ALIASES.get(name, name)
+
+
+def _names() -> str:
+    aliases = ", ".join(f"{a} (= {n})" for a, n in ALIASES.items())
+    return f"{', '.join(ALL_POLICIES)}, or an alias: {aliases}; NAME:every=K or NAME:first=N selects layers"
 
 
 @dataclass(frozen=True)
@@ -84,7 +101,7 @@ class Policy:
     """The model a plan was made for, checked when the plan is applied."""
 
     def __post_init__(self) -> None:
-        check_name(self.name)
+        object.__setattr__(self, "name", check_name(self.name))
         chosen = [k for k in ("every", "first", "layers") if getattr(self, k) is not None]
         require(len(chosen) <= 1, f"give at most one of every, first, layers; got {', '.join(chosen)}")
         if self.every is not None:
@@ -130,6 +147,16 @@ class Policy:
         if self.first is not None:
             return tuple(self.name if i < self.first else "none" for i in range(n_layers))
         return (self.name,) * n_layers
+
+    @property
+    def spec(self) -> str | None:
+        """The policy as ``Policy.parse`` reads it back (``block``, ``block:every=2``, ``mlp:first=16``); None for
+        a per-layer plan or one with options beyond a name (save_ops, offload)."""
+        if self.layers is not None or self.save_ops or self.offload:
+            return None
+        if self.every is not None:
+            return f"{self.name}:every={self.every}"
+        return f"{self.name}:first={self.first}" if self.first is not None else self.name
 
     @property
     def is_uniform(self) -> bool:
@@ -192,20 +219,24 @@ class Policy:
 
     @classmethod
     def parse(cls, value: str | Policy) -> Policy:
-        """A Policy from a Policy, a policy name, or a path to a JSON policy/plan file."""
+        """A Policy from a Policy, a name (or an alias: ``full``, ``selective``), a name with its layers
+        (``block:every=2``, ``full:first=16``), or a path to a JSON policy/plan file."""
         if isinstance(value, Policy):
             return value
         if not isinstance(value, (str, Path)):
             raise ConfigError(
-                f"a policy is a name ({', '.join(ALL_POLICIES)}), a Policy or a plan file path; "
-                f"got {type(value).__name__}"
+                f"a policy is a name ({_names()}), a Policy or a plan file path; got {type(value).__name__}"
             )
         value = str(value)
-        if value in ALL_POLICIES:
-            return cls(value)
+        m = _SPEC.fullmatch(value.strip())
+        if m is not None and ALIASES.get(m["name"], m["name"]) in ALL_POLICIES:
+            count = int(m["value"]) if m["key"] else None
+            return cls(
+                m["name"], every=count if m["key"] == "every" else None, first=count if m["key"] == "first" else None
+            )
         if value.endswith(".json") or Path(value).is_file():
             return cls.load(value)
-        raise ConfigError(f"{value!r} is not a policy or a policy file; choose one of: {', '.join(ALL_POLICIES)}")
+        raise ConfigError(f"{value!r} is not a policy or a policy file; choose one of: {_names()}")
 
 
 def check_analytic(policy: Policy) -> None:
