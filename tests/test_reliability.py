@@ -126,7 +126,7 @@ def test_wrong_values_are_refused_with_the_limit(
 def test_output_paths_are_checked_before_the_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     afile = tmp_path / "afile"
     afile.write_text("")
-    assert "is a file; give a folder" in refused(capsys, "train", "--out", str(afile))
+    assert "is a file, not a folder; give a folder" in refused(capsys, "train", "--out", str(afile))
     run = ["compare-train", "--out", str(tmp_path / "runs"), "--steps", "1"]
     assert "--png" in refused(capsys, *run, "--png", str(tmp_path))
     assert "does not exist; create it first" in refused(capsys, *run, "--png", str(tmp_path / "no" / "x.png"))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,11 +81,12 @@ def run(args: argparse.Namespace) -> int:
         device = Device.load(args.device_profile) if args.device_profile else None
         if device is not None:
             device.check_runs_on(args.device, threads=torch.get_num_threads())
+    losses = csv(args.loss_modes) if args.loss_modes else []
     with progress_bar("bench") as progress:
+        timed: Device | Callable[[], Device] | None = device
         if not args.no_time and device is None:
-            device = cached_calibration(args.device, progress=progress)
-        losses = csv(args.loss_modes) if args.loss_modes else []
-        result = bench(source, wl, policies, **runs, progress=progress, device_profile=device, losses=losses)
+            timed = functools.partial(cached_calibration, args.device, progress=progress)  # after the memory check
+        result = bench(source, wl, policies, **runs, progress=progress, device_profile=timed, losses=losses)
     emit_json(result.to_dict()) if args.json else print(render_bench(result))
     return 0
 

@@ -18,6 +18,7 @@ from recompute.cli._profiled import add_profile_args, profile_for, wants_profile
 from recompute.cli._timed import offload_layer_seconds, preset_works, time_device, untimed_reason
 from recompute.cli.render import device_note, render_plan, render_profile_plan
 from recompute.core.errors import ConfigError, require
+from recompute.core.files import atomic_write
 from recompute.core.hardware import gpu_by_name, usable_bytes
 from recompute.core.plan import Times, parse_budget, plan, require_fits
 from recompute.core.policy import Policy
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         fields=("device_profile",),
     )
     device = time_device(args) if args.cost == "time" else None
-    output = writable(args.output, "--output", "plan.json") if args.output else None
+    output = writable(args.output, "--output", "plan.json") if args.output is not None else None
     host_budget = parse_budget(args.host_budget, "host_budget") if args.host_budget is not None else None
     if wants_profile(args):
         return _run_profiled(args, budget, output, device)
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if times is not None and device is not None:
         data["device"] = device.to_dict()
     if output:
-        output.write_text(json.dumps(data, indent=2) + "\n")
+        atomic_write(output, json.dumps(data, indent=2) + "\n")
     if args.json:
         emit_json(data)
     else:
@@ -211,7 +212,7 @@ def _run_profiled(args: argparse.Namespace, budget: float, output: Path | None, 
     data = result.to_dict()
     data["predicted"]["traced_peak"] = traced
     if output:
-        output.write_text(json.dumps(data, indent=2) + "\n")
+        atomic_write(output, json.dumps(data, indent=2) + "\n")
     if args.json:
         emit_json(data)
     else:

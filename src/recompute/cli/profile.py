@@ -15,6 +15,7 @@ from recompute.cli._lazy import torch_floor
 from recompute.cli._timed import add_time_args, time_device
 from recompute.cli.progress import progress_bar
 from recompute.cli.render import device_note, render_profile
+from recompute.core.files import atomic_write
 from recompute.core.profile import cache_path
 
 __all__ = ["add_args", "run"]
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     trace = torch_floor("recompute.trace")
     source = trace.resolve_source(args.model)
     wl = workload_from(args, source)
-    output = writable(args.output, "--output", "profile.json") if args.output else None
+    output = writable(args.output, "--output", "profile.json") if args.output is not None else None
     with progress_bar("profile", enabled=not args.json) as progress:
         if args.refresh:
             result = trace.profile(source, wl, progress=progress)
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             result, _ = trace.cached_profile(source, wl, progress=progress)
     if output:
-        output.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        atomic_write(output, json.dumps(result.to_dict(), indent=1) + "\n")
     if args.json:
         emit_json(result.to_dict())
     else:

@@ -10,13 +10,13 @@ import argparse
 import dataclasses
 import importlib.util
 import time
-from pathlib import Path
 from typing import Any
 
 from recompute.cli._common import add_model_args, add_workload_args, workload_from, writable
 from recompute.cli._lazy import torch_floor
 from recompute.cli._timed import offload_layer_seconds, preset_works, time_device, untimed_reason
 from recompute.core.errors import ConfigError
+from recompute.core.files import check_folder
 from recompute.core.hardware import GPUS, gpu_by_name
 from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.timing import Timing, timing
@@ -118,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     gpu_by_name(args.gpu)  # fail on bad input before computing anything
     out = writable(args.output, "-o", "report.html")
-    if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
-        raise ConfigError(f"--png {args.png!r} is a file; give a folder for the PNGs")
+    png = check_folder(args.png, "--png", "pngs") if args.png is not None else None
     spec = resolve_model(args.model)
     wl = _workload(args, spec)
     wl.check(spec)
@@ -129,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ConfigError(f"cannot write {str(out)!r}: {e.strerror}; pass -o a writable path") from e
     written = [str(out)]
-    if args.png:
-        written += [str(p) for p in write_pngs(report, Path(args.png))]
+    if png is not None:
+        written += [str(p) for p in write_pngs(report, png)]
     print(f"wrote {', '.join(written)} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import ConfigError, positive_int, require
+from recompute.core.files import atomic_write
 from recompute.core.results import read_json
 
 __all__ = ["ALL_POLICIES", "MOE_POLICIES", "OFFLOAD_POLICIES", "POLICIES", "Policy", "check_analytic"]
@@ -177,7 +178,7 @@ class Policy:
 
     def save(self, path: str | Path) -> None:
         """Write the policy as JSON to ``path``."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import ConfigError, require
+from recompute.core.files import read_json_file
+from recompute.core.profile_schema import check_profile_dict
 from recompute.core.table import GiB, gib
 from recompute.core.timing import Device, Op, StepWork, work_seconds
 
@@ -333,6 +335,7 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         require(data.get("format") == FORMAT, f"not a {FORMAT} file (format {data.get('format')!r})")
+        check_profile_dict(data)
         body = {k: v for k, v in data.items() if k != "format"}
         body["kinds"] = tuple(
             LayerKind(
@@ -366,10 +369,10 @@ class Profile:
     def load(cls, path: str | Path) -> Profile:
         """Raises: ConfigError: not a readable profile file."""
         try:
-            data = json.loads(Path(path).read_text())
-            if not isinstance(data, dict):
-                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+            data = read_json_file(path, "--profile", what="a profile", fix="make one with recompute profile -o")
             return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from None
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ConfigError(
                 f"{path}: not a readable recompute profile ({type(e).__name__}); run recompute profile"

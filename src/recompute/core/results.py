@@ -8,12 +8,12 @@ refuses a file made for another model. Standard library only.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import ConfigError, require
+from recompute.core.files import read_json_file
 
 __all__ = ["BenchResult", "BenchRow", "ParallelBench", "RankRow", "read_bench", "read_json"]
 
@@ -142,23 +142,15 @@ class ParallelBench:
 
 
 def read_json(path: str | Path, what: str, fix: str) -> dict[str, Any]:
-    """The JSON object in ``path``.
+    """The JSON object in ``path`` (``recompute.core.files.read_json_file``: a regular file of sane size, UTF-8,
+    finite numbers).
 
     Raises:
-        ConfigError: the file cannot be read, is not UTF-8 JSON, or holds no object; ``what`` names the file's
-            role and ``fix`` says how to make a good one.
+        ConfigError: the file is missing, not a regular file, too large, unreadable, not UTF-8 JSON, holds a
+            non-finite number, or holds no object; ``what`` names the file's role and ``fix`` says how to make
+            a good one.
     """
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {str(path)!r}: {e.strerror}; {fix}") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{what} {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}); {fix}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what} {str(path)!r} must hold a JSON object, not a {type(data).__name__}; {fix}")
-    return data
+    return read_json_file(path, what, fix=fix)
 
 
 def read_bench(path: str | Path, *, model: str | None = None) -> BenchResult:

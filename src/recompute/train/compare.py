@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recompute.core.errors import ConfigError
+from recompute.core.files import atomic_write
 from recompute.core.progress import Progress, no_progress
 from recompute.core.table import gib, render_table
 from recompute.train.config import TrainConfig
 from recompute.train.loop import RunResult, train
-from recompute.train.run_files import clear_run, holds_run
 
 __all__ = ["CompareRow", "compare_train", "plot_losses", "render_compare"]
 
@@ -80,7 +80,8 @@ def compare_train(
 
 
 def _check_out(out: Path, policies: Sequence[str], *, overwrite: bool) -> None:
-    """Refuse a non-empty ``out`` unless ``overwrite``, which deletes the runs in it (other files stay)."""
+    """Refuse a non-empty ``out`` unless ``overwrite``: then each policy's run replaces the one in its folder
+    once its first checkpoint is written (``train``; other files stay)."""
     names = [_dirname(p) for p in policies]
     if twins := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"--policies would write two runs into {str(out / twins[0])!r}; give each policy once")
@@ -93,9 +94,6 @@ def _check_out(out: Path, policies: Sequence[str], *, overwrite: bool) -> None:
             f"--out {str(out)!r} is not empty ({shown}); compare-train writes a run per policy there: "
             "give an empty --out, or --overwrite to delete the runs in it and start over"
         )
-    for sub in out.iterdir():
-        if sub.is_dir() and holds_run(sub):
-            clear_run(sub)
 
 
 def _dirname(policy: str) -> str:
@@ -143,5 +141,7 @@ def plot_losses(runs: Sequence[RunResult], path: str | Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        atomic_write(Path(path), lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)

@@ -49,7 +49,18 @@ from recompute.train.checkpoint import load_latest, save_checkpoint
 from recompute.train.config import TrainConfig, flag
 from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
 from recompute.train.distributed import Ranks, start
-from recompute.train.run_files import METRICS, SAMPLE, append_metrics, atomic_write, check_out, clear_run, write_metrics
+from recompute.train.run_files import (
+    METRICS,
+    SAMPLE,
+    append_metrics,
+    atomic_write,
+    check_out,
+    damaged_metrics,
+    drop_aside,
+    restore_aside,
+    set_aside,
+    write_metrics,
+)
 
 __all__ = ["RunResult", "StepMetrics", "build_spec", "lr_at", "source_id", "train", "train_source"]
 
@@ -295,8 +306,6 @@ def train(
     if spec is not None:
         source = ModelSource.preset(spec, hf=source.hf)
     ranks = start(config, spec) if spec is not None else Ranks()
-    if config.overwrite and ranks.main:
-        clear_run(Path(config.out))
     torch.manual_seed(config.seed)  # the same weights, and dropout generator, on every rank
     built = _build(source, config, tok.vocab_size, device)
     model = built.model
@@ -368,30 +377,44 @@ def _run(
     on_step: Callable[[int], None] | None,
     progress: Progress,
 ) -> None:
-    """The steps from the newest checkpoint (with --resume) or from 0; fills ``result.metrics``."""
+    """The steps from the newest checkpoint (with --resume) or from 0; fills ``result.metrics``.
+
+    With --overwrite the earlier run is set aside before the first step and deleted once the first checkpoint
+    is written; a run that fails before that puts it back (Note: [overwrite] in ``run_files``).
+    """
     out = Path(config.out)
     first = 0
     if config.resume:
         first = _resume(out, config, model, opt, result, ranks, source)
     out.mkdir(parents=True, exist_ok=True)
+    aside = set_aside(out) if config.overwrite and ranks.main else None
+    ranks.wait_for_all()  # no rank writes into --out before the earlier run is out of the way
     model.train()
-    for step in range(first, config.steps):
-        t0 = time.perf_counter()
-        with _Peak(model, opt, device, on=step == 0) as peak:
-            loss = ranks.mean(_step(model, loss_fn, opt, stream, step, config, peak, ranks))
-        dt = time.perf_counter() - t0
-        tokens = config.micro_batch * config.seq_len * config.grad_accum
-        m = StepMetrics(step, loss, lr_at(step, config), dt, tokens / dt, peak.bytes)
-        require(math.isfinite(loss), f"the loss became {loss} at step {step}; lower --lr")
-        result.metrics.append(m)
-        if ranks.main:
-            append_metrics(out / METRICS, m.__dict__)
-        progress(_label(m), step + 1, config.steps)
-        done = step + 1
-        if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
-            save_checkpoint(out, done, config, model, opt, [x.__dict__ for x in result.metrics], source=source)
-        if on_step is not None:
-            on_step(step)
+    try:
+        for step in range(first, config.steps):
+            t0 = time.perf_counter()
+            with _Peak(model, opt, device, on=step == 0) as peak:
+                loss = ranks.mean(_step(model, loss_fn, opt, stream, step, config, peak, ranks))
+            dt = time.perf_counter() - t0
+            tokens = config.micro_batch * config.seq_len * config.grad_accum
+            m = StepMetrics(step, loss, lr_at(step, config), dt, tokens / dt, peak.bytes)
+            require(math.isfinite(loss), f"the loss became {loss} at step {step}; lower --lr")
+            result.metrics.append(m)
+            if ranks.main:
+                append_metrics(out / METRICS, m.__dict__)
+            progress(_label(m), step + 1, config.steps)
+            done = step + 1
+            if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
+                save_checkpoint(out, done, config, model, opt, [x.__dict__ for x in result.metrics], source=source)
+                if aside is not None:
+                    drop_aside(aside)  # the new run has a checkpoint: the earlier one can go
+                    aside = None
+            if on_step is not None:
+                on_step(step)
+    except BaseException:
+        if aside is not None:
+            restore_aside(out, aside)
+        raise
 
 
 def _resume(
@@ -409,6 +432,8 @@ def _resume(
     if ranks.main:
         for line in resumed.passed_over:
             _say(f"recompute train: {line}; resuming from the older {str(resumed.path)!r} instead")
+        for line in damaged_metrics(out / METRICS)[:3]:
+            _say(f"recompute train: {str(out / METRICS)!r} {line}; rewritten from {str(resumed.path)!r}")
         write_metrics(out / METRICS, resumed.metrics)  # Note: [appending metrics] in run_files
     return resumed.step
 
