@@ -42,7 +42,7 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec, hf_config_dict
 from recompute.core.table import mib
-from recompute.models.loss import LossFn, hf_loss
+from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
 from recompute.train.checkpoint import load_latest, save_checkpoint
@@ -335,7 +335,7 @@ def train(
     )
     if config.loss == "chunked":
         apply(model, config.policy)  # a forward with targets (a factory's, in sample) returns no logits when chunked
-    result.sample = sample(model, tok, config, device, hf=built.loss_fn is hf_loss)
+    result.sample = sample(model, tok, config, device, hf=built.hf)
     if ranks.main:
         atomic_write(Path(config.out) / SAMPLE, lambda f: f.write((result.sample + "\n").encode()))
     ranks.wait_for_all()
