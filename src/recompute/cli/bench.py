@@ -15,7 +15,7 @@ from recompute.bench import bench, bench_parallel, bench_source, render_bench, r
 from recompute.bench.calibrate import cached_calibration
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError, require
+from recompute.core.errors import ConfigError, distinct, require
 from recompute.core.policy import Policy
 from recompute.core.timing import Device
 from recompute.core.workload import Workload
@@ -68,7 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     source = bench_source(args.model, **size_overrides(args))
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    policies = csv(args.policies) + ([args.plan] if args.plan else [])
+    policies = distinct("--policies", csv(args.policies) + ([args.plan] if args.plan else []))
     for name in policies:
         Policy.parse(name)
     wl = workload_from(args, source)

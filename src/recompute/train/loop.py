@@ -21,6 +21,7 @@ shards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -49,6 +50,7 @@ from recompute.train.checkpoint import load_latest, save_checkpoint
 from recompute.train.config import TrainConfig, flag
 from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
 from recompute.train.distributed import Ranks, start
+from recompute.train.preflight import check_train_memory, preset_need, source_need
 from recompute.train.run_files import (
     METRICS,
     SAMPLE,
@@ -124,7 +126,7 @@ def train_source(config: TrainConfig) -> ModelSource:
     if source.spec is None:
         default = TrainConfig()
         sizes = ("n_layers", "hidden", "n_heads", "dropout")
-        given = [n for n in sizes if getattr(config, n) not in (None, getattr(default, n))]
+        given = [n for n in sizes if getattr(config, n) not in (None, 0, getattr(default, n))]
         if given:
             raise ConfigError(
                 f"{flag(given[0])} resizes presets; {config.model} is trained as it is: edit its config (or factory)"
@@ -160,7 +162,8 @@ def build_spec(config: TrainConfig, vocab: int) -> ModelSpec:
     source = resolve_source(config.model)
     assert source.spec is not None, "build_spec takes presets; train_source says what else --model names"
     preset = ModelSpec.from_name(source.spec.name, **dropout)
-    spec = preset.resized(n_layers=config.n_layers, hidden=config.hidden, n_heads=config.n_heads, vocab=vocab)
+    sizes = {"n_layers": config.n_layers, "hidden": config.hidden, "n_heads": config.n_heads}
+    spec = preset.resized(**{k: v or None for k, v in sizes.items()}, vocab=vocab)  # 0 keeps the preset's
     require(
         config.seq_len <= spec.max_positions,
         f"--seq-len {config.seq_len} exceeds the model's {spec.max_positions} positions",
@@ -306,6 +309,7 @@ def train(
     if spec is not None:
         source = ModelSource.preset(spec, hf=source.hf)
     ranks = start(config, spec) if spec is not None else Ranks()
+    _check_memory(source, spec, config, device)
     torch.manual_seed(config.seed)  # the same weights, and dropout generator, on every rank
     built = _build(source, config, tok.vocab_size, device)
     model = built.model
@@ -340,6 +344,18 @@ def train(
         atomic_write(Path(config.out) / SAMPLE, lambda f: f.write((result.sample + "\n").encode()))
     ranks.wait_for_all()
     return result
+
+
+def _check_memory(source: ModelSource, spec: ModelSpec | None, config: TrainConfig, device: torch.device) -> None:
+    """The memory preflight (``preflight``): a preset by the analytic model, anything else by its parameters
+    (counted on the meta device) and logits."""
+    need: Callable[[int, int], float]
+    if spec is not None:
+        need = functools.partial(preset_need, spec, config, device.type)
+    else:
+        meta = build_source(source, attention=config.attention, device="meta")
+        need = functools.partial(source_need, meta.model, meta.vocab)
+    check_train_memory(lambda b, s: need(micro_batch=b, seq_len=s), config, device.type)
 
 
 def _build(source: ModelSource, config: TrainConfig, vocab: int, device: torch.device) -> BuiltModel:
