@@ -11,7 +11,7 @@ from typing import Any
 from recompute.checkpointing import find_layers
 from recompute.cli._common import add_field_args, csv, emit_json, writable
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, distinct
 from recompute.core.files import check_folder
 from recompute.core.policy import Policy
 from recompute.models.source import build_source
@@ -94,8 +94,7 @@ def run_compare(args: argparse.Namespace) -> int:
     policies = csv(args.policies)
     if not policies:
         raise ConfigError(f"--policies {args.policies!r} names no policy; e.g. --policies none,block")
-    if twins := sorted({p for p in policies if policies.count(p) > 1}):
-        raise ConfigError(f"--policies names {twins[0]!r} twice; give each policy once")
+    distinct("--policies", policies)
     _check_out_folder(args.out)
     name, n_layers = _name_and_layers(_config(args, "policy", "resume"))
     for p in policies:

@@ -158,7 +158,7 @@ def resolve_source(text: str) -> ModelSource:
     base = text.removeprefix("hf:")
     if base in PRESETS or (text.startswith("hf:") and base == "llama"):
         return ModelSource.preset(ModelSpec.from_name(HF_ALIASES.get(base, base)), hf=base != text)
-    if Path(text).exists():
+    if Path(text).exists() or Path(text).is_symlink():  # a dangling link or a loop: the reader says which
         return ModelSource.from_config(text)
     if _FACTORY.match(text):
         return ModelSource(name=text, origin=text, factory=_import_factory(text))
@@ -230,6 +230,12 @@ def _check_sizes(raw: dict[str, Any], kind: object) -> None:
                     f"the {kind} config's {key} must be a whole number from 1 to {limit:,}, got {value!r}; "
                     "fix the config.json"
                 )
+    hidden, heads = (next((k, raw[k]) for k in _REQUIRED[w] if raw.get(k)) for w in ("hidden size", "head count"))
+    if raw.get("head_dim") is None and hidden[1] % heads[1]:
+        raise ConfigError(
+            f"the {kind} config's {heads[0]} ({heads[1]}) does not divide its {hidden[0]} ({hidden[1]}) and it "
+            "states no head_dim; fix the config.json"
+        )
 
 
 def build_source(
