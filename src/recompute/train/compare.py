@@ -16,6 +16,7 @@ from recompute.core.progress import Progress, no_progress
 from recompute.core.table import gib, render_table
 from recompute.train.config import TrainConfig
 from recompute.train.loop import RunResult, train
+from recompute.train.run_files import clear_run, holds_run
 
 __all__ = ["CompareRow", "compare_train", "plot_losses", "render_compare"]
 
@@ -60,6 +61,10 @@ def compare_train(
     for i, p in enumerate(policies):
         shown = _of_all(progress, p, i, len(policies), config.steps)
         runs.append(train(config.replace(policy=p, out=str(out / _dirname(p)), resume=False), progress=shown))
+    if config.overwrite:  # every new run is in: the earlier comparison's other runs go
+        for sub in out.iterdir():
+            if sub.is_dir() and sub.name not in {_dirname(p) for p in policies} and holds_run(sub):
+                clear_run(sub)
     ref = runs[0]
     rows = []
     for policy, run in zip(policies, runs):
@@ -81,7 +86,8 @@ def compare_train(
 
 def _check_out(out: Path, policies: Sequence[str], *, overwrite: bool) -> None:
     """Refuse a non-empty ``out`` unless ``overwrite``: then each policy's run replaces the one in its folder
-    once its first checkpoint is written (``train``; other files stay)."""
+    once its first checkpoint is written (``train``), and the runs of other policies go once every new run is
+    in (other files stay)."""
     names = [_dirname(p) for p in policies]
     if twins := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"--policies would write two runs into {str(out / twins[0])!r}; give each policy once")
