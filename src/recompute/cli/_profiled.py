@@ -15,6 +15,7 @@ from recompute.cli._common import workload_from
 from recompute.cli._lazy import torch_floor
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError
+from recompute.core.files import is_path
 from recompute.core.presets import PRESETS
 from recompute.core.profile import Profile, cache_key, cached
 from recompute.core.spec import hf_config_dict
@@ -51,7 +52,7 @@ def profile_for(args: argparse.Namespace, *, quiet: bool = False) -> tuple[Profi
         found = Profile.load(args.profile)
         return found, Workload(**found.workload)
     path = Path(args.model)
-    if path.exists():
+    if is_path(args.model):
         raw = hf_config_dict(path)
         positions = raw.get("max_position_embeddings") or raw.get("n_positions")
         wl = workload_from(args, _Positions(positions))

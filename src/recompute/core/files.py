@@ -35,6 +35,7 @@ __all__ = [
     "check_input_file",
     "check_writable",
     "fsync_dir",
+    "is_path",
     "read_capped",
     "read_json_file",
 ]
@@ -51,6 +52,13 @@ _KINDS = (
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
 )
+
+
+def is_path(text: str | Path) -> bool:
+    """Whether anything is at ``text`` (a file, a folder, a device, a link, even a dangling one or a loop): the
+    test for "the user named a path". Never raises: a name too long for the file system names nothing
+    (``Path.exists`` raises ``OSError`` for it)."""
+    return bool(str(text)) and os.path.lexists(text)
 
 
 def _kind(mode: int) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import ConfigError, positive_int, require
-from recompute.core.files import atomic_write
+from recompute.core.files import atomic_write, is_path
 from recompute.core.results import read_json
 
 __all__ = ["ALL_POLICIES", "MOE_POLICIES", "OFFLOAD_POLICIES", "POLICIES", "Policy", "check_analytic"]
@@ -204,7 +204,7 @@ class Policy:
         value = str(value)
         if value in ALL_POLICIES:
             return cls(value)
-        if value.endswith(".json") or Path(value).is_file():
+        if value.endswith(".json") or is_path(value):
             return cls.load(value)
         raise ConfigError(f"{value!r} is not a policy or a policy file; choose one of: {', '.join(ALL_POLICIES)}")
 

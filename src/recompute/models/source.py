@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from recompute.core.errors import ConfigError, first_line, one_of
+from recompute.core.files import is_path
 from recompute.core.presets import PRESETS
 from recompute.core.spec import SIZE_LIMITS, ModelSpec, hf_config_dict
 from recompute.core.workload import ATTENTIONS
@@ -158,7 +159,7 @@ def resolve_source(text: str) -> ModelSource:
     base = text.removeprefix("hf:")
     if base in PRESETS or (text.startswith("hf:") and base == "llama"):
         return ModelSource.preset(ModelSpec.from_name(HF_ALIASES.get(base, base)), hf=base != text)
-    if Path(text).exists() or Path(text).is_symlink():  # a dangling link or a loop: the reader says which
+    if is_path(text):  # a dangling link or a loop too: the reader says which
         return ModelSource.from_config(text)
     if _FACTORY.match(text):
         return ModelSource(name=text, origin=text, factory=_import_factory(text))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from recompute.core.errors import ConfigError, require
-from recompute.core.files import check_input_file, read_capped
+from recompute.core.files import check_input_file, is_path, read_capped
 from recompute.core.table import MiB, size
 from recompute.train.corpus import generate_stories
 
@@ -50,7 +50,7 @@ def _load_path(path: Path) -> str:
     """The text of ``--data``: a regular file, or the ``.txt`` files under a folder (each checked before it is
     opened: no FIFO, device or symlink loop), at most ``MAX_DATA_BYTES`` in all."""
     fix = "pass a text file or a folder of .txt files"
-    if not (path.exists() or path.is_symlink()):
+    if not is_path(path):
         raise ConfigError(f"--data {str(path)!r} does not exist; {fix}")
     files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
     require(bool(files), f"--data {str(path)!r} holds no .txt files")
