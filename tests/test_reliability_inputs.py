@@ -400,3 +400,33 @@ def test_a_list_of_10000_copies_is_refused_at_once(
     assert f"--policies names {item!r} more than once" in refused(capsys, *argv, ",".join([item] * 10_000))
     assert time.perf_counter() - start < 5
     assert list(tmp_path.iterdir()) == []
+
+
+BENCH_ROWS = {
+    "string time": ({"step_s": "fast"}, "none: step_s must be a number above 0, got 'fast'"),
+    "negative time": ({"step_s": -1.0}, "none: step_s must be a number above 0, got -1.0"),
+    "zero time": ({"step_s": 0}, "none: step_s must be a number above 0, got 0"),
+    "negative peak": ({"peak": -5}, "none: peak must be a number at least 0, got -5"),
+    "bool peak": ({"peak": True}, "none: peak must be a number at least 0, got True"),
+    "no peak": ({"peak": None}, "none: peak must be a number at least 0, got None"),
+    "times not a list": ({"step_times": "1,2"}, "none: step_times must be a list of seconds"),
+    "policy not a string": ({"policy": 3}, "a row's policy must be a string, got 3"),
+}
+
+
+@pytest.mark.parametrize("damage", list(BENCH_ROWS))
+def test_a_damaged_bench_result_is_refused_in_one_line(
+    damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from recompute import ModelSpec, Workload
+
+    wl = Workload(seq_len=512)
+    path = tiny.write_bench(tmp_path / "b.json", ModelSpec.from_name("gpt2"), wl, {"none": 1.0, "block": 1.2})
+    data = json.loads(path.read_text())
+    change, says = BENCH_ROWS[damage]
+    data["rows"][0].update(change)
+    path.write_text(json.dumps(data))
+    for argv in (["plan", "--budget", "80GiB", "--cost", "measured"], ["report", "-o", str(tmp_path / "r.html")]):
+        line = refused(capsys, *argv, "--bench", str(path))
+        assert says in line and str(path) in line, line
+    assert not (tmp_path / "r.html").exists()

@@ -16,7 +16,7 @@ from recompute.cli._common import add_model_args, add_workload_args, workload_fr
 from recompute.cli._lazy import torch_floor
 from recompute.cli._timed import offload_layer_seconds, preset_works, time_device, untimed_reason
 from recompute.core.errors import ConfigError
-from recompute.core.files import check_folder
+from recompute.core.files import atomic_write, check_folder
 from recompute.core.hardware import GPUS, gpu_by_name
 from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.timing import Timing, timing
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     wl.check(spec)
     report = build_report(spec, wl, gpu=args.gpu, sections=_sections(args, spec, wl), times=_times(args, spec, wl))
     try:
-        out.write_text(render_html(report), encoding="utf-8")
+        atomic_write(out, render_html(report))
     except OSError as e:
         raise ConfigError(f"cannot write {str(out)!r}: {e.strerror}; pass -o a writable path") from e
     written = [str(out)]
