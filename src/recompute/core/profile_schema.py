@@ -31,7 +31,8 @@ _KIND = {
     "forward_ops": dict, "backward_ops": dict,
 }  # fmt: skip
 _KIND_OPTIONAL = {"forward_work": dict, "backward_work": dict, "refused": dict}
-_COUNTS = ("head_forward", "head_backward", "parameters", "gradients", "optimizer", "other", "parameter_count")
+_COUNTS: tuple[str, ...] = ("head_forward", "head_backward", "parameters", "gradients", "optimizer", "other")
+_COUNTS += ("parameter_count",)
 _COUNTS += ("embedding_kept", "head_kept", "step_flops", "tokens")
 """Byte and FLOP figures: non-negative integers."""
 

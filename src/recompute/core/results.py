@@ -77,8 +77,8 @@ class BenchRow:
         return cls(**{**row, "step_times": tuple(times)})
 
 
-_ROW_FIGURES = ("peak", "traced_peak", "activations", "step_s", "forward_s", "backward_s", "optimizer_s")
-_ROW_FIGURES += ("tokens_per_s", "predicted_peak")
+_ROW_FIGURES: tuple[str, ...] = ("peak", "traced_peak", "activations", "step_s", "forward_s", "backward_s")
+_ROW_FIGURES += ("optimizer_s", "tokens_per_s", "predicted_peak")
 
 
 def _figure(name: str, value: Any, *, low: float = 0.0, strict: bool = False) -> None:

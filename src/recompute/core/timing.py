@@ -277,11 +277,9 @@ def check_device_dict(data: Mapping[str, Any]) -> None:
     for key in ("label", "source"):
         require(isinstance(data.get(key, ""), str), f"{key!r} must be a string")
     for key in ("compute", "bandwidth", "ops"):
-        table = data.get(key, {}) if key == "ops" else data.get(key)
-        require(
-            isinstance(table, Mapping) and (key == "ops" or len(table) > 0),
-            f"{key!r} must map rate names to curves" + ("" if key == "ops" else ", at least one"),
-        )
+        table = (data.get(key) or {}) if key == "ops" else data.get(key)
+        if not isinstance(table, Mapping) or not (key == "ops" or len(table) > 0):
+            raise ConfigError(f"{key!r} must map rate names to curves" + ("" if key == "ops" else ", at least one"))
         for name, curve in table.items():
             _check_curve(f"{key}.{name}", curve)
     require("memory" in data["bandwidth"], "a device profile needs a 'memory' bandwidth curve")

@@ -42,7 +42,7 @@ def hf_loss(model: nn.Module, idx: Tensor, targets: Tensor) -> tuple[Any, Tensor
     """
     out = model(input_ids=idx, labels=targets)
     loss = getattr(out, "loss", None)
-    if not _scalar(loss):
+    if not isinstance(loss, Tensor) or not _scalar(loss):
         raise ConfigError(
             f"{type(model).__name__}(input_ids=..., labels=...) returned {_described(out)} without a one-element "
             "loss tensor in .loss; return a transformers CausalLMOutput (or follow recompute's (logits, loss))"
