@@ -107,7 +107,7 @@ def test_verify_refuses_before_building(argv: list[str], says: str, capsys: pyte
         (["validate", "--seq-lens", "64.5"], "got '64.5'"),
         (["validate", "--models", ""], "--models '' names nothing to check"),
         (["compare-train", "--policies", ""], "--policies '' names no policy"),
-        (["compare-train", "--policies", "none,block,none"], "names 'none' twice"),
+        (["compare-train", "--policies", "none,block,none"], "names 'none' more than once"),
         (["estimate", "--first", "100"], "--first 100 exceeds the model's 12 layers; use --first <= 12"),
         (["estimate", "--every", "0"], "--every must be a positive integer, got 0"),
         (["estimate", "--micro-batch", "100000000000"], "--micro-batch must be at most 1,048,576"),
