@@ -2,9 +2,13 @@
 never a traceback, at most two lines on stderr for an error, and writes nothing it was not asked to.
 
 Hypothesis draws argument lists from each command's own options (taken from its parser) and from values that
-break things: zero, negative, huge, fractional and non-numeric numbers, and odd files (not UTF-8, a JSON
-list, empty, a folder, missing). The work behind a command (real steps, traces, training, the page) is
-stubbed: the property is about the checks that run before it, and reaching the stub counts as accepted.
+break things: zero, negative, huge, fractional and non-numeric numbers, odd files (not UTF-8, a JSON list,
+empty, a folder, missing, a file in a read-only folder, a FIFO, /dev/zero, /dev/full, a /proc path, a
+symlink loop, 1 GiB, NaN and Infinity, damaged device profiles and profiles), factories that raise or exit
+while imported or called, and a list of 10,000 copies of one policy. The work behind a command (real steps,
+traces, training, the page) is stubbed: the property is about the checks that run before it, and reaching the
+stub counts as accepted. A command that opens the FIFO fails the test (a guard opens its other end, so it
+cannot hang).
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import argparse
 import contextlib
 import io
 import itertools
+import json
 import os
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +28,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tiny
 from recompute.cli import COMMANDS, build_parser, main
 from recompute.core.export import STACKS
+from recompute.core.hardware import datasheet_device
 from recompute.models.source import resolve_source
 
 
@@ -64,7 +73,18 @@ STUBS = {
 
 NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "1024", "64.5", "1e30", "99999999999999", "abc", ""]
 NAMES = ["gpt2", "llama3.1-8b", "none", "block", "core_attn", "attn+mlp", "flash", "eager", "cpu", "cuda", "nope"]
-FILES = ["latin1.json", "list.json", "empty.json", "folder", "missing.json"]
+NAMES += ["fuzz_import:make", "fuzz_syntax:make", "fuzz_exit:make", "fuzz_ok:raises", "fuzz_ok:exits"]
+NAMES += [",".join(["none"] * 10_000), "/dev/zero", "/dev/full", "/proc/recompute.json"]
+FILES = ["latin1.json", "list.json", "empty.json", "folder", "missing.json", "ro/x.json", "fifo.json", "loop"]
+FILES += ["big.json", "nan.json", "inf.json", "dev-nocompute.json", "dev-overhead.json", "dev-nan.json"]
+FILES += ["prof-nokinds.json", "prof-kind.json", "prof-key.json", "prof-nan.json"]
+FACTORIES = {
+    "fuzz_import": "raise RuntimeError('the module failed')\n",
+    "fuzz_syntax": "def make(:\n",
+    "fuzz_exit": "import sys\nsys.exit(0)\n",
+    "fuzz_ok": "def raises():\n    raise ValueError('no model')\n\ndef exits():\n    raise SystemExit(3)\n",
+}
+"""Factory modules (``--model module:function``) that raise or exit while imported or called."""
 OUTPUTS = {"-o", "--output", "--out", "--png"}
 """Options that name what a command writes: their values may appear in the folder afterwards."""
 
@@ -115,14 +135,72 @@ def _in(folder: Path) -> Iterator[None]:
         os.chdir(here)
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("odd")
+def _device(**changes: object) -> str:
+    return json.dumps({**datasheet_device("h100-80gb").to_dict(), **changes})
+
+
+def _profile(change: object) -> str:
+    data = tiny.profile_dict()
+    change(data)  # type: ignore[operator]
+    return json.dumps(data)
+
+
+def make_files(root: Path) -> None:
+    """The odd files, made again before every example (a command may have written over one with -o)."""
+    text = {
+        "list.json": "[1, 2]",
+        "empty.json": "",
+        "nan.json": '{"format": "recompute.policy/1", "name": "block", "every": NaN}',
+        "inf.json": '{"model_type": "gpt2", "n_embd": Infinity, "n_layer": 2, "n_head": 2, "vocab_size": 64}',
+        "dev-nocompute.json": _device(compute={}),
+        "dev-overhead.json": _device(overhead=-1),
+        "dev-nan.json": _device(overhead=float("nan")),
+        "prof-nokinds.json": _profile(lambda d: d.update(kinds=[])),
+        "prof-kind.json": _profile(lambda d: d.update(layer_kind=[0, 7])),
+        "prof-key.json": _profile(lambda d: d["workload"].update(bogus=1)),
+        "prof-nan.json": _profile(lambda d: d.update(step_flops=float("nan"))),
+    }
+    text |= {f"{name}.py": source for name, source in FACTORIES.items()}
+    for name, content in text.items():
+        (root / name).write_text(content)
     (root / "latin1.json").write_bytes(b'{"model_type": "caf\xe9"}')
-    (root / "list.json").write_text("[1, 2]")
-    (root / "empty.json").write_text("")
-    (root / "folder").mkdir()
-    return root
+    (root / "folder").mkdir(exist_ok=True)
+    (root / "ro").mkdir(mode=0o555, exist_ok=True)
+    with open(root / "big.json", "wb") as f:
+        f.truncate(2**30)  # sparse: 1 GiB that takes no disk
+    if not (root / "fifo.json").is_fifo():
+        (root / "fifo.json").unlink(missing_ok=True)
+        os.mkfifo(root / "fifo.json")
+    if not (root / "loop").is_symlink():
+        (root / "loop").unlink(missing_ok=True)
+        os.symlink(root / "loop", root / "loop")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The odd files; the factories' folder on ``sys.path``; a guard that unblocks (and reports) a reader of the
+    FIFO."""
+    root = tmp_path_factory.mktemp("odd")
+    make_files(root)
+    sys.path.insert(0, str(root))
+    stop, opened = threading.Event(), []
+
+    def guard() -> None:
+        while not stop.wait(0.2):
+            try:
+                fd = os.open(root / "fifo.json", os.O_WRONLY | os.O_NONBLOCK)  # succeeds only while a reader has it
+            except OSError:
+                continue
+            opened.append(True)
+            os.close(fd)
+
+    thread = threading.Thread(target=guard, daemon=True)
+    thread.start()
+    yield root
+    stop.set()
+    thread.join()
+    sys.path.remove(str(root))
+    assert not opened, "a command opened the FIFO (it would have blocked)"
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +219,7 @@ def stubbed() -> Iterator[None]:
 def test_every_command_line_gets_an_answer_not_a_traceback(
     argv: list[str], files: Path, stubbed: None, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    make_files(files)
     argv = [str(files / a[1:]) if a.startswith("@") else a for a in argv]
     cwd = tmp_path_factory.mktemp("cwd")
     out, err = io.StringIO(), io.StringIO()

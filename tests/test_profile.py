@@ -202,3 +202,11 @@ def test_the_plan_of_a_profiled_model_chooses_the_loss_mode(
     assert loose["workload"]["loss"] == "full"  # nothing replayed either way: the tie keeps the user's loss
     assert main(["plan", *args, "--cost", "flops", "--budget", between, "--consider", "none"]) == 2
     assert "smallest achievable peak" in capsys.readouterr().err
+
+
+def test_a_profile_file_is_read_back_through_its_schema(profiled: tuple[str, Path, Profile], tmp_path: Path) -> None:
+    """``check_profile_dict`` refuses damaged profiles (tests/test_reliability_inputs.py); every real one passes."""
+    _, _, prof = profiled
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    assert Profile.load(path) == prof

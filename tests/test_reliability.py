@@ -107,7 +107,7 @@ def test_verify_refuses_before_building(argv: list[str], says: str, capsys: pyte
         (["validate", "--seq-lens", "64.5"], "got '64.5'"),
         (["validate", "--models", ""], "--models '' names nothing to check"),
         (["compare-train", "--policies", ""], "--policies '' names no policy"),
-        (["compare-train", "--policies", "none,block,none"], "names 'none' twice"),
+        (["compare-train", "--policies", "none,block,none"], "names 'none' more than once"),
         (["estimate", "--first", "100"], "--first 100 exceeds the model's 12 layers; use --first <= 12"),
         (["estimate", "--every", "0"], "--every must be a positive integer, got 0"),
         (["estimate", "--micro-batch", "100000000000"], "--micro-batch must be at most 1,048,576"),
@@ -126,7 +126,7 @@ def test_wrong_values_are_refused_with_the_limit(
 def test_output_paths_are_checked_before_the_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     afile = tmp_path / "afile"
     afile.write_text("")
-    assert "is a file; give a folder" in refused(capsys, "train", "--out", str(afile))
+    assert "is a file, not a folder; give a folder" in refused(capsys, "train", "--out", str(afile))
     run = ["compare-train", "--out", str(tmp_path / "runs"), "--steps", "1"]
     assert "--png" in refused(capsys, *run, "--png", str(tmp_path))
     assert "does not exist; create it first" in refused(capsys, *run, "--png", str(tmp_path / "no" / "x.png"))

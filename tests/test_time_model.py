@@ -103,22 +103,43 @@ def test_device_profile_round_trips(tmp_path: Path) -> None:
     assert Device.load(tmp_path / "d.json") == d
 
 
+def _device_json(**changes: object) -> str:
+    """A good device profile's JSON with ``changes`` (NaN and Infinity written as Python's json writes them)."""
+    return json.dumps({**datasheet_device("h100-80gb").to_dict(), **changes})
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "no such device profile; make one with `recompute calibrate -o"),
-        ("{not json", "not a readable device profile \\(JSONDecodeError\\)"),
+        (None, "does not exist; make one with `recompute calibrate -o"),
+        ("{not json", "is not valid JSON \\(Expecting property name"),
         ('{"format": "recompute.profile/2"}', "not a recompute.device/1 file"),
         ('{"format": "recompute.device/1", "kind": "tpu"}', "unknown device kind 'tpu'"),
+        (_device_json(compute={}), "'compute' must map rate names to curves, at least one"),
+        (_device_json(overhead=-1), "'overhead' must be a finite number >= 0, got -1"),
+        (_device_json(overhead=float("nan")), "NaN is not a number JSON allows"),
+        (_device_json(host_link=float("inf")), "Infinity is not a number JSON allows"),
+        (_device_json(overhead="1e-6"), "'overhead' must be a finite number >= 0, got '1e-6'"),
+        (_device_json(compute={"matmul.bfloat16": []}), "the curve 'compute.matmul.bfloat16' must be a non-empty"),
+        (_device_json(bandwidth={"memory": [[1, 0]]}), "a point of bandwidth.memory' must be a finite number > 0"),
+        (_device_json(bandwidth={"math": [[1, 1e9]]}), "needs a 'memory' bandwidth curve"),
+        (_device_json(rates={}), "unknown key 'rates'"),
+        (_device_json(memory=1.5), "'memory' must be a positive integer or null, got 1.5"),
+        ('{"format": "recompute.device/1", "overhead": 1e999}', "the number 1e999 is out of range"),
     ],
-)
+    ids=[
+        "missing", "not json", "another format", "unknown kind", "no compute", "negative overhead", "NaN",
+        "Infinity", "string", "empty curve", "zero rate", "no memory curve", "unknown key", "fractional memory",
+        "overflow",
+    ],
+)  # fmt: skip
 def test_bad_device_profiles_are_one_line_errors(tmp_path: Path, content: str | None, message: str) -> None:
     path = tmp_path / "device.json"
     if content is not None:
         path.write_text(content)
     with pytest.raises(ConfigError, match=message) as e:
         Device.load(path)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
 
 
 def test_a_profile_of_another_device_is_refused() -> None:

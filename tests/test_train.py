@@ -85,7 +85,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeyp
     with pytest.raises(Killed):
         train(config)
     folder = Path(config.out) / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == ["step_0000002.pt", "step_0000004.pt.tmp"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step_0000002.pt"]  # the half-written file removed
+    (folder / "step_0000004.pt.tmp").write_bytes(b"PK\x03\x04 half a zip")  # what a kill -9 mid-write leaves
     monkeypatch.undo()
     assert train(config.replace(resume=True)).resumed_from == 2
     assert sorted(p.name for p in folder.iterdir()) == ["step_0000002.pt", "step_0000004.pt"]
@@ -298,3 +299,91 @@ def test_size_overrides_keep_gqa_and_derive_the_mlp_width() -> None:
     assert (spec.n_kv_heads, spec.d_ff, spec.mlp) == (8, 768, "swiglu")  # 8 KV heads kept; 8h/3 rounded to 256
     spec = build_spec(TrainConfig(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=4), vocab=256)
     assert spec.n_kv_heads == 4  # 8 KV heads cannot serve 4 query heads: plain multi-head attention
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_deletes_nothing_until_the_new_run_has_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad --policy, a plan for another model, a model that breaks its convention, a crash in the first steps:
+    the earlier run (metrics, sample, both checkpoints) stays byte for byte, and nothing is left beside it."""
+    config = tiny(tmp_path, steps=4, checkpoint_every=2)
+    train(config)
+    out = Path(config.out)
+    before = _snapshot(out)
+    assert len(checkpoints(out)) == 2 and set(before) >= {"metrics.jsonl", "sample.txt"}
+    plan = tmp_path / "plan.json"
+    recompute.Policy(layers=("block",) * 12, model="gpt2-medium").save(plan)
+    again = [*config.command_line(), "--overwrite"]
+    for bad in (["--policy", "nope"], ["--policy", str(plan)], ["--policy", str(tmp_path / "missing.json")]):
+        assert main([*again, *bad]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+        assert _snapshot(out) == before, bad
+
+    def crash_after_step_0(step: int) -> None:
+        if step == 0:  # before the first checkpoint (after step 1 of 2)
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(config.replace(overwrite=True, seed=7), on_step=crash_after_step_0)
+    assert _snapshot(out) == before
+    train(config.replace(overwrite=True, steps=2, seed=7))  # a new run that gets its checkpoint replaces it
+    assert [p.name for p in checkpoints(out)] == ["step_0000002.pt"] and not (out / ".overwritten").exists()
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [0, 1]
+
+
+def test_an_overwrite_killed_before_its_checkpoint_keeps_the_earlier_run_aside(tmp_path: Path) -> None:
+    config = tiny(tmp_path, steps=2)
+    train(config)
+    out = Path(config.out)
+    before = _snapshot(out)
+    from recompute.train.run_files import set_aside
+
+    set_aside(out)  # what a killed --overwrite leaves: the earlier run in .overwritten
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')  # and the killed run's first step
+    with pytest.raises(ConfigError, match=r"an earlier run set aside by an --overwrite that did not finish"):
+        train(config)
+
+    def crash(step: int) -> None:
+        raise Killed
+
+    with pytest.raises(Killed):  # the next --overwrite fails too: the killed attempt's files go, the run comes back
+        train(config.replace(overwrite=True), on_step=crash)
+    assert _snapshot(out) == before
+
+
+def test_a_damaged_metrics_line_is_found(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tiny(tmp_path, steps=4, checkpoint_every=2)
+    train(config)
+    metrics = Path(config.out) / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    row = json.loads(lines[1])
+    assert set(row) == {"step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_bytes", "crc32"}
+    lines[1] = lines[1].replace(f'"loss": {row["loss"]}', f'"loss": {row["loss"] + 1e-3}')  # one figure changed
+    metrics.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2 does not match its CRC-32; the file is damaged"):
+        read_metrics(metrics)
+    capsys.readouterr()
+    train(config.replace(resume=True, steps=5))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("metrics.jsonl' line 2 does not match its CRC-32; rewritten from" in e for e in err), err
+    assert [m["step"] for m in read_metrics(metrics)] == list(range(5))  # whole again
+
+
+def test_a_checkpoint_whose_stored_metrics_changed_is_passed_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tiny(tmp_path, steps=4, checkpoint_every=2)
+    whole = train(config)
+    newest = checkpoints(Path(config.out))[-1]
+    state = torch.load(newest, weights_only=True)
+    state["metrics"][1]["loss"] += 1.0  # a flipped byte in a stored loss: torch.load reads it silently
+    torch.save(state, newest)
+    capsys.readouterr()
+    resumed = train(config.replace(resume=True))
+    assert resumed.resumed_from == 2 and resumed.losses == whole.losses  # from the older checkpoint
+    err = capsys.readouterr().err
+    assert "step_0000004.pt' is damaged: its metrics do not match their stored CRC-32" in err

@@ -83,3 +83,63 @@ def write_bench(
     result = BenchResult(spec.name, spec.to_dict(), wl.to_dict(), steps=1, warmup=0, device="synthetic", rows=rows)
     path.write_text(json.dumps(result.to_dict()))
     return path
+
+
+def profile_dict(n_layers: int = 2) -> dict[str, Any]:
+    """A ``recompute profile -o`` file's content with synthetic figures: one layer kind, two policies (a test
+    input for the profile readers; ``tests/test_profile.py`` holds real profiles to the same schema)."""
+    from recompute.core.profile import FORMAT, PROFILED_WORKLOAD
+
+    policies = ("none", "block")
+    work = [["mm", "float32", 1000, 4096, 2], ["add", "float32", 0, 1024, 3]]
+    kind = {
+        "name": "Block",
+        "layers": list(range(n_layers)),
+        "parameters": 1000,
+        "kept": {"none": 4096, "block": 512},
+        "held": {"none": 4096, "block": 512},
+        "components": {p: {"attention": 256} for p in policies},
+        "ops": {p: {"MmBackward0": 256} for p in policies},
+        "forward_delta": {"none": 0, "block": -1024},
+        "backward_delta": {"none": 0, "block": 512},
+        "forward_flops": 10**6,
+        "backward_flops": {"none": 2 * 10**6, "block": 3 * 10**6},
+        "forward_ops": {"mm": 10**6},
+        "backward_ops": {p: {"mm": 10**6} for p in policies},
+        "forward_work": {p: work for p in policies},
+        "backward_work": {p: work for p in policies},
+        "refused": {"offload": "synthetic"},
+    }
+    wl = Workload(micro_batch=1, seq_len=32, device="cpu").to_dict()
+    wl = {k: wl[k] for k in PROFILED_WORKLOAD}
+    return {
+        "format": FORMAT,
+        "model": "synthetic",
+        "origin": "tests/tiny.py",
+        "class_name": "Synthetic",
+        "key": "0" * 16,
+        "workload": wl,
+        "kinds": [kind],
+        "layer_kind": [0] * n_layers,
+        "links": {"0>0": {p: {q: [-512 if p == "block" else 0, 256, 0] for q in policies} for p in policies}},
+        "last": {p: [0, 0, 0] for p in policies},
+        "base_kept": [4096] * n_layers,
+        "base_forward": [20000 + 4096 * i for i in range(n_layers)],
+        "base_backward": [30000 + 4096 * i for i in range(n_layers)],
+        "head_forward": 40000,
+        "head_backward": 41000,
+        "fixed": {"forward (embedding)": 10000, "optimizer step": 12000},
+        "parameters": 8000,
+        "gradients": 8000,
+        "optimizer": 16000,
+        "other": 0,
+        "parameter_count": 2000,
+        "embedding_kept": 512,
+        "head_kept": 1024,
+        "step_flops": 10**7,
+        "outer_work": {"optimizer step": work},
+        "tokens": 32,
+        "notes": [],
+        "versions": {},
+        "seconds": 0.5,
+    }

@@ -23,6 +23,7 @@ from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.table import render_table
 from recompute.core.workload import Workload
 from recompute.models.hf import HF_ALIASES
+from recompute.models.loss import lm_loss
 from recompute.models.source import BuiltModel, ModelSource, build_source
 
 __all__ = [
@@ -147,13 +148,7 @@ def loss_of(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch
     if hasattr(model, "config") and not hasattr(model, "spec"):
         logits = model(input_ids=idx, use_cache=False).logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-    out = model(idx, targets)
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor)):
-        raise ConfigError(
-            f"{type(model).__name__}(idx, targets) returned {type(out).__name__}, expected (logits, loss); "
-            "follow that convention or give the model a transformers config"
-        )
-    return out[1]
+    return lm_loss(model, idx, targets)[1]  # which refuses a model that breaks the convention
 
 
 Step = tuple["torch.Tensor", dict[str, "torch.Tensor"]]

@@ -23,6 +23,7 @@ from recompute.core.analytic.memory import layer_activations
 from recompute.core.analytic.table import analytic_table, with_loss
 from recompute.core.costs import CostTable
 from recompute.core.errors import ConfigError, first_line, require
+from recompute.core.files import is_path
 from recompute.core.plan import smallest_achievable
 from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
@@ -77,7 +78,7 @@ def max_positions(model: str) -> int | None:
     name = model.removeprefix("hf:")
     if name in PRESETS:
         return ModelSpec.from_name(name).max_positions
-    if Path(model).exists():
+    if is_path(model):
         raw = hf_config_dict(model)
         found = raw.get("max_position_embeddings") or raw.get("n_positions")
         return int(found) if isinstance(found, int) and found > 0 else None
@@ -221,7 +222,7 @@ def profiles_of(
         fields=("tp", "pp"),
     )
     wanted = [with_loss(wl, mode) for mode in dict.fromkeys((wl.loss, *modes))]
-    if isinstance(model, str) and Path(model).exists():
+    if isinstance(model, str) and is_path(model):
         identity = store.config_identity(hf_config_dict(model))
         found = [store.load("profiles", store.step_key(identity, w.to_dict()), Profile.from_dict) for w in wanted]
         if all(p is not None for p in found):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +122,7 @@ def bench(
     seed: int = 0,
     hf: bool = False,
     progress: Progress = no_progress,
-    device_profile: Device | None = None,
+    device_profile: Device | Callable[[], Device] | None = None,
     losses: Sequence[str] = (),
 ) -> BenchResult:
     """Time and measure real training steps of ``spec`` under each policy (see the module docstring).
@@ -132,7 +132,8 @@ def bench(
     policy under the first mode.
 
     ``device_profile``: this device's calibration (``recompute calibrate``); each row then also carries the time
-    model's predicted step time and time overhead, from the fake-tensor trace of the same step.
+    model's predicted step time and time overhead, from the fake-tensor trace of the same step. A function that
+    returns one (a calibration of this device) is called once the memory check has passed.
 
     ``spec`` is a preset's ``ModelSpec`` or any ``ModelSource`` (a transformers config, a factory): the class it
     names is what runs. ``hf=True`` runs the ``transformers`` model of a ``ModelSpec`` instead of recompute's.
@@ -164,7 +165,7 @@ def bench(
     for mode in modes:
         one_of("loss", mode, LOSSES)
     at = {mode: _with_loss(wl, mode) for mode in modes}
-    if device_profile is not None:
+    if isinstance(device_profile, Device):
         gpu = torch.cuda.get_device_name() if device == "cuda" else None
         device_profile.check_runs_on(device, gpu, threads=torch.get_num_threads())
     if len(modes) > 1 and source.spec is not None:  # every run's model is resident: check them all together
@@ -179,6 +180,8 @@ def bench(
         preflights[0].note,
     )
     plan = [(mode, pol) for mode in modes for pol in pols]
+    if callable(device_profile):
+        device_profile = device_profile()  # measured only for a run that fits
     timings = _predicted_times(source, [(at[m], pol) for m, pol in plan], device_profile) if device_profile else None
     runs, built = [], None
     for mode, pol in plan:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from recompute.core.errors import ConfigError
+from recompute.core.files import check_writable
 from recompute.core.policy import ALL_POLICIES, Policy
 from recompute.core.pricing import DEFAULT_GPU, choose_device
 from recompute.core.spec import ModelSpec
@@ -205,14 +206,10 @@ def csv(value: str) -> list[str]:
 
 
 def writable(path: str | Path, flag: str, example: str = "out.json") -> Path:
-    """``path`` if a file can be written there; checked before any work starts.
+    """``path`` if a file can be written there (``recompute.core.files.check_writable``: a probe file is made and
+    removed in its folder); checked before any work starts. Write it with ``atomic_write``.
 
     Raises:
-        ConfigError: the path is a directory or its parent folder is missing.
+        ConfigError: empty, a folder, a device, a symlink loop, or its folder is missing or takes no new file.
     """
-    out = Path(path)
-    if out.is_dir():
-        raise ConfigError(f"{flag} {str(out)!r} is a directory; give a file path, e.g. {out / example}")
-    if not out.parent.is_dir():
-        raise ConfigError(f"{flag} {str(out)!r}: the folder {str(out.parent)!r} does not exist; create it first")
-    return out
+    return check_writable(path, flag, example)

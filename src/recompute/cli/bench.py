@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -13,9 +15,10 @@ from recompute.bench import bench, bench_parallel, bench_source, render_bench, r
 from recompute.bench.calibrate import cached_calibration
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError, require
+from recompute.core.errors import ConfigError, distinct, require
 from recompute.core.policy import Policy
 from recompute.core.pricing import choose_device
+from recompute.core.timing import Device
 from recompute.core.workload import Workload
 from recompute.models.source import ModelSource
 from recompute.parallel import end_process_group
@@ -65,7 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     source = bench_source(args.model, **size_overrides(args))
-    policies = csv(args.policies) + ([args.plan] if args.plan else [])
+    policies = distinct("--policies", csv(args.policies) + ([args.plan] if args.plan else []))
     for name in policies:
         Policy.parse(name)
     wl = workload_from(args, source)
@@ -78,11 +81,12 @@ def run(args: argparse.Namespace) -> int:
         device = choose_device(device_profile=args.device_profile) if args.device_profile else None
         if device is not None:
             device.check_runs_on(wl.device, threads=torch.get_num_threads())
+    losses = csv(args.loss_modes) if args.loss_modes else []
     with progress_bar("bench") as progress:
+        timed: Device | Callable[[], Device] | None = device
         if not args.no_time and device is None:
-            device = cached_calibration(wl.device, progress=progress)
-        losses = csv(args.loss_modes) if args.loss_modes else []
-        result = bench(source, wl, policies, **runs, progress=progress, device_profile=device, losses=losses)
+            timed = functools.partial(cached_calibration, wl.device, progress=progress)  # after the memory check
+        result = bench(source, wl, policies, **runs, progress=progress, device_profile=timed, losses=losses)
     emit_json(result.to_dict()) if args.json else print(render_bench(result))
     return 0
 

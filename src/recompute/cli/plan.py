@@ -30,10 +30,10 @@ from recompute.core.analytic import estimate
 from recompute.core.costs import CostTable
 from recompute.core.errors import ConfigError, require
 from recompute.core.export import STACKS, Export, export
+from recompute.core.files import atomic_write
 from recompute.core.plan import Plan, parse_budget, plan, require_fits
 from recompute.core.policy import Policy
 from recompute.core.profile import Profile
-from recompute.core.store import atomic_write
 from recompute.core.table import gib
 from recompute.core.workload import Workload, build_workload
 from recompute.planning import cost_tables, is_profiled, max_positions

@@ -23,6 +23,7 @@ from recompute.cli._lazy import torch_floor
 from recompute.cli.progress import progress_bar
 from recompute.cli.render import device_note, render_profile
 from recompute.core import store
+from recompute.core.files import atomic_write
 
 __all__ = ["add_args", "run"]
 
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     trace = torch_floor("recompute.trace")
     source = trace.resolve_source(args.model)
     wl = workload_from(args, source)
-    output = writable(args.output, "--output", "profile.json") if args.output else None
+    output = writable(args.output, "--output", "profile.json") if args.output is not None else None
     with progress_bar("profile", enabled=not args.json) as progress:
         if args.refresh:
             result = trace.profile(source, wl, progress=progress)
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             result, _ = trace.cached_profile(source, wl, progress=progress)
     if output:
-        store.atomic_write(output, json.dumps(result.to_dict(), indent=1) + "\n")
+        atomic_write(output, json.dumps(result.to_dict(), indent=1) + "\n")
     if args.json:
         emit_json(result.to_dict())
     else:

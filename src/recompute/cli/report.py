@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import importlib.util
 import time
-from pathlib import Path
 from typing import Any
 
 from recompute.cli._common import (
@@ -25,6 +24,7 @@ from recompute.cli._common import (
 from recompute.cli._lazy import torch_floor
 from recompute.core.analytic.memory import layer_activations
 from recompute.core.errors import ConfigError, first_line, require
+from recompute.core.files import atomic_write, check_folder
 from recompute.core.hardware import gpu_by_name, usable_bytes
 from recompute.core.plan import NothingFits, parse_budget, plan
 from recompute.core.presets import PRESETS
@@ -139,8 +139,7 @@ def run(args: argparse.Namespace) -> int:
     gpu = args.gpu or DEFAULT_GPU
     gpu_by_name(gpu)  # fail on bad input before computing anything
     out = writable(args.output, "-o", "report.html")
-    if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
-        raise ConfigError(f"--png {args.png!r} is a file; give a folder for the PNGs")
+    png = check_folder(args.png, "--png", "pngs") if args.png is not None else None
     budget = parse_budget(args.budget) if args.budget is not None else usable_bytes(gpu)
     try:
         spec: ModelSpec | None = resolve_model(args.model)
@@ -158,11 +157,11 @@ def run(args: argparse.Namespace) -> int:
         analytic=why,
     )  # fmt: skip
     try:
-        out.write_text(render_html(report), encoding="utf-8")
+        atomic_write(out, render_html(report))
     except OSError as e:
         raise ConfigError(f"cannot write {str(out)!r}: {e.strerror}; pass -o a writable path") from e
     written = [str(out)]
-    if args.png:
-        written += [str(p) for p in write_pngs(report, Path(args.png))]
+    if png is not None:
+        written += [str(p) for p in write_pngs(report, png)]
     print(f"wrote {', '.join(written)} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -11,7 +11,8 @@ from typing import Any
 from recompute.checkpointing import find_layers
 from recompute.cli._common import add_field_args, csv, emit_json, writable
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, distinct
+from recompute.core.files import check_folder
 from recompute.core.policy import Policy
 from recompute.models.source import build_source
 from recompute.train import compare_train, plot_losses, render_compare, train
@@ -68,8 +69,14 @@ def _name_and_layers(config: TrainConfig) -> tuple[str, int]:
 
 
 def _check_out_folder(out: str) -> None:
-    if Path(out).exists() and not Path(out).is_dir():
-        raise ConfigError(f"--out {out!r} is a file; give a folder for the run's metrics and checkpoints")
+    check_folder(out, "--out", "runs/train")
+
+
+def _png(path: str) -> Path:
+    png = writable(path, "--png", "loss.png")
+    if png.suffix.lower() not in ("", ".png"):
+        raise ConfigError(f"--png {path!r} is not a .png path; the loss curves are a PNG image, e.g. loss.png")
+    return png
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
@@ -87,13 +94,12 @@ def run_compare(args: argparse.Namespace) -> int:
     policies = csv(args.policies)
     if not policies:
         raise ConfigError(f"--policies {args.policies!r} names no policy; e.g. --policies none,block")
-    if twins := sorted({p for p in policies if policies.count(p) > 1}):
-        raise ConfigError(f"--policies names {twins[0]!r} twice; give each policy once")
+    distinct("--policies", policies)
     _check_out_folder(args.out)
     name, n_layers = _name_and_layers(_config(args, "policy", "resume"))
     for p in policies:
         _check_policy(Policy.parse(p), name, n_layers)  # every policy and plan fits the model, before training
-    png = writable(args.png, "--png", "loss.png") if args.png else Path(args.out) / "loss.png"
+    png = _png(args.png) if args.png is not None else Path(args.out) / "loss.png"
     if args.tp > 1 or args.dp > 1 or args.sp:
         raise ConfigError("compare-train runs one process; drop --tp/--sp/--dp (recompute train takes them)")
     with progress_bar("compare-train", enabled=not args.json) as progress:

@@ -7,7 +7,7 @@ import argparse
 from recompute.check_formulas import render_validation, validate
 from recompute.cli._common import csv, emit_json
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, distinct
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.presets import PRESETS
 from recompute.core.spec import resolve_model
@@ -32,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--models", args.models), ("--policies", args.policies), ("--attention", args.attention)):
         if not csv(value):
             raise ConfigError(f"{flag} {value!r} names nothing to check; give a comma-separated list, or drop it")
+        distinct(flag, csv(value))
+    if args.seq_lens:
+        distinct("--seq-lens", csv(args.seq_lens))
     for name in csv(args.models):
         if name not in PRESETS and ":" in name:  # a factory: resolve_model knows presets and config paths only
             raise ConfigError(

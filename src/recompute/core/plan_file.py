@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import require
+from recompute.core.files import atomic_write
 from recompute.core.hardware import GPUS, gpu_by_name, usable_bytes
 from recompute.core.policy import Policy
-from recompute.core.store import atomic_write
 from recompute.core.table import GiB, MiB
 
 __all__ = ["FORMAT", "Plan", "PlanPoint", "parse_budget"]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import ConfigError, positive_int, require
+from recompute.core.files import atomic_write, is_path
 from recompute.core.results import read_json
 
 __all__ = ["ALIASES", "ALL_POLICIES", "MOE_POLICIES", "OFFLOAD_POLICIES", "POLICIES", "Policy", "check_analytic"]
@@ -204,7 +205,7 @@ class Policy:
 
     def save(self, path: str | Path) -> None:
         """Write the policy as JSON to ``path``."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
@@ -234,7 +235,7 @@ class Policy:
             return cls(
                 m["name"], every=count if m["key"] == "every" else None, first=count if m["key"] == "first" else None
             )
-        if value.endswith(".json") or Path(value).is_file():
+        if value.endswith(".json") or is_path(value):
             return cls.load(value)
         raise ConfigError(f"{value!r} is not a policy or a policy file; choose one of: {_names()}")
 

@@ -32,7 +32,8 @@ from typing import Any, NamedTuple
 
 from recompute.core.costs import CostTable, KindCosts, LinkCost, TopCost
 from recompute.core.errors import ConfigError, require
-from recompute.core.store import atomic_write
+from recompute.core.files import atomic_write, read_json_file
+from recompute.core.profile_schema import check_profile_dict
 from recompute.core.timing import Device, Op, StepWork, work_seconds
 from recompute.core.workload import Workload
 
@@ -261,6 +262,7 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         require(data.get("format") == FORMAT, f"not a {FORMAT} file (format {data.get('format')!r})")
+        check_profile_dict(data)
         body = {k: v for k, v in data.items() if k != "format"}
         body["kinds"] = tuple(
             LayerKind(
@@ -290,10 +292,10 @@ class Profile:
     def load(cls, path: str | Path) -> Profile:
         """Raises: ConfigError: not a readable profile file."""
         try:
-            data = json.loads(Path(path).read_text())
-            if not isinstance(data, dict):
-                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+            data = read_json_file(path, "--profile", what="a profile", fix="make one with recompute profile -o")
             return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from None
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ConfigError(
                 f"{path}: not a readable recompute profile ({type(e).__name__}); run recompute profile"

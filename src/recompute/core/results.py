@@ -8,12 +8,13 @@ refuses a file made for another model. Standard library only.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import ConfigError, require
+from recompute.core.files import read_json_file
 
 __all__ = ["BenchResult", "BenchRow", "ParallelBench", "RankRow", "read_bench", "read_json"]
 
@@ -52,9 +53,40 @@ class BenchRow:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchRow:
+        """Inverse of ``asdict``; every figure checked to be a number in its range (a measured time above 0).
+
+        Raises:
+            ConfigError: a figure that is missing, not a number, negative, or a zero step time.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         row = {k: v for k, v in data.items() if k in known}
-        return cls(**{**row, "step_times": tuple(row.get("step_times", ()))})
+        name = row.get("policy")
+        if not isinstance(name, str):
+            raise ConfigError(f"a row's policy must be a string, got {name!r}")
+        for key in _ROW_FIGURES:
+            _figure(f"{name}: {key}", row.get(key), strict=key == "step_s")
+        _figure(f"{name}: predicted_overhead", row.get("predicted_overhead"), low=-math.inf)
+        for key in ("predicted_step_s", "predicted_time_overhead"):
+            if row.get(key) is not None:
+                _figure(f"{name}: {key}", row[key], low=-math.inf)
+        times = row.get("step_times", ())
+        if not isinstance(times, list | tuple):
+            raise ConfigError(f"{name}: step_times must be a list of seconds, got {times!r}")
+        for t in times:
+            _figure(f"{name}: step_times", t)
+        return cls(**{**row, "step_times": tuple(times)})
+
+
+_ROW_FIGURES: tuple[str, ...] = ("peak", "traced_peak", "activations", "step_s", "forward_s", "backward_s")
+_ROW_FIGURES += ("optimizer_s", "tokens_per_s", "predicted_peak")
+
+
+def _figure(name: str, value: Any, *, low: float = 0.0, strict: bool = False) -> None:
+    """Refuse a figure that is not a finite number at least ``low`` (above it when ``strict``)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low):
+        bound = f"{'above' if strict else 'at least'} {low:g}" if math.isfinite(low) else "finite"
+        raise ConfigError(f"{name} must be a number {bound}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -142,23 +174,15 @@ class ParallelBench:
 
 
 def read_json(path: str | Path, what: str, fix: str) -> dict[str, Any]:
-    """The JSON object in ``path``.
+    """The JSON object in ``path`` (``recompute.core.files.read_json_file``: a regular file of sane size, UTF-8,
+    finite numbers).
 
     Raises:
-        ConfigError: the file cannot be read, is not UTF-8 JSON, or holds no object; ``what`` names the file's
-            role and ``fix`` says how to make a good one.
+        ConfigError: the file is missing, not a regular file, too large, unreadable, not UTF-8 JSON, holds a
+            non-finite number, or holds no object; ``what`` names the file's role and ``fix`` says how to make
+            a good one.
     """
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {str(path)!r}: {e.strerror}; {fix}") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{what} {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}); {fix}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what} {str(path)!r} must hold a JSON object, not a {type(data).__name__}; {fix}")
-    return data
+    return read_json_file(path, what, fix=fix)
 
 
 def read_bench(path: str | Path, *, model: str | None = None) -> BenchResult:
@@ -173,7 +197,9 @@ def read_bench(path: str | Path, *, model: str | None = None) -> BenchResult:
     data = read_json(path, "bench results", BENCH_FIX)
     try:
         result = BenchResult.from_dict(data)
-    except (KeyError, TypeError, ValueError) as e:
+    except ConfigError as e:
+        raise ConfigError(f"bench results {str(path)!r}: {e}; {BENCH_FIX}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"bench results {str(path)!r} are not a bench result (missing {e}); {BENCH_FIX}") from e
     require(len(result.rows) > 0, f"bench results {str(path)!r} hold no rows; {BENCH_FIX}")
     if model is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from recompute.core.errors import ConfigError, one_of, positive_int, require
+from recompute.core.files import is_path
 from recompute.core.hf_config import spec_fields
 from recompute.core.presets import PRESETS
 from recompute.core.results import read_json
@@ -279,7 +280,7 @@ def analytic_model(name: str) -> ModelSpec:
         ConfigError: an unknown name, or a config with a feature the closed form does not model (the message
             names ``recompute profile``, which measures the real class).
     """
-    return spec_from_config(name, name=Path(name).stem) if Path(name).exists() else resolve_model(name)
+    return spec_from_config(name, name=Path(name).stem) if is_path(name) else resolve_model(name)
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -292,7 +293,7 @@ def resolve_model(name: str) -> ModelSpec:
     if name in PRESETS:
         return ModelSpec.from_name(name)
     path = Path(name)
-    if path.exists():
+    if is_path(name):
         ModelSpec.from_hf_config(path)  # an unreadable or unmodelled config gets its own one-line refusal first
         raise ConfigError(
             f"{name!r} is a transformers config: this command's formulas are held to presets; estimate and plan "

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from recompute.core.files import atomic_write
+
 __all__ = [
     "MEASURED_WORKLOAD",
     "atomic_write",
@@ -79,18 +81,6 @@ def step_key(identity: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
 def path(kind: str, key: str) -> Path:
     """Where an entry lives: ``<root>/<kind>/<key>.json`` (kinds: ``profiles``, ``work``, ``calibration``)."""
     return root() / kind / f"{key}.json"
-
-
-def atomic_write(target: str | Path, text: str) -> None:
-    """Write ``text`` to ``target`` through a temporary file in the same folder, then rename it over."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def save(kind: str, key: str, data: Mapping[str, Any]) -> Path:

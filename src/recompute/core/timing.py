@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute.core.errors import ConfigError, require
+from recompute.core.files import atomic_write, read_json_file
 
 __all__ = [
     "CLASSES",
@@ -43,6 +44,7 @@ __all__ = [
     "StepWork",
     "Timing",
     "by_class",
+    "check_device_dict",
     "merge",
     "mixed_timing",
     "op_class",
@@ -188,9 +190,12 @@ class Device:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Device:
-        require(data.get("format") == DEVICE_FORMAT, f"not a {DEVICE_FORMAT} file (format {data.get('format')!r})")
-        require(data.get("kind") in ("cuda", "rocm", "cpu"), f"unknown device kind {data.get('kind')!r}")
-        require("memory" in data.get("bandwidth", {}), "a device profile needs a 'memory' bandwidth curve")
+        """Inverse of ``to_dict``, the schema checked first (``check_device_dict``).
+
+        Raises:
+            ConfigError: not a device profile, or a field of the wrong type, out of range or not finite.
+        """
+        check_device_dict(data)
         return cls(
             name=str(data["name"]),
             kind=str(data["kind"]),
@@ -207,25 +212,20 @@ class Device:
         )
 
     def save(self, path: str | Path) -> None:
+        """Write the profile to ``path`` atomically (its folder is created)."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        atomic_write(target, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> Device:
+    def load(cls, path: str | Path, flag: str = "--device-profile") -> Device:
         """Raises: ConfigError: a missing or unreadable file, or not a device profile (one line)."""
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{path}: no such device profile; make one with `recompute calibrate -o {p.name}`")
+        fix = "make one with `recompute calibrate -o device.json`"
+        data = read_json_file(path, flag, what="a device profile", fix=fix, max_bytes=_DEVICE_BYTES)
         try:
-            return cls.from_dict(json.loads(p.read_text()))
+            return cls.from_dict(data)
         except ConfigError as e:
-            raise ConfigError(f"{path}: {e}; make one with `recompute calibrate -o {p.name}`") from None
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ConfigError(
-                f"{path}: not a readable device profile ({type(e).__name__}); make one with "
-                f"`recompute calibrate -o {p.name}`"
-            ) from None
+            raise ConfigError(f"{flag} {str(path)!r}: {e}; {fix}") from None
 
     def check_runs_on(self, kind: str, name: str | None = None, *, threads: int | None = None) -> None:
         """Refuse to predict a step measured on another kind of device (bench on a CPU with an H100's profile),
@@ -249,6 +249,70 @@ class Device:
                 f"the device profile was calibrated with {self.threads} CPU thread(s), this step runs with {threads}; "
                 f"calibrate again with `recompute calibrate --threads {threads} -o device.json`"
             )
+
+
+_DEVICE_BYTES = 16 * 2**20
+"""The largest device profile read: a calibration's curves and raw points take tens of KiB."""
+
+_DEVICE_KEYS = {
+    "format", "name", "kind", "label", "compute", "bandwidth", "overhead", "ops", "host_link", "memory", "source",
+    "threads", "measured",
+}  # fmt: skip
+
+
+def check_device_dict(data: Mapping[str, Any]) -> None:
+    """Refuse a device profile that would price a step wrongly: an unknown format or key, no compute curve or no
+    ``memory`` bandwidth curve, an empty curve, a rate or size that is not a positive finite number, an overhead
+    or host link that is negative or not finite (a negative overhead gave negative step times).
+
+    Raises:
+        ConfigError: the first problem found, in one line.
+    """
+    require(data.get("format") == DEVICE_FORMAT, f"not a {DEVICE_FORMAT} file (format {data.get('format')!r})")
+    unknown = sorted(set(data) - _DEVICE_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r}; a device profile has {', '.join(sorted(_DEVICE_KEYS))}")
+    require(data.get("kind") in ("cuda", "rocm", "cpu"), f"unknown device kind {data.get('kind')!r}")
+    require(isinstance(data.get("name"), str) and data["name"] != "", "'name' must be a non-empty string")
+    for key in ("label", "source"):
+        require(isinstance(data.get(key, ""), str), f"{key!r} must be a string")
+    for key in ("compute", "bandwidth", "ops"):
+        table = (data.get(key) or {}) if key == "ops" else data.get(key)
+        if not isinstance(table, Mapping) or not (key == "ops" or len(table) > 0):
+            raise ConfigError(f"{key!r} must map rate names to curves" + ("" if key == "ops" else ", at least one"))
+        for name, curve in table.items():
+            _check_curve(f"{key}.{name}", curve)
+    require("memory" in data["bandwidth"], "a device profile needs a 'memory' bandwidth curve")
+    _check_number("overhead", data.get("overhead"), low=0.0)
+    if data.get("host_link") is not None:
+        _check_number("host_link", data["host_link"], low=0.0, strict=True)
+    for key in ("memory", "threads"):
+        value = data.get(key)
+        require(
+            value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+            f"{key!r} must be a positive integer or null, got {value!r}",
+        )
+    require(isinstance(data.get("measured", {}) or {}, Mapping), "'measured' must be an object")
+
+
+def _check_number(name: str, value: Any, *, low: float, strict: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if strict else value >= low)
+    require(ok, f"{name!r} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+
+
+def _check_curve(name: str, curve: Any) -> None:
+    require(
+        isinstance(curve, list) and len(curve) > 0,
+        f"the curve {name!r} must be a non-empty list of [size, rate] points, got {curve!r}",
+    )
+    for point in curve:
+        require(
+            isinstance(point, list) and len(point) == 2,
+            f"the curve {name!r} has a point {point!r}; each point is [size, rate]",
+        )
+        for value in point:
+            _check_number(f"a point of {name}", value, low=0.0, strict=True)
 
 
 def work_seconds(work: Iterable[Op], device: Device) -> float:

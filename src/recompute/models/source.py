@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from recompute.core.errors import ConfigError, first_line, one_of
+from recompute.core.files import is_path
 from recompute.core.presets import PRESETS
-from recompute.core.spec import ModelSpec, hf_config_dict
+from recompute.core.spec import SIZE_LIMITS, ModelSpec, hf_config_dict
 from recompute.core.workload import ATTENTIONS
 from recompute.models import build_model, model_class
 from recompute.models.hf import HF_ALIASES, HF_ATTENTION, build_hf_model, hf_class_name
@@ -48,6 +49,19 @@ _REQUIRED = {
     "vocabulary": ("vocab_size",),
 }
 """Fields a config.json must state (one key of each row); a transformers default would invent a model."""
+_SIZES = {
+    **_REQUIRED,
+    "positions": ("max_position_embeddings", "n_positions", "n_ctx"),
+    "MLP width": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "key/value heads": ("num_key_value_heads",),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "head width": ("head_dim",),
+}
+"""Sizes ``_check_sizes`` holds to ``SIZE_LIMITS`` where a config states them."""
+_LIMIT_OF = {"hidden size": "hidden", "layer count": "n_layers", "head count": "n_heads", "vocabulary": "vocab"}
+_LIMIT_OF |= {"positions": "max_positions", "key/value heads": "n_heads"}
+_OTHER_LIMIT = 2**24
+"""The limit of a size ``SIZE_LIMITS`` has no row for (an MLP width, an expert count)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,25 @@ class BuiltModel:
     notes: tuple[str, ...] = ()
     """What differs from what was asked (an attention implementation transformers refused, ...)."""
 
+    @property
+    def hf(self) -> bool:
+        """Whether the model follows transformers' convention (``hf_loss``): ``model(input_ids=...).logits``."""
+        return getattr(self.loss_fn, "convention", self.loss_fn) is hf_loss
+
+
+@dataclass(frozen=True)
+class _FactoryLoss:
+    """A factory's loss convention (Note: [factory convention]); a refusal names the factory."""
+
+    origin: str
+    convention: LossFn
+
+    def __call__(self, model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        try:
+            return self.convention(model, idx, targets)
+        except ConfigError as e:
+            raise ConfigError(f"--model {self.origin!r}: {e}") from None
+
 
 def meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on the meta device (shared ones stay shared)."""
@@ -150,7 +183,7 @@ def resolve_source(text: str) -> ModelSource:
     base = text.removeprefix("hf:")
     if base in PRESETS or (text.startswith("hf:") and base == "llama"):
         return ModelSource.preset(ModelSpec.from_name(HF_ALIASES.get(base, base)), hf=base != text)
-    if Path(text).exists():
+    if is_path(text):  # a dangling link or a loop too: the reader says which
         return ModelSource.from_config(text)
     if _FACTORY.match(text):
         return ModelSource(name=text, origin=text, factory=_import_factory(text))
@@ -196,8 +229,38 @@ def load_hf_config(config: Any) -> Any:
                 f"the {kind} config lacks its {', '.join(missing)} "
                 f"({' / '.join(k for w in missing for k in _REQUIRED[w])}); pass the model's full config.json"
             )
-        config = transformers.AutoConfig.for_model(**raw)
+        _check_sizes(raw, kind)
+        try:
+            config = transformers.AutoConfig.for_model(**raw)
+        except Exception as e:  # transformers' field validation: TypeError, ValueError, its own errors
+            raise ConfigError(f"transformers refuses the {kind} config: {type(e).__name__}: {first_line(e)}") from e
     return copy.deepcopy(config)
+
+
+def _check_sizes(raw: dict[str, Any], kind: object) -> None:
+    """Refuse, before transformers builds anything, a size that is not a positive integer or is beyond
+    ``SIZE_LIMITS`` (a config with 10^6 layers kept building for minutes, 2.8 GiB and growing).
+
+    Raises:
+        ConfigError: the first such field, with its limit.
+    """
+    for what, keys in _SIZES.items():
+        for key in keys:
+            value = raw.get(key)
+            if value is None:  # not stated (a required row has another key stated: checked before)
+                continue
+            limit = SIZE_LIMITS.get(_LIMIT_OF.get(what, ""), _OTHER_LIMIT)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise ConfigError(
+                    f"the {kind} config's {key} must be a whole number from 1 to {limit:,}, got {value!r}; "
+                    "fix the config.json"
+                )
+    hidden, heads = (next((k, raw[k]) for k in _REQUIRED[w] if raw.get(k)) for w in ("hidden size", "head count"))
+    if raw.get("head_dim") is None and hidden[1] % heads[1]:
+        raise ConfigError(
+            f"the {kind} config's {heads[0]} ({heads[1]}) does not divide its {hidden[0]} ({hidden[1]}) and it "
+            "states no head_dim; fix the config.json"
+        )
 
 
 def build_source(
@@ -272,12 +335,12 @@ def _build_factory(source: ModelSource, dtype: torch.dtype, device: str | torch.
     with torch.device(device):
         try:
             model = source.factory()
-        except Exception as e:
-            raise ConfigError(f"{source.origin}() failed: {type(e).__name__}: {first_line(e)}") from e
+        except (Exception, SystemExit) as e:  # the user's code: whatever it raises, one line naming it
+            raise ConfigError(f"--model {source.origin!r}: {source.origin}() {_raised(e)}") from e
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{source.origin}() returned {type(model).__name__}, expected an nn.Module; return the model")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    loss_fn = hf_loss if vocab is not None else lm_loss
+    loss_fn = _FactoryLoss(source.origin, hf_loss if vocab is not None else lm_loss)
     if vocab is None:
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
         if embedding is None:
@@ -294,11 +357,21 @@ def _import_factory(text: str) -> Callable[[], nn.Module]:
     module_name, attr = text.split(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
+    except ModuleNotFoundError as e:
         raise ConfigError(f"--model {text!r}: cannot import {module_name} ({e}); put it on PYTHONPATH") from e
+    except (Exception, SystemExit) as e:  # the user's module ran: SyntaxError, RuntimeError, sys.exit(0), ...
+        raise ConfigError(f"--model {text!r}: importing {module_name} {_raised(e)}") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(
             f"--model {text!r}: {module_name} has no callable {attr!r}; name a function returning an nn.Module"
         )
     return factory  # type: ignore[no-any-return]
+
+
+def _raised(e: BaseException) -> str:
+    """What the user's code did, in a few words: ``raised SyntaxError: ... (line 3)``, ``called sys.exit(0)``."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r}); a factory and its module must return, not exit"
+    where = f" ({Path(e.filename).name}, line {e.lineno})" if isinstance(e, SyntaxError) and e.filename else ""
+    return f"raised {type(e).__name__}: {first_line(e) if not isinstance(e, SyntaxError) else e.msg}{where}"

@@ -32,7 +32,7 @@ from recompute.core.errors import ConfigError
 from recompute.train.config import RESUME_MUST_MATCH, TrainConfig
 from recompute.train.run_files import CHECKPOINTS, atomic_write, checkpoints, fsync_dir
 
-__all__ = ["Resumed", "checkpoints", "checksums", "load_latest", "save_checkpoint"]
+__all__ = ["Resumed", "checkpoints", "checksums", "load_latest", "metrics_crc32", "save_checkpoint"]
 
 FORMAT = "recompute.train/2"
 SHARDED_FORMAT = "recompute.train.dcp/2"
@@ -79,6 +79,24 @@ def _crc32(t: Tensor) -> str:
     return f"{zlib.crc32(data.numpy().data):08x}"
 
 
+def metrics_crc32(metrics: list[Any]) -> str:
+    """The CRC-32 of a checkpoint's metrics (their JSON, keys sorted): a flipped byte in a stored loss is found."""
+    return f"{zlib.crc32(json.dumps(metrics, sort_keys=True).encode()):08x}"
+
+
+def _metrics_mismatch(record: dict[str, Any]) -> str | None:
+    """Why the metrics stored with a checkpoint do not match their checksum; ``None`` when they do (or when it
+    was written before metrics had one)."""
+    saved = record.get("metrics_crc32")
+    if saved is None:
+        return None
+    try:
+        now = metrics_crc32(record["metrics"])
+    except (KeyError, TypeError, ValueError):
+        now = None
+    return None if now == saved else "damaged: its metrics do not match their stored CRC-32"
+
+
 def _mismatch(saved: dict[str, str], tree: Any, whose: str = "") -> str | None:
     """Why the tensors of ``tree`` do not match the checksums ``saved`` with them; ``None`` when they do."""
     now = checksums(tree)
@@ -119,6 +137,7 @@ def save_checkpoint(
     state = {"format": FORMAT, "step": step, "config": config.to_dict(), "source": source, **tensors}
     state["metrics"] = metrics
     state["checksums"] = checksums(tensors)
+    state["metrics_crc32"] = metrics_crc32(metrics)
     path = folder / f"step_{step:07d}.pt"
     atomic_write(path, lambda f: torch.save(state, f))  # a run killed mid-write leaves the previous checkpoint
     _prune(out, config.keep)
@@ -171,7 +190,7 @@ def _load_file(
     _check_same_run(state["config"], config, path)
     _check_same_model(state.get("source"), source, path)
     if state["format"] == FORMAT:  # Note: [checksums]
-        problem = _mismatch(state.get("checksums", {}), {k: state[k] for k in TENSORS})
+        problem = _mismatch(state.get("checksums", {}), {k: state[k] for k in TENSORS}) or _metrics_mismatch(state)
         if problem:
             raise _Damaged(problem)
     model.load_state_dict(state["model"])
@@ -234,6 +253,7 @@ def _save_sharded(
     _write_json(tmp / _checksum_file(), checksums(state))
     if main:
         run = {"format": SHARDED_FORMAT, "step": step, "config": config.to_dict(), "source": source, "metrics": metrics}
+        run["metrics_crc32"] = metrics_crc32(metrics)
         _write_json(tmp / RUN_FILE, run)
     dist.barrier()  # every rank's shards and checksums are in tmp
     if main:
@@ -269,7 +289,7 @@ def _load_sharded(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     run, problem = _read_run(path)
-    _agree(problem)
+    _agree(problem or _metrics_mismatch(run))
     _check_same_run(run["config"], config, path)
     _check_same_model(run.get("source"), source, path)
     model_state, optim_state = get_state_dict(model, opt)  # the layout to load into (optimizer state included)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recompute.core.errors import ConfigError
+from recompute.core.files import atomic_write
 from recompute.core.progress import Progress, no_progress
 from recompute.core.table import gib, render_table
 from recompute.train.config import TrainConfig
@@ -60,6 +61,10 @@ def compare_train(
     for i, p in enumerate(policies):
         shown = _of_all(progress, p, i, len(policies), config.steps)
         runs.append(train(config.replace(policy=p, out=str(out / _dirname(p)), resume=False), progress=shown))
+    if config.overwrite:  # every new run is in: the earlier comparison's other runs go
+        for sub in out.iterdir():
+            if sub.is_dir() and sub.name not in {_dirname(p) for p in policies} and holds_run(sub):
+                clear_run(sub)
     ref = runs[0]
     rows = []
     for policy, run in zip(policies, runs):
@@ -80,7 +85,9 @@ def compare_train(
 
 
 def _check_out(out: Path, policies: Sequence[str], *, overwrite: bool) -> None:
-    """Refuse a non-empty ``out`` unless ``overwrite``, which deletes the runs in it (other files stay)."""
+    """Refuse a non-empty ``out`` unless ``overwrite``: then each policy's run replaces the one in its folder
+    once its first checkpoint is written (``train``), and the runs of other policies go once every new run is
+    in (other files stay)."""
     names = [_dirname(p) for p in policies]
     if twins := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"--policies would write two runs into {str(out / twins[0])!r}; give each policy once")
@@ -93,9 +100,6 @@ def _check_out(out: Path, policies: Sequence[str], *, overwrite: bool) -> None:
             f"--out {str(out)!r} is not empty ({shown}); compare-train writes a run per policy there: "
             "give an empty --out, or --overwrite to delete the runs in it and start over"
         )
-    for sub in out.iterdir():
-        if sub.is_dir() and holds_run(sub):
-            clear_run(sub)
 
 
 def _dirname(policy: str) -> str:
@@ -143,5 +147,7 @@ def plot_losses(runs: Sequence[RunResult], path: str | Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        atomic_write(Path(path), lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)

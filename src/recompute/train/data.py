@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from recompute.core.errors import ConfigError, require
+from recompute.core.files import check_input_file, is_path, read_capped
+from recompute.core.table import MiB, size
 from recompute.train.corpus import generate_stories
 
 __all__ = ["BPETokenizer", "ByteTokenizer", "TokenStream", "Tokenizer", "load_text", "make_tokenizer"]
@@ -31,6 +33,7 @@ def load_text(data: str | None = None, dataset: str | None = None, *, seed: int 
     if dataset is not None:
         text = _load_hf_dataset(dataset)
     elif data is not None:
+        require(data != "", "--data is empty; pass a text file or a folder of .txt files")
         text = _load_path(Path(data))
     else:
         text = generate_stories(seed=seed)
@@ -38,15 +41,26 @@ def load_text(data: str | None = None, dataset: str | None = None, *, seed: int 
     return text
 
 
+MAX_DATA_BYTES = 128 * MiB
+"""The most text ``--data`` reads: the trainer holds the corpus in memory as text, as a list of token ids and as
+an int64 tensor (about 17 bytes per byte-token); a larger corpus belongs in a ``--dataset``."""
+
+
 def _load_path(path: Path) -> str:
-    if not path.exists():
-        raise ConfigError(f"--data {str(path)!r} does not exist; pass a text file or a directory of .txt files")
+    """The text of ``--data``: a regular file, or the ``.txt`` files under a folder (each checked before it is
+    opened: no FIFO, device or symlink loop), at most ``MAX_DATA_BYTES`` in all."""
+    fix = "pass a text file or a folder of .txt files"
+    if not is_path(path):
+        raise ConfigError(f"--data {str(path)!r} does not exist; {fix}")
     files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
     require(bool(files), f"--data {str(path)!r} holds no .txt files")
-    try:
-        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
-    except OSError as e:
-        raise ConfigError(f"cannot read {e.filename}: {e.strerror}") from e
+    fix = f"{fix}, at most {size(MAX_DATA_BYTES)} (a larger corpus: --dataset)"
+    total = sum(check_input_file(f, "--data", max_bytes=MAX_DATA_BYTES, fix=fix).stat().st_size for f in files)
+    if total > MAX_DATA_BYTES:
+        raise ConfigError(f"--data {str(path)!r} holds {size(total)} of .txt files; {fix}")
+    return "\n\n".join(
+        read_capped(f, "--data", max_bytes=MAX_DATA_BYTES, fix=fix).decode("utf-8", errors="replace") for f in files
+    )
 
 
 def _load_hf_dataset(name: str) -> str:

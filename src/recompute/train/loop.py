@@ -21,6 +21,7 @@ shards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -42,14 +43,26 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec, hf_config_dict
 from recompute.core.table import mib
-from recompute.models.loss import LossFn, hf_loss
+from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
 from recompute.train.checkpoint import load_latest, save_checkpoint
 from recompute.train.config import TrainConfig, flag
 from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
 from recompute.train.distributed import Ranks, start
-from recompute.train.run_files import METRICS, SAMPLE, append_metrics, atomic_write, check_out, clear_run, write_metrics
+from recompute.train.preflight import check_train_memory, preset_need, source_need
+from recompute.train.run_files import (
+    METRICS,
+    SAMPLE,
+    append_metrics,
+    atomic_write,
+    check_out,
+    damaged_metrics,
+    drop_aside,
+    restore_aside,
+    set_aside,
+    write_metrics,
+)
 
 __all__ = ["RunResult", "StepMetrics", "build_spec", "lr_at", "source_id", "train", "train_source"]
 
@@ -113,7 +126,7 @@ def train_source(config: TrainConfig) -> ModelSource:
     if source.spec is None:
         default = TrainConfig()
         sizes = ("n_layers", "hidden", "n_heads", "dropout")
-        given = [n for n in sizes if getattr(config, n) not in (None, getattr(default, n))]
+        given = [n for n in sizes if getattr(config, n) not in (None, 0, getattr(default, n))]
         if given:
             raise ConfigError(
                 f"{flag(given[0])} resizes presets; {config.model} is trained as it is: edit its config (or factory)"
@@ -149,7 +162,8 @@ def build_spec(config: TrainConfig, vocab: int) -> ModelSpec:
     source = resolve_source(config.model)
     assert source.spec is not None, "build_spec takes presets; train_source says what else --model names"
     preset = ModelSpec.from_name(source.spec.name, **dropout)
-    spec = preset.resized(n_layers=config.n_layers, hidden=config.hidden, n_heads=config.n_heads, vocab=vocab)
+    sizes = {"n_layers": config.n_layers, "hidden": config.hidden, "n_heads": config.n_heads}
+    spec = preset.resized(**{k: v or None for k, v in sizes.items()}, vocab=vocab)  # 0 keeps the preset's
     require(
         config.seq_len <= spec.max_positions,
         f"--seq-len {config.seq_len} exceeds the model's {spec.max_positions} positions",
@@ -295,8 +309,7 @@ def train(
     if spec is not None:
         source = ModelSource.preset(spec, hf=source.hf)
     ranks = start(config, spec) if spec is not None else Ranks()
-    if config.overwrite and ranks.main:
-        clear_run(Path(config.out))
+    _check_memory(source, spec, config, device)
     torch.manual_seed(config.seed)  # the same weights, and dropout generator, on every rank
     built = _build(source, config, tok.vocab_size, device)
     model = built.model
@@ -326,11 +339,23 @@ def train(
     )
     if config.loss == "chunked":
         apply(model, config.policy)  # a forward with targets (a factory's, in sample) returns no logits when chunked
-    result.sample = sample(model, tok, config, device, hf=built.loss_fn is hf_loss)
+    result.sample = sample(model, tok, config, device, hf=built.hf)
     if ranks.main:
         atomic_write(Path(config.out) / SAMPLE, lambda f: f.write((result.sample + "\n").encode()))
     ranks.wait_for_all()
     return result
+
+
+def _check_memory(source: ModelSource, spec: ModelSpec | None, config: TrainConfig, device: torch.device) -> None:
+    """The memory preflight (``preflight``): a preset by the analytic model, anything else by its parameters
+    (counted on the meta device) and logits."""
+    need: Callable[[int, int], float]
+    if spec is not None:
+        need = functools.partial(preset_need, spec, config, device.type)
+    else:
+        meta = build_source(source, attention=config.attention, device="meta")
+        need = functools.partial(source_need, meta.model, meta.vocab)
+    check_train_memory(lambda b, s: need(micro_batch=b, seq_len=s), config, device.type)
 
 
 def _build(source: ModelSource, config: TrainConfig, vocab: int, device: torch.device) -> BuiltModel:
@@ -368,30 +393,44 @@ def _run(
     on_step: Callable[[int], None] | None,
     progress: Progress,
 ) -> None:
-    """The steps from the newest checkpoint (with --resume) or from 0; fills ``result.metrics``."""
+    """The steps from the newest checkpoint (with --resume) or from 0; fills ``result.metrics``.
+
+    With --overwrite the earlier run is set aside before the first step and deleted once the first checkpoint
+    is written; a run that fails before that puts it back (Note: [overwrite] in ``run_files``).
+    """
     out = Path(config.out)
     first = 0
     if config.resume:
         first = _resume(out, config, model, opt, result, ranks, source)
     out.mkdir(parents=True, exist_ok=True)
+    aside = set_aside(out) if config.overwrite and ranks.main else None
+    ranks.wait_for_all()  # no rank writes into --out before the earlier run is out of the way
     model.train()
-    for step in range(first, config.steps):
-        t0 = time.perf_counter()
-        with _Peak(model, opt, device, on=step == 0) as peak:
-            loss = ranks.mean(_step(model, loss_fn, opt, stream, step, config, peak, ranks))
-        dt = time.perf_counter() - t0
-        tokens = config.micro_batch * config.seq_len * config.grad_accum
-        m = StepMetrics(step, loss, lr_at(step, config), dt, tokens / dt, peak.bytes)
-        require(math.isfinite(loss), f"the loss became {loss} at step {step}; lower --lr")
-        result.metrics.append(m)
-        if ranks.main:
-            append_metrics(out / METRICS, m.__dict__)
-        progress(_label(m), step + 1, config.steps)
-        done = step + 1
-        if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
-            save_checkpoint(out, done, config, model, opt, [x.__dict__ for x in result.metrics], source=source)
-        if on_step is not None:
-            on_step(step)
+    try:
+        for step in range(first, config.steps):
+            t0 = time.perf_counter()
+            with _Peak(model, opt, device, on=step == 0) as peak:
+                loss = ranks.mean(_step(model, loss_fn, opt, stream, step, config, peak, ranks))
+            dt = time.perf_counter() - t0
+            tokens = config.micro_batch * config.seq_len * config.grad_accum
+            m = StepMetrics(step, loss, lr_at(step, config), dt, tokens / dt, peak.bytes)
+            require(math.isfinite(loss), f"the loss became {loss} at step {step}; lower --lr")
+            result.metrics.append(m)
+            if ranks.main:
+                append_metrics(out / METRICS, m.__dict__)
+            progress(_label(m), step + 1, config.steps)
+            done = step + 1
+            if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
+                save_checkpoint(out, done, config, model, opt, [x.__dict__ for x in result.metrics], source=source)
+                if aside is not None:
+                    drop_aside(aside)  # the new run has a checkpoint: the earlier one can go
+                    aside = None
+            if on_step is not None:
+                on_step(step)
+    except BaseException:
+        if aside is not None:
+            restore_aside(out, aside)
+        raise
 
 
 def _resume(
@@ -409,6 +448,8 @@ def _resume(
     if ranks.main:
         for line in resumed.passed_over:
             _say(f"recompute train: {line}; resuming from the older {str(resumed.path)!r} instead")
+        for line in damaged_metrics(out / METRICS)[:3]:
+            _say(f"recompute train: {str(out / METRICS)!r} {line}; rewritten from {str(resumed.path)!r}")
         write_metrics(out / METRICS, resumed.metrics)  # Note: [appending metrics] in run_files
     return resumed.step
 
