@@ -210,3 +210,34 @@ def test_a_profile_file_is_read_back_through_its_schema(profiled: tuple[str, Pat
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(prof.to_dict()))
     assert Profile.load(path) == prof
+
+
+def test_a_profile_file_is_not_contradicted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--profile FILE is one model at one workload: another --model or workload option is refused, not ignored;
+    the profile's own values (or none at all) pass."""
+    monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
+    path = config("llama", tmp_path)
+    args = ["--model", str(path), "--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
+    assert main(["profile", *args, "-o", str(tmp_path / "p.json"), "--no-time"]) == 0
+    capsys.readouterr()
+    given = ["--profile", str(tmp_path / "p.json"), "--no-time"]
+    assert main(["estimate", *given]) == 0 and main(["estimate", *given, "--seq-len", "32"]) == 0
+    capsys.readouterr()
+    for extra, says in ((["--model", "llama3.1-8b"], "--model llama3.1-8b contradicts --profile"),
+                        (["--seq-len", "4096"], "--seq-len 4096 contradicts --profile, measured at 32"),
+                        (["--tp", "2"], "--tp 2 contradicts --profile")):  # fmt: skip
+        assert main(["estimate", *given, *extra]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1
+    plan_args = [
+        "plan",
+        "--profile",
+        str(tmp_path / "p.json"),
+        "--cost",
+        "flops",
+        "--budget",
+        "1GiB",
+        "--dtype",
+        "bf16",
+    ]
+    assert main(plan_args) == 2 and "--dtype bf16 contradicts --profile" in capsys.readouterr().err

@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     args.argv = argv  # to repeat in messages (the torchrun command)
+    args.given = given_options(_subparser(parser, args.command), argv)
     cmd = COMMANDS[args.command]
     try:
         return int(getattr(_load(args.command), cmd.run)(args))
@@ -117,6 +118,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices[command]
+
+
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The destinations of the options ``argv`` names (``--seq-len 4096`` and ``--seq-len=4096`` alike): what the
+    user gave, as opposed to what is a default."""
+    return {
+        a.dest
+        for a in parser._actions
+        for flag in a.option_strings
+        if any(tok == flag or tok.startswith(flag + "=") for tok in argv)
+    }
 
 
 def as_flags(error: ConfigError, parser: argparse.ArgumentParser) -> str:

@@ -35,6 +35,7 @@ __all__ = [
     "add_workload_args",
     "csv",
     "emit_json",
+    "measured_workload",
     "policy_from",
     "time_device",
     "workload_flags",
@@ -149,6 +150,26 @@ def workload_flags(wl: Workload) -> list[str]:
             continue
         out += [f.metadata["flag"]] if isinstance(value, bool) else [f.metadata["flag"], str(value)]
     return out
+
+
+def measured_workload(args: argparse.Namespace, profile: Any) -> Workload:
+    """The workload of a ``--profile`` file, which the options may not contradict: a model or a workload option
+    the user gave (``args.given``) that differs from the profile's is refused, not silently ignored."""
+    wl = Workload(**profile.workload_dict())
+    given_options: set[str] = getattr(args, "given", set())
+    if "model" in given_options and args.model not in (profile.model, profile.origin):
+        raise ConfigError(
+            f"--model {args.model} contradicts --profile (a profile of {profile.model}); drop one of them"
+        )
+    for f in workload_fields():
+        given = getattr(args, f.name, None)
+        if f.name not in given_options or given == getattr(wl, f.name):
+            continue
+        raise ConfigError(
+            f"{f.metadata['flag']} {given} contradicts --profile, measured at {getattr(wl, f.name)}; drop "
+            f"{f.metadata['flag']} (a profile is of one workload: measure another with recompute profile)"
+        )
+    return wl
 
 
 def add_time_args(p: argparse.ArgumentParser, *, what: str = "predict step times", no_time: bool = True) -> None:

@@ -17,6 +17,7 @@ from recompute.cli._common import (
     add_time_args,
     add_workload_args,
     emit_json,
+    measured_workload,
     policy_from,
     time_device,
     workload_from,
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_profiled(args: argparse.Namespace, device: Device) -> int:
     if args.profile:
         prof = Profile.load(args.profile)
+        measured_workload(args, prof)
     else:
         with progress_bar("profile", enabled=not args.json) as progress:
             prof = profiles_of(args.model, workload_from(args, max_positions(args.model)), progress=progress)[0]

@@ -19,6 +19,7 @@ from recompute.cli._common import (
     add_time_args,
     add_workload_args,
     emit_json,
+    measured_workload,
     time_device,
     workload_from,
     writable,
@@ -175,7 +176,7 @@ def _workload(args: argparse.Namespace) -> Workload:
     """The workload of the options (``--profile``: the profile's own, which the options may not contradict)."""
     if args.profile is None:
         return workload_from(args, max_positions(args.model))
-    return build_workload(**Profile.load(args.profile).workload_dict())
+    return measured_workload(args, Profile.load(args.profile))
 
 
 def _considered(text: str) -> set[str]:
