@@ -88,7 +88,8 @@ def write_bench(
 def profile_dict(n_layers: int = 2) -> dict[str, Any]:
     """A ``recompute profile -o`` file's content with synthetic figures: one layer kind, two policies (a test
     input for the profile readers; ``tests/test_profile.py`` holds real profiles to the same schema)."""
-    from recompute.core.profile import FORMAT, PROFILED_WORKLOAD
+    from recompute.core.profile import FORMAT
+    from recompute.core.store import MEASURED_WORKLOAD
 
     policies = ("none", "block")
     work = [["mm", "float32", 1000, 4096, 2], ["add", "float32", 0, 1024, 3]]
@@ -111,7 +112,7 @@ def profile_dict(n_layers: int = 2) -> dict[str, Any]:
         "refused": {"offload": "synthetic"},
     }
     wl = Workload(micro_batch=1, seq_len=32, device="cpu").to_dict()
-    wl = {k: wl[k] for k in PROFILED_WORKLOAD}
+    wl = {k: wl[k] for k in MEASURED_WORKLOAD}
     return {
         "format": FORMAT,
         "model": "synthetic",

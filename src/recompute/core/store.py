@@ -86,6 +86,7 @@ def path(kind: str, key: str) -> Path:
 def save(kind: str, key: str, data: Mapping[str, Any]) -> Path:
     """Store ``data`` as the entry ``kind``/``key``; returns its path."""
     target = path(kind, key)
+    target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(target, json.dumps(data, indent=1) + "\n")
     return target
 
