@@ -46,7 +46,7 @@ import os
 import re
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +58,12 @@ from torch.utils.hooks import RemovableHandle
 from recompute.chunked_loss import check_loss, chunked_replacements, loss_parts
 from recompute.core.errors import ConfigError
 from recompute.core.identity import require_same_model
-from recompute.core.plan_file import Plan, read_plan
+from recompute.core.plan_file import Plan, plan_loss, read_plan
 from recompute.core.policy import ALL_POLICIES, Policy
 from recompute.models.identity import model_identity
 from recompute.offload import Offloader
 
-__all__ = ["REGIONS", "applied_policy", "apply", "find_layers"]
+__all__ = ["HF_CHECKPOINTING", "REGIONS", "applied_policy", "apply", "find_layers"]
 
 REGIONS: dict[str, tuple[str, ...]] = {
     "none": (),
@@ -90,7 +90,7 @@ _MLP = re.compile(r"mlp|ffn|feed_?forward|moe|experts", re.IGNORECASE)
 
 def apply(
     model: nn.Module,
-    policy: str | Policy | Plan | os.PathLike[str],
+    policy: str | Policy | Plan | Mapping[str, Any] | os.PathLike[str],
     *,
     layers: str | None = None,
     attn: str | None = None,
@@ -106,9 +106,9 @@ def apply(
     Args:
         model: recompute's ``GPT``/``Llama``, a Hugging Face decoder-only model, or any model with an
             ``nn.ModuleList`` of identical layers (attention and MLP sub-modules needed for all but ``block``).
-        policy: a policy name, a ``Policy``, a ``Plan``, or the path of a policy/plan JSON file. A plan is
-            checked against the model (the hash of its architecture, however the model was built) and brings
-            its loss mode and chunk.
+        policy: a policy name, a ``Policy``, a ``Plan``, or the path of a policy/plan JSON file (or its
+            content, as a dict). A plan is checked against the model (the hash of its architecture, however the
+            model was built) and brings its loss mode and chunk.
         layers: dotted path of the layer list, when it cannot be found (e.g. ``"transformer.h"``).
         attn, mlp: child names of the attention and MLP sub-modules in a layer, when they cannot be found.
         loss: ``full``, or ``chunked``: a forward given targets (labels) runs the output layer and the loss
@@ -416,12 +416,14 @@ PlanLoss = tuple[str, int | None]
 """A plan's loss mode and chunk."""
 
 
-def _as_plan(policy: str | Policy | Plan | os.PathLike[str]) -> tuple[Policy, PlanLoss | None]:
-    """The policy, and the loss mode and chunk when it comes from a plan (a ``Plan`` or a plan file)."""
+def _as_plan(policy: str | Policy | Plan | Mapping[str, Any] | os.PathLike[str]) -> tuple[Policy, PlanLoss | None]:
+    """The policy, and the loss mode and chunk when it comes from a plan (a ``Plan``, a plan file or its content)."""
     if isinstance(policy, Plan):
         return policy.policy, (policy.loss, policy.loss_chunk)
     if isinstance(policy, Policy):
         return policy, None
+    if isinstance(policy, Mapping):
+        return Policy.from_dict(dict(policy)), plan_loss(policy)
     if isinstance(policy, str) and policy in ALL_POLICIES:
         return Policy(policy), None
     if isinstance(policy, (str, os.PathLike)):
@@ -478,11 +480,12 @@ def _squash(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.rsplit("/", 1)[-1].lower())
 
 
-_HF_CHECKPOINTING = (
-    "transformers' gradient checkpointing is on together with a recompute plan, and would replay whole layers on "
-    "top of it; turn it off (model.gradient_checkpointing_disable(), TrainingArguments(gradient_checkpointing="
-    "False)): the plan decides what is recomputed"
+HF_CHECKPOINTING = (
+    "transformers' activation (gradient) checkpointing is on together with a recompute plan, and would replay whole "
+    "layers on top of it; turn it off (TrainingArguments(activation_checkpointing=False, gradient_checkpointing="
+    "False), model.gradient_checkpointing_disable()): the plan decides what is recomputed"
 )
+"""The refusal of transformers' own checkpointing together with a plan."""
 
 
 def _hf_checkpointing_on(model: nn.Module) -> bool:
@@ -491,7 +494,7 @@ def _hf_checkpointing_on(model: nn.Module) -> bool:
 
 def _refuse_hf_checkpointing(model: nn.Module) -> None:
     if _hf_checkpointing_on(model):
-        raise ConfigError(_HF_CHECKPOINTING)
+        raise ConfigError(HF_CHECKPOINTING)
 
 
 def _guard_hf_checkpointing(model: nn.Module, switches: list[nn.Module]) -> RemovableHandle:
@@ -500,7 +503,7 @@ def _guard_hf_checkpointing(model: nn.Module, switches: list[nn.Module]) -> Remo
 
     def guard(module: nn.Module, args: Any) -> None:
         if module.training and any(m.gradient_checkpointing for m in switches):
-            raise ConfigError(_HF_CHECKPOINTING)
+            raise ConfigError(HF_CHECKPOINTING)
 
     return model.register_forward_pre_hook(guard)
 

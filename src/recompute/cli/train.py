@@ -57,7 +57,8 @@ def run_train(args: argparse.Namespace) -> int:
         return 0  # under torchrun, rank 0 reports
     last = result.metrics[-1]
     print(
-        f"trained {result.name}, {result.built} ({args.policy}) for {last.step + 1} steps: final loss {last.loss:.4f}, "
+        f"trained {result.name}, {result.built} ({args.policy}{', chunked loss' if args.loss == 'chunked' else ''}) "
+        f"for {last.step + 1} steps: final loss {last.loss:.4f}, "
         f"{result.config.micro_batch * result.config.seq_len / result.median_step_time:,.0f} tokens/s; "
         f"metrics, checkpoints and sample in {args.out}"
     )

@@ -10,6 +10,7 @@ same config, and to a factory returning either.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -38,12 +39,15 @@ def model_identity(model: nn.Module, *, name: str | None = None) -> ModelId:
 
 
 def config_identity(config: Any, *, name: str | None = None) -> ModelId:
-    """The identity of the model a transformers config builds: a config.json path or its folder, a dict, or a
-    config object; read through transformers, whose class fills in what the file leaves to defaults.
+    """The identity of the model a transformers config builds: a config.json path or its folder (named by the
+    folder), a dict, or a config object (named by its hub name, else its ``model_type``); read through
+    transformers, whose class fills in what the file leaves to defaults.
 
     Raises:
         ConfigError: not a decoder-only causal LM's config (``load_hf_config``).
     """
+    if isinstance(config, (str, Path)):  # named by its folder, as the plan made from it
+        return config_id(load_hf_config(config).to_dict(), name or ModelSource.from_config(config).name)
     loaded = load_hf_config(config)
     return config_id(loaded.to_dict(), name or _config_name(loaded, str(loaded.model_type)))
 
