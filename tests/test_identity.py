@@ -138,6 +138,8 @@ def test_any_other_module_hashes_its_parameter_shapes_and_classes() -> None:
     assert model_identity(Factory(hidden=24)).hash != one.hash
     assert model_identity(Factory(act=nn.ReLU)).hash != one.hash  # no parameter changed, a class did
     assert one.name == "Factory"
+    planned = source_identity(resolve_source(f"{__name__}:Factory"))  # what a plan of --model module:factory names
+    assert planned == ModelId(f"{__name__}:Factory", one.hash)
     # a module that is recompute's model or transformers' is named by its spec or config, not its parameters
     spec = tiny_gpt()
     assert model_identity(build_model(spec)) == spec_id(spec)
