@@ -47,6 +47,12 @@ QWEN2 = {
 NOT_SHAPES = {"_name_or_path": "Qwen/Qwen2.5-0.5B", "torch_dtype": "bfloat16", "bos_token_id": 1, "use_cache": False}
 
 
+def hf_checkpointing(model: nn.Module, on: bool) -> None:
+    """transformers' own checkpointing on or off (``activation_*`` in transformers 5, ``gradient_*`` before)."""
+    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    getattr(model, f"{name}_checkpointing_{'enable' if on else 'disable'}")()
+
+
 def folder(tmp_path: Path, name: str = "qwen05", **changes: Any) -> Path:
     """A folder holding a config.json."""
     path = tmp_path / name
@@ -240,23 +246,23 @@ def test_a_loss_mode_the_model_cannot_take_is_refused(tmp_path: Path) -> None:
 def test_transformers_checkpointing_is_refused_now_and_later(tmp_path: Path) -> None:
     path = folder(tmp_path)
     model = from_config(path).train()
-    model.gradient_checkpointing_enable()
+    hf_checkpointing(model, True)
     with pytest.raises(ConfigError, match="transformers' activation \\(gradient\\) checkpointing is on together"):
         apply(model, "block")
-    model.gradient_checkpointing_disable()
+    hf_checkpointing(model, False)
     apply(model, "block")
     ids = torch.randint(128, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
-    model.gradient_checkpointing_enable()  # after apply: refused at the next training forward
+    hf_checkpointing(model, True)  # after apply: refused at the next training forward
     with pytest.raises(ConfigError, match="would replay whole layers on top of it"):
         model(input_ids=ids, labels=ids)
     model.eval()  # transformers checkpoints only in training: evaluation runs
     with torch.no_grad():
         model(input_ids=ids)
-    model.train().gradient_checkpointing_disable()
+    hf_checkpointing(model.train(), False)
     model(input_ids=ids, labels=ids).loss.backward()
     apply(model, "none")  # the guard goes with the policy
-    model.gradient_checkpointing_enable()
+    hf_checkpointing(model, True)
     model(input_ids=ids, labels=ids).loss.backward()
 
 

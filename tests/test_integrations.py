@@ -68,6 +68,12 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[
     return folder, out, data
 
 
+def hf_checkpointing(model: nn.Module, on: bool) -> None:
+    """transformers' own checkpointing on or off (``activation_*`` in transformers 5, ``gradient_*`` before)."""
+    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    getattr(model, f"{name}_checkpointing_{'enable' if on else 'disable'}")()
+
+
 def build(folder: Path) -> nn.Module:
     """The model the config names, random weights (the same ones every time)."""
     torch.manual_seed(0)
@@ -164,7 +170,7 @@ def test_transformers_checkpointing_with_a_plan_is_refused(
     trainer = transformers.Trainer(
         model=model, args=training_args(tmp_path), train_dataset=dataset(), callbacks=[RecomputeCallback(plan_path)]
     )
-    model.gradient_checkpointing_enable()
+    hf_checkpointing(model, True)
     with pytest.raises(ConfigError, match="would replay whole layers on top of it"):
         trainer.train()
     assert trainer.state.global_step == 0

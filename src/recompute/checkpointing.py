@@ -482,8 +482,9 @@ def _squash(name: str) -> str:
 
 HF_CHECKPOINTING = (
     "transformers' activation (gradient) checkpointing is on together with a recompute plan, and would replay whole "
-    "layers on top of it; turn it off (TrainingArguments(activation_checkpointing=False, gradient_checkpointing="
-    "False), model.gradient_checkpointing_disable()): the plan decides what is recomputed"
+    "layers on top of it; turn it off (TrainingArguments(activation_checkpointing=False), gradient_checkpointing="
+    "False in older transformers; model.activation_checkpointing_disable() or gradient_checkpointing_disable()): "
+    "the plan decides what is recomputed"
 )
 """The refusal of transformers' own checkpointing together with a plan."""
 
