@@ -31,6 +31,7 @@ FLOORS = {
     "recompute.check_formulas": 2,
     "recompute.train": 2,
     "recompute.report": 2,
+    "recompute.integrations": 2,
     "recompute.cli": 3,
     "recompute.__main__": 3,
     "recompute": 3,  # the package root: the public API, core eagerly and the torch floor on first use

@@ -15,6 +15,7 @@ from recompute.core.analytic.table import analytic_table
 from recompute.core.costs import CostTable, KindCosts, LinkCost, TopCost
 from recompute.core.errors import ConfigError
 from recompute.core.hardware import usable_bytes
+from recompute.core.identity import spec_id
 from recompute.core.plan import best_uniform, frontier, parse_budget, plan
 from recompute.core.policy import POLICIES
 from recompute.core.pricing import measured_costs
@@ -256,7 +257,7 @@ def test_cli_plan_writes_a_file_apply_and_estimate_read(capsys: pytest.CaptureFi
     text = capsys.readouterr().out
     assert "frontier" in text and "* " in text
     policy = Policy.load(out)
-    assert policy.model == "llama3.1-70b" and len(policy.per_layer(80)) == 80
+    assert policy.model == spec_id(ModelSpec.from_name("llama3.1-70b")) and len(policy.per_layer(80)) == 80
     assert main(["estimate", *workload, "--policy", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     predicted = json.loads(out.read_text())["predicted"]["peak"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import random
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from recompute.core.plan import plan
 from recompute.core.policy import Policy
 from recompute.core.profile import Profile
 from recompute.core.search import search, smallest_peak
+from recompute.models.identity import config_identity, model_identity
 from recompute.models.source import build_source, resolve_source
 from recompute.trace import cached_profile, profile, trace
 
@@ -159,9 +161,14 @@ code = main(["plan", *{args!r}, "--budget", "{first.cost_table().compose(["block
 assert code == 0 and "torch" not in sys.modules, code
 """
     env = {"RECOMPUTE_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    env |= {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}  # the tree under test
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert Policy.from_dict(json.loads(out.read_text())["policy"]).per_layer(4)
+    made = json.loads(out.read_text())
+    assert Policy.from_dict(made["policy"]).per_layer(4)
+    # the plan names the model by the hash of its config (the profile's), as apply computes it on the model
+    assert made["model"] == {"name": "llama", "hash": first.model_hash} == config_identity(path).to_dict()
+    assert model_identity(build_source(resolve_source(str(path)), device="meta").model).hash == first.model_hash
 
 
 def test_cli_profile_plan_and_estimate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -138,7 +138,7 @@ def test_compare_train_checks_every_plan_before_training(tmp_path: Path, capsys:
     plan = tmp_path / "plan.json"
     Policy(layers=("block",) * 4, model="gpt2-medium").save(plan)  # compare-train's default: 4 layers
     line = refused(capsys, "compare-train", "--out", str(tmp_path / "runs"), "--policies", f"none,{plan}")
-    assert "made for 'gpt2-medium', not 'gpt2'" in line
+    assert "the plan was made for 'gpt2-medium' but this model is 'gpt2'" in line
     assert not (tmp_path / "runs").exists()
 
 

@@ -226,7 +226,7 @@ def bad_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list
         "missing plan": (["--plan", str(tmp / "nope.json")], f"plan file {str(tmp / 'nope.json')!r} does not exist"),
         "plan not json": (["--plan", str(not_json)], "is not valid JSON"),
         "not a plan": (["--plan", str(not_plan)], "is not a recompute plan file"),
-        "plan for another model": (["--plan", str(other)], "is for model 'llama3.1-70b', not 'llama3.1-8b'"),
+        "plan for another model": (["--plan", str(other)], "is for model 'llama3.1-70b' ("),
         "missing bench": (["--bench", str(tmp / "nope.json")], f"bench results {str(tmp / 'nope.json')!r} does not"),
         "bench not json": (["--bench", str(not_json)], "is not valid JSON"),
         "bench for another model": (["--bench", str(write_bench(tmp / "b.json"))], "are for model 'gpt2', not 'llama3"),

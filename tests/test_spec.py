@@ -11,6 +11,7 @@ import pytest
 
 from recompute import ConfigError, ModelSpec, Policy, Workload
 from recompute.core.analytic import bytes_per_param, model_states, n_params
+from recompute.core.identity import ModelId
 from recompute.core.presets import PRESETS
 
 # Published parameter counts (memory-and-flops.md section 3; Korthikanti Table 3 sizes are nominal).
@@ -221,7 +222,7 @@ def test_policy_layer_selection_and_json_round_trip(tmp_path) -> None:
     plan = Policy(layers=("block", "core_attn", "none"), model="gpt2")
     path = tmp_path / "plan.json"
     plan.save(path)
-    assert Policy.parse(str(path)) == plan and Policy.parse(str(path)).model == "gpt2"
+    assert Policy.parse(str(path)) == plan and Policy.parse(str(path)).model == ModelId("gpt2")
     with pytest.raises(ValueError, match="lists 3 layers but the model has 12"):
         plan.per_layer(12)
 

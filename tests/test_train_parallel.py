@@ -161,4 +161,6 @@ def test_bad_parallel_options_exit_2_with_one_line(
 def test_command_line_gives_back_the_config() -> None:
     config = TrainConfig(**TINY, tp=2, sp=True, out="runs/x y")  # type: ignore[arg-type]
     args = build_parser().parse_args(config.command_line())
+    assert args.loss is None  # not given: the plan's loss mode, else full (recompute train resolves it)
+    args.loss = "full"
     assert TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}) == config

@@ -25,7 +25,14 @@ everything it saves, in host memory, copied out during the forward and back one 
 
 ``loss="chunked"`` also makes a forward given targets run the output layer and the loss over chunks of tokens,
 each chunk's gradients taken in the forward (``recompute.chunked_loss``), with the same save-and-restore of
-instance attributes: the model's ``forward``, the head's, and the model's loss.
+instance attributes: the model's ``forward`` (its signature kept), the head's, and the model's loss.
+
+A plan (a ``Plan``, or a file written by ``recompute plan -o``) is made for one model: ``apply`` checks the
+model's identity against the plan's (``recompute.models.identity``: the hash of its spec, its transformers
+config or its parameters' shapes and classes; so however the model was built) and takes its loss mode and
+chunk. Transformers' own gradient checkpointing would replay whole layers on top of the plan: it is refused
+when ``apply`` runs, and a forward pre-hook refuses it when it is switched on later (``TrainingArguments(
+gradient_checkpointing=True)``, ``gradient_checkpointing_enable()``), at the first training forward after.
 
 Order with other transforms (torchtitan): ``apply``, then ``torch.compile``, then FSDP.
 """
@@ -39,20 +46,24 @@ import os
 import re
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.hooks import RemovableHandle
 
 from recompute.chunked_loss import check_loss, chunked_replacements, loss_parts
 from recompute.core.errors import ConfigError
-from recompute.core.policy import Policy
+from recompute.core.identity import require_same_model
+from recompute.core.plan_file import Plan, plan_loss, read_plan
+from recompute.core.policy import ALL_POLICIES, Policy
+from recompute.models.identity import model_identity
 from recompute.offload import Offloader
 
-__all__ = ["REGIONS", "applied_policy", "apply", "find_layers"]
+__all__ = ["HF_CHECKPOINTING", "REGIONS", "applied_policy", "apply", "find_layers"]
 
 REGIONS: dict[str, tuple[str, ...]] = {
     "none": (),
@@ -71,7 +82,7 @@ _SAVED = "_recompute_saved"  # per module: {attribute: the instance value it had
 _OPTIONS = "_recompute_options"  # per module: the _Options its wrapped methods use
 _POLICY = "_recompute_policy"  # on the root module: the Policy applied
 _INDEX = "_recompute_layer_index"  # per offloaded layer: its index in the layer list
-_HOOKS = "_recompute_hooks"  # on the root module: handles of the offloader's forward hooks
+_HOOKS = "_recompute_hooks"  # on the root module: handles of the offloader's and the guard's forward hooks
 _HF_IMPL = "recompute_core_attn"  # our name in transformers' AttentionInterface
 _ATTN = re.compile(r"attn|attention", re.IGNORECASE)
 _MLP = re.compile(r"mlp|ffn|feed_?forward|moe|experts", re.IGNORECASE)
@@ -79,44 +90,53 @@ _MLP = re.compile(r"mlp|ffn|feed_?forward|moe|experts", re.IGNORECASE)
 
 def apply(
     model: nn.Module,
-    policy: str | Policy | os.PathLike[str],
+    policy: str | Policy | Plan | Mapping[str, Any] | os.PathLike[str],
     *,
     layers: str | None = None,
     attn: str | None = None,
     mlp: str | None = None,
-    loss: str = "full",
+    loss: str | None = None,
     loss_chunk: int | None = None,
 ) -> None:
     """Make ``model`` recompute what ``policy`` says, in place; ``none`` restores the plain model.
 
+    Order with other transforms (torchtitan's): ``apply``, then ``torch.compile``, then FSDP2 (``fully_shard``);
+    recompute's own tensor parallelism (``recompute.parallel.parallelize``) comes before ``apply``.
+
     Args:
         model: recompute's ``GPT``/``Llama``, a Hugging Face decoder-only model, or any model with an
             ``nn.ModuleList`` of identical layers (attention and MLP sub-modules needed for all but ``block``).
-        policy: a policy name, a ``Policy``, or the path of a policy/plan JSON file.
+        policy: a policy name, a ``Policy``, a ``Plan``, or the path of a policy/plan JSON file (or its
+            content, as a dict). A plan is checked against the model (the hash of its architecture, however the
+            model was built) and brings its loss mode and chunk.
         layers: dotted path of the layer list, when it cannot be found (e.g. ``"transformer.h"``).
         attn, mlp: child names of the attention and MLP sub-modules in a layer, when they cannot be found.
         loss: ``full``, or ``chunked``: a forward given targets (labels) runs the output layer and the loss
             over chunks of tokens, each chunk's gradients taken in the forward, and returns no logits
             (``(None, loss)``; transformers' output with ``logits=None``). See ``recompute.chunked_loss``.
-        loss_chunk: tokens per chunk (default: ``recompute.core.workload.default_loss_chunk``, the most whose
-            fp32 logits fit 256 MiB, at most the batch's b*s; a larger one is refused at the first forward).
+            Default: the plan's loss mode, else ``full``; one that contradicts the plan is refused.
+        loss_chunk: tokens per chunk (default: the plan's, else ``recompute.core.workload.default_loss_chunk``,
+            the most whose fp32 logits fit 256 MiB, at most the batch's b*s; a larger one is refused at the first
+            forward).
 
     Raises:
-        ConfigError: a plan made for another model or another layer count, layers or sub-modules that cannot
-            be found, unknown ops to save, Hugging Face's own checkpointing already switched on; with
-            ``loss="chunked"``, a chunk that is not a positive integer, or a model without a head or loss
-            it can find.
+        ConfigError: a plan made for another model or another layer count, a ``loss`` or ``loss_chunk`` the plan
+            contradicts, layers or sub-modules that cannot be found, unknown ops to save, Hugging Face's own
+            checkpointing switched on (now, or later: at the first training forward); with chunked loss, a
+            chunk that is not a positive integer, or a model without a head or loss it can find.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"apply takes the model (a torch.nn.Module) and a policy, got a {type(model).__name__} as the model; "
             "call recompute.apply(model, 'block')"
         )
-    pol = _as_policy(policy)
+    pol, planned = _as_plan(policy)
     _check_plan_model(pol, model)
+    loss, loss_chunk = _plan_loss(planned, loss, loss_chunk)
     stack = find_layers(model, path=layers)
     names = pol.per_layer(len(stack))
-    if any(n != "none" for n in names):
+    recomputes = any(n != "none" for n in names)
+    if recomputes:
         _refuse_hf_checkpointing(model)
     offloaded = [i for i, n in enumerate(names) if n == "offload"]
     offloader = Offloader(model, offloaded) if offloaded else None
@@ -128,8 +148,12 @@ def apply(
     for index, layer_targets in enumerate(targets):
         for module, method in layer_targets:
             _wrap(module, method, options, index)
-    if offloader is not None:
-        model.__dict__[_HOOKS] = offloader.watch(stack)
+    hooks = offloader.watch(stack) if offloader is not None else []
+    switches = [m for m in model.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+    if recomputes and switches:
+        hooks.append(_guard_hf_checkpointing(model, switches))
+    if hooks:
+        model.__dict__[_HOOKS] = hooks
     if parts is not None:
         for module, attribute, value in chunked_replacements(model, parts, chunk):
             _replace(module, attribute, value)
@@ -388,48 +412,101 @@ def _offload(on: bool) -> contextlib.AbstractContextManager[Any]:
 # --- policies, plans and Hugging Face specifics -----------------------------------------------------------
 
 
-def _as_policy(policy: str | Policy | os.PathLike[str]) -> Policy:
+PlanLoss = tuple[str, int | None]
+"""A plan's loss mode and chunk."""
+
+
+def _as_plan(policy: str | Policy | Plan | Mapping[str, Any] | os.PathLike[str]) -> tuple[Policy, PlanLoss | None]:
+    """The policy, and the loss mode and chunk when it comes from a plan (a ``Plan``, a plan file or its content)."""
+    if isinstance(policy, Plan):
+        return policy.policy, (policy.loss, policy.loss_chunk)
     if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, os.PathLike):
-        return Policy.load(os.fspath(policy))
-    if isinstance(policy, str):
-        return Policy.parse(policy)
-    raise ConfigError(f"expected a policy name, a Policy or a plan file path; got {type(policy).__name__}")
+        return policy, None
+    if isinstance(policy, Mapping):
+        return Policy.from_dict(dict(policy)), plan_loss(policy)
+    if isinstance(policy, str) and policy in ALL_POLICIES:
+        return Policy(policy), None
+    if isinstance(policy, (str, os.PathLike)):
+        text = os.fspath(policy)
+        if text.endswith(".json") or os.path.isfile(text):
+            return read_plan(text)
+        return Policy.parse(text), None  # says which names exist
+    raise ConfigError(f"expected a policy name, a Policy, a Plan or a plan file path; got {type(policy).__name__}")
+
+
+def _plan_loss(planned: PlanLoss | None, loss: str | None, chunk: int | None) -> tuple[str, int | None]:
+    """The loss mode and chunk to apply: the plan's, which ``loss``/``loss_chunk`` may repeat but not contradict."""
+    if planned is None:
+        return loss or "full", chunk
+    mode, planned_chunk = planned
+    if loss is not None and loss != mode:
+        raise ConfigError(
+            f"the plan was made with loss={mode!r} but apply was given loss={loss!r}; drop loss= (apply takes the "
+            f"plan's), or make a plan with --loss {loss}",
+            fields=("loss",),
+        )
+    if chunk is not None and planned_chunk is not None and chunk != planned_chunk:
+        raise ConfigError(
+            f"the plan was made with loss_chunk={planned_chunk} but apply was given loss_chunk={chunk}; drop "
+            f"loss_chunk= (apply takes the plan's), or make a plan with --loss-chunk {chunk}",
+            fields=("loss_chunk",),
+        )
+    return mode, chunk if chunk is not None else planned_chunk
 
 
 def _check_plan_model(pol: Policy, model: nn.Module) -> None:
-    """Refuse a plan made for another model (names compared loosely: ``meta-llama/Llama-3.1-8B`` = ``llama3.1-8b``)."""
-    if pol.model is None:
+    """Refuse a plan made for another model: the hashes of both architectures compared (``ModelId``); names
+    compared loosely for a plan without a hash (``meta-llama/Llama-3.1-8B`` = ``llama3.1-8b``; a transformers
+    model without a hub name by its ``model_type``)."""
+    want = pol.model
+    if want is None:
         return
-    name, family = _model_identity(model)
-    want = _squash(pol.model)
-    if (name and want != _squash(name)) or (not name and family and not want.startswith(_squash(family))):
+    if want.hash:
+        require_same_model(want, model_identity(model))
+        return
+    spec = getattr(model, "spec", None)
+    config = getattr(model, "config", None)
+    name = str(getattr(spec, "name", "")) if spec is not None else str(getattr(config, "name_or_path", "") or "")
+    family = "" if spec is not None else str(getattr(config, "model_type", "") or "")
+    squashed = _squash(want.name)
+    if (name and squashed != _squash(name)) or (not name and family and not squashed.startswith(_squash(family))):
         raise ConfigError(
-            f"the plan was made for {pol.model!r} but this model is {name or family!r}; "
+            f"the plan was made for {want.name!r} but this model is {name or family!r}; "
             "make a plan for this model, or drop the plan's 'model' field"
         )
-
-
-def _model_identity(model: nn.Module) -> tuple[str, str]:
-    """(name, family): ``spec.name`` of recompute's models; HF's ``name_or_path`` and ``model_type``."""
-    spec = getattr(model, "spec", None)
-    if spec is not None:
-        return str(getattr(spec, "name", "")), ""
-    config = getattr(model, "config", None)
-    return str(getattr(config, "name_or_path", "") or ""), str(getattr(config, "model_type", "") or "")
 
 
 def _squash(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.rsplit("/", 1)[-1].lower())
 
 
+HF_CHECKPOINTING = (
+    "transformers' activation (gradient) checkpointing is on together with a recompute plan, and would replay whole "
+    "layers on top of it; turn it off (TrainingArguments(activation_checkpointing=False), gradient_checkpointing="
+    "False in older transformers; model.activation_checkpointing_disable() or gradient_checkpointing_disable()): "
+    "the plan decides what is recomputed"
+)
+"""The refusal of transformers' own checkpointing together with a plan."""
+
+
+def _hf_checkpointing_on(model: nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 def _refuse_hf_checkpointing(model: nn.Module) -> None:
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        raise ConfigError(
-            "the model has Hugging Face activation checkpointing switched on, which would recompute layers twice; "
-            "call model.gradient_checkpointing_disable() before recompute.apply"
-        )
+    if _hf_checkpointing_on(model):
+        raise ConfigError(HF_CHECKPOINTING)
+
+
+def _guard_hf_checkpointing(model: nn.Module, switches: list[nn.Module]) -> RemovableHandle:
+    """A forward pre-hook that refuses transformers' checkpointing switched on after ``apply``, at the first
+    training forward (``switches``: the modules that carry its ``gradient_checkpointing`` flag)."""
+
+    def guard(module: nn.Module, args: Any) -> None:
+        if module.training and any(m.gradient_checkpointing for m in switches):
+            raise ConfigError(HF_CHECKPOINTING)
+
+    return model.register_forward_pre_hook(guard)
 
 
 def _hf_core_target(attn: nn.Module) -> str:

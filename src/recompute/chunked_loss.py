@@ -17,7 +17,8 @@ gradients, taken before a loss scaler scales them, would underflow (bf16 needs n
 How: three instance-level replacements, which the next ``apply`` restores (``apply(model, "none")`` too):
 
 - the model's ``forward``: given targets or labels, it runs the original forward with the head deferred,
-  then drops the logits from what it returns;
+  then drops the logits from what it returns; ``inspect.signature`` sees the original's (the HF Trainer's
+  ``remove_unused_columns`` reads it);
 - the head (``lm_head``, or ``get_output_embeddings()``): deferred, it hands its input back unchanged (its
   module hooks see that one call); the chunks call its original ``forward`` directly, hooks aside, so that
   tools watching module backward hooks (``MemTracker``, ``ModTracker``) do not take the chunks' gradients for
@@ -190,6 +191,10 @@ def chunked_replacements(model: nn.Module, parts: LossParts, chunk: int | None) 
     chunked = _chunked_lm_loss if parts.hook == "loss_fn" else _chunked_hf_loss
     loss = functools.partial(chunked, parts.head, original, chunk, head_forward)
     forward = functools.partial(_chunked_forward, parts, model.forward)
+    # The model's own signature, not (*args, **kwargs): callers read it (the HF Trainer keeps the dataset's
+    # columns the forward names, and passes num_items_in_batch only to a forward that takes **kwargs).
+    forward.__signature__ = parts.signature  # type: ignore[attr-defined]
+    forward.__doc__ = model.forward.__doc__
     return [
         (model, "forward", forward),
         (parts.head, "forward", functools.partial(_deferring_head, parts.head, head_forward)),

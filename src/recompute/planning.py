@@ -24,6 +24,7 @@ from recompute.core.analytic.table import analytic_table, with_loss
 from recompute.core.costs import CostTable
 from recompute.core.errors import ConfigError, first_line, require
 from recompute.core.files import is_path
+from recompute.core.identity import ModelId, spec_id
 from recompute.core.plan import smallest_achievable
 from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
@@ -59,6 +60,8 @@ class ModelTables:
     """What was left out and why (offload unpriced, the chunked loss under fp16, time not predicted)."""
     alternatives: Callable[[Workload], float | None] | None = None
     """The smallest achievable peak at another workload, where it is known without measuring."""
+    model: ModelId | None = None
+    """The model the tables are of, by name and architecture hash (``recompute.core.identity``)."""
 
     @property
     def device(self) -> dict[str, Any] | None:
@@ -116,9 +119,25 @@ def cost_tables(
         modes.remove("chunked")
         notes.append(f"the chunked loss not considered: {FP16_CHUNKED}")
     if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None):
-        return _profiled(model, wl, modes, device, offload, profile, progress, notes)
-    spec = analytic_model(model)
-    return _analytic(spec, wl, modes, device, measured, offload, progress, notes)
+        found = _profiled(model, wl, modes, device, offload, profile, progress, notes)
+    else:
+        found = _analytic(analytic_model(model), wl, modes, device, measured, offload, progress, notes)
+    return _identified(found, model, profile is not None)
+
+
+def _identified(found: ModelTables, model: str, from_file: bool) -> ModelTables:
+    """``found`` with the model's identity on it and on its tables: a preset's spec, a profile's hash, a config
+    read through transformers where neither says (``--analytic`` of a config.json, a profile stored before
+    profiles carried the hash; loads the torch floor); a ``--profile`` file without one keeps its name alone."""
+    if found.spec is not None and found.spec.name in PRESETS:
+        identity = spec_id(found.spec)
+    elif found.profiles and (found.profiles[0].model_hash or from_file):
+        identity = ModelId(found.profiles[0].model, found.profiles[0].model_hash)
+    else:
+        models = importlib.import_module("recompute.models.identity")
+        identity = models.source_identity(_trace().resolve_source(model))
+    tables = tuple(replace(t, model=identity.name, model_hash=identity.hash) for t in found.tables)
+    return replace(found, tables=tables, model=identity)
 
 
 def _analytic(

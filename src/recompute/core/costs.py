@@ -150,6 +150,8 @@ class CostTable:
     source: str = ""
     """Where the figures come from, in words (the analytic model; a profile of a class built from a file)."""
     notes: tuple[str, ...] = ()
+    model_hash: str = ""
+    """The hash of the model's architecture (``recompute.core.identity``), carried into the plan."""
 
     def __post_init__(self) -> None:
         require(len(self.layer_kind) > 0, f"{self.model}: a cost table needs at least one layer")

@@ -20,6 +20,7 @@ from recompute.core.advice import ALTERNATIVE_FIELDS, NothingFits, nothing_fits
 from recompute.core.analytic.estimate import Estimate, estimate
 from recompute.core.costs import Composed, CostTable
 from recompute.core.errors import ConfigError, require
+from recompute.core.identity import ModelId
 from recompute.core.plan_file import FORMAT, Plan, PlanPoint, parse_budget
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.search import search, smallest_peak
@@ -99,6 +100,7 @@ def plan(
         device=base.device,
         source=base.source,
         notes=tuple(notes) + table.notes,
+        model_hash=base.model_hash,
     )
 
 
@@ -223,7 +225,7 @@ def _fit_traced(
     target = budget
     for _ in range(len(points) + len(own)):
         table = _table_of(tables, chosen.loss)
-        policy = Policy(layers=table.whole_model(chosen.layers), model=table.model)
+        policy = Policy(layers=table.whole_model(chosen.layers), model=ModelId(table.model, table.model_hash))
         peak = float(traced_peak(policy, build_workload(**table.workload)))
         if peak <= budget:
             return chosen, peak

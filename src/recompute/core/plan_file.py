@@ -1,14 +1,16 @@
 """``Plan``: what the planner returns (the chosen plan, its prediction, the frontier), and the plan file it writes.
 
 A plan file is JSON: ``Policy.from_dict`` reads its ``policy`` entry (so ``apply`` takes the file as is) and
-``apply`` its loss mode; the rest is the prediction, the frontier and the uniform policies for comparison, and
-where the figures come from. Torch-free.
+``apply`` its loss mode (``read_plan``); ``model`` names the model by its identity (``recompute.core.identity``:
+``{"name": ..., "hash": ...}``), which ``apply`` checks; the rest is the prediction, the frontier and the
+uniform policies for comparison, and where the figures come from. Torch-free.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,12 @@ from typing import Any
 from recompute.core.errors import require
 from recompute.core.files import atomic_write
 from recompute.core.hardware import GPUS, gpu_by_name, usable_bytes
+from recompute.core.identity import ModelId
 from recompute.core.policy import Policy
+from recompute.core.results import read_json
 from recompute.core.table import GiB, MiB
 
-__all__ = ["FORMAT", "Plan", "PlanPoint", "parse_budget"]
+__all__ = ["FORMAT", "Plan", "PlanPoint", "parse_budget", "plan_loss", "read_plan"]
 
 FORMAT = "recompute.plan/2"
 
@@ -87,6 +91,7 @@ class Plan:
     """The chosen plan with its prediction, the frontier and the uniform policies for comparison."""
 
     model: str
+    """The model's name (``identity`` adds its hash)."""
     workload: dict[str, Any]
     """The workload planned, in the chosen loss mode."""
     budget: float
@@ -111,6 +116,13 @@ class Plan:
     device: dict[str, Any] | None = None
     source: str = ""
     notes: tuple[str, ...] = ()
+    model_hash: str = ""
+    """The hash of the model's architecture (``recompute.core.identity``); empty where it is not known."""
+
+    @property
+    def identity(self) -> ModelId:
+        """The model the plan is for: what ``apply`` checks the model against."""
+        return ModelId(self.model, self.model_hash)
 
     @property
     def peak(self) -> float:
@@ -144,7 +156,7 @@ class Plan:
     @property
     def policy(self) -> Policy:
         """The plan as a policy ``apply`` takes."""
-        return Policy(layers=self.layers, model=self.model)
+        return Policy(layers=self.layers, model=self.identity)
 
     @property
     def loss_chunk(self) -> int | None:
@@ -166,7 +178,7 @@ class Plan:
 
         return {
             "format": FORMAT,
-            "model": self.model,
+            "model": self.identity.to_dict(),
             "source": self.source,
             "workload": self.workload,
             "budget": self.budget,
@@ -187,3 +199,27 @@ class Plan:
             "uniform": {name: point(p) for name, p in self.uniform.items()},
             "notes": list(self.notes),
         }
+
+
+def plan_loss(data: Mapping[str, Any]) -> tuple[str, int | None] | None:
+    """The loss mode and chunk a plan file records: its ``loss`` entry, else its workload's (plans written
+    before the entry); None for a policy file, which says nothing of the loss."""
+    loss = data.get("loss")
+    if isinstance(loss, Mapping) and isinstance(loss.get("mode"), str):
+        return loss["mode"], loss.get("chunk")
+    wl = data.get("workload")
+    if isinstance(wl, Mapping) and isinstance(wl.get("loss"), str):
+        return wl["loss"], wl.get("loss_chunk")
+    return None
+
+
+def read_plan(path: str | Path) -> tuple[Policy, tuple[str, int | None] | None]:
+    """A policy or plan file: its policy (with the model it was made for) and the loss mode and chunk a plan
+    records (``plan_loss``).
+
+    Raises:
+        ConfigError: unreadable, or not a policy or plan.
+    """
+    policy = Policy.load(path)
+    data = read_json(path, "policy file", "pass a policy name or a file written by `recompute plan -o`")
+    return policy, plan_loss(data)

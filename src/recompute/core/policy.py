@@ -24,6 +24,7 @@ from typing import Any
 
 from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.files import atomic_write, is_path
+from recompute.core.identity import ModelId
 from recompute.core.results import read_json
 
 __all__ = ["ALIASES", "ALL_POLICIES", "MOE_POLICIES", "OFFLOAD_POLICIES", "POLICIES", "Policy", "check_analytic"]
@@ -98,11 +99,14 @@ class Policy:
     """Op-level selective checkpointing inside the recomputed region: aten ops (e.g. ``aten.mm``) to save."""
     offload: bool = False
     """Keep the checkpointed tensors in CPU memory instead of on the device."""
-    model: str | None = field(default=None, compare=False)
-    """The model a plan was made for, checked when the plan is applied."""
+    model: ModelId | None = field(default=None, compare=False)
+    """The model a plan was made for (``recompute.core.identity``), checked when the plan is applied; a name
+    alone (a plan file older than the hash) is read as a ``ModelId`` without one."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", check_name(self.name))
+        if isinstance(self.model, str):
+            object.__setattr__(self, "model", ModelId(self.model))
         chosen = [k for k in ("every", "first", "layers") if getattr(self, k) is not None]
         require(len(chosen) <= 1, f"give at most one of every, first, layers; got {', '.join(chosen)}")
         if self.every is not None:
@@ -182,10 +186,12 @@ class Policy:
     def to_dict(self) -> dict[str, Any]:
         """The policy as JSON-ready data, with a format tag."""
         out: dict[str, Any] = {"format": FORMAT}
-        for key in ("name", "every", "first", "layers", "save_ops", "offload", "model"):
+        for key in ("name", "every", "first", "layers", "save_ops", "offload"):
             value = getattr(self, key)
             if value not in (None, False):
                 out[key] = list(value) if isinstance(value, tuple) else value
+        if self.model is not None:
+            out["model"] = self.model.to_dict()
         return out
 
     @classmethod
@@ -201,6 +207,8 @@ class Policy:
         for key in ("layers", "save_ops"):
             if kwargs.get(key) is not None:
                 kwargs[key] = tuple(kwargs[key])
+        if kwargs.get("model") is not None:
+            kwargs["model"] = ModelId.from_json(kwargs["model"])
         return cls(**kwargs)
 
     def save(self, path: str | Path) -> None:

@@ -171,6 +171,8 @@ class Profile:
     notes: tuple[str, ...] = ()
     versions: dict[str, str] = field(default_factory=dict)
     seconds: float = field(default=0.0, compare=False)
+    model_hash: str = ""
+    """The hash of the model's architecture (``recompute.core.identity``); empty in profiles stored before it."""
 
     @property
     def n_layers(self) -> int:
@@ -250,6 +252,7 @@ class Profile:
             cost_kind=f"predicted seconds on {device.label}" if device else "FLOPs",
             source=f"profile {self.key} of {self.class_name} built from {self.origin}",
             notes=self.notes,
+            model_hash=self.model_hash,
         )
 
     def workload_dict(self) -> dict[str, Any]:

@@ -69,7 +69,8 @@ class ModelSource:
     """A model to build: a preset ``spec``, a transformers ``config``, or a ``factory``."""
 
     name: str
-    """How results name it: the preset, the config file's folder or stem, or ``module:factory``."""
+    """How results name it: the preset, the config's folder (the stem of a config file not named config.json),
+    or ``module:factory``."""
     origin: str
     """Where it comes from, in words: ``the gpt2 spec``, ``config.json``, ``mypkg.models:build``."""
     spec: ModelSpec | None = None
@@ -94,7 +95,7 @@ class ModelSource:
         if isinstance(config, (str, Path)):
             path = Path(config)
             origin = str(path / "config.json" if path.is_dir() else path)
-            name = name or (path.name if path.is_dir() else path.stem)
+            name = name or _config_name(path)
         return cls(name=name or str(cfg.model_type), origin=origin, config=cfg, raw=raw)
 
     @classmethod
@@ -191,6 +192,14 @@ def resolve_source(text: str) -> ModelSource:
         f"{text!r} is not a known model, an existing config.json path or a package.module:factory; "
         f"known models: {', '.join(PRESETS)}"
     )
+
+
+def _config_name(path: Path) -> str:
+    """``qwen05`` for ``qwen05/`` and ``qwen05/config.json``; ``mixtral`` for ``mixtral.json``."""
+    if path.is_dir() or path.name == "config.json":
+        folder = path if path.is_dir() else path.parent
+        return folder.resolve().name or path.stem
+    return path.stem
 
 
 def load_hf_config(config: Any) -> Any:

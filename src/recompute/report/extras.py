@@ -14,6 +14,7 @@ from typing import Any
 
 from recompute.core.analytic import Estimate, estimate, layer_activations
 from recompute.core.errors import ConfigError, require
+from recompute.core.identity import ModelId, spec_id
 from recompute.core.plan import FORMAT
 from recompute.core.policy import OFFLOAD_POLICIES, POLICIES, Policy
 from recompute.core.results import read_bench, read_json
@@ -41,10 +42,15 @@ def describe_layers(layers: list[str] | tuple[str, ...], loss: str = "full") -> 
 
 
 def _check_model(found: object, spec: ModelSpec, what: str, path: str | Path) -> None:
+    """Refuse a plan for another model: by the hash of its architecture, by name in plans without one."""
+    planned = ModelId.from_json(found)
+    model = spec_id(spec)
+    same = planned.same_model(model) if planned.hash else planned.name == spec.name
+    this = model.describe() if planned.hash else repr(spec.name)
     require(
-        found == spec.name,
-        f"{what} {str(path)!r} is for model {found!r}, not {spec.name!r}; "
-        f"pass --model {found} or make it with --model {spec.name}",
+        same,
+        f"{what} {str(path)!r} is for model {planned.describe()}, not {this}; "
+        f"pass --model {planned.name} or make it with --model {spec.name}",
     )
 
 
@@ -74,7 +80,7 @@ def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     _check_model(data.get("model"), spec, "plan file", path)
     policy = Policy.from_dict(data)
     if policy.model is not None:
-        _check_model(policy.model, spec, "the policy in plan file", path)
+        _check_model(policy.model.to_dict(), spec, "the policy in plan file", path)
     wl = _plan_workload(data, path)
     layers = policy.per_layer(spec.n_layers)
     la = layer_activations(spec, wl)

@@ -41,6 +41,7 @@ from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import work_list
 from recompute.core.workload import Workload
+from recompute.models.identity import model_identity
 from recompute.models.source import BuiltModel, ModelSource
 from recompute.runtime import TORCH_DTYPES, resolve_device
 from recompute.trace._build import build_meta, fake_kernels
@@ -401,6 +402,7 @@ def _assemble(
         notes=tuple(notes),
         versions=store.library_versions(),
         seconds=seconds,
+        model_hash=model_identity(whole.model, name=source.name).hash,
     )
 
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from recompute.checkpointing import apply
+from recompute.checkpointing import applied_policy, apply
 from recompute.core.errors import ConfigError, require
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec, hf_config_dict
@@ -338,7 +338,8 @@ def train(
         progress=progress if ranks.main else no_progress,
     )
     if config.loss == "chunked":
-        apply(model, config.policy)  # a forward with targets (a factory's, in sample) returns no logits when chunked
+        # a forward with targets (a factory's, in sample) returns no logits when chunked: the policy alone, full loss
+        apply(model, applied_policy(model) or "none", loss="full")
     result.sample = sample(model, tok, config, device, hf=built.hf)
     if ranks.main:
         atomic_write(Path(config.out) / SAMPLE, lambda f: f.write((result.sample + "\n").encode()))

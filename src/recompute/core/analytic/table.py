@@ -24,6 +24,7 @@ from recompute.core.analytic.flops import layer_flops, model_flops
 from recompute.core.analytic.memory import LayerActivations, layer_activations, outer_activations
 from recompute.core.analytic.params import model_states
 from recompute.core.costs import NEVER, CostTable, KindCosts, LinkCost, TopCost
+from recompute.core.identity import spec_id
 from recompute.core.policy import POLICIES
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload
@@ -68,6 +69,7 @@ def analytic_table(
     after, phase = after_backward(spec, wl, states, held_anyway)
     return CostTable(
         model=spec.name,
+        model_hash=spec_id(spec).hash,
         workload=wl.to_dict(),
         kinds=kinds,
         layer_kind=layer_kind,
