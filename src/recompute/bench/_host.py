@@ -3,44 +3,47 @@
 A bare launch (a one-element add in a loop) is not what a training step costs the host per kernel: an eager
 step also runs Python, ``nn.Module`` calls and autograd's bookkeeping around each kernel, and a non-reentrant
 checkpoint's replay goes through its saved-tensor hooks and re-entered forward as well. So the host is timed on
-real steps of small models (``HOST_MODELS``: recompute's GPT and Llama, two layers of width 64, 32 tokens)
+real steps of small models (``HOST_MODELS``: recompute's GPT and Llama, four layers of width 64, 32 tokens)
 whose device work is negligible:
 
-- ``kernel``: a step's wall time, less its optimizer step's, less its kernels' device time (predicted on the
-  rates just calibrated; on a GPU the host runs ahead, so nothing is taken off), over the forward's and
-  backward's kernels as the fake-tensor trace of the same step files them;
-- ``optimizer``: the optimizer step alone, the same way, over its kernels;
+- ``kernel``: a step's forward and backward (a step less an optimizer step), less their kernels' device time
+  (predicted on the rates just calibrated; on a GPU the host runs ahead, so nothing is taken off), over their
+  kernels as the fake-tensor trace of the same step files them;
+- ``optimizer``: the optimizer step, the same way, over its kernels;
 - ``replay``: what the step with every layer checkpointed (``block``) takes beyond the plain step, less the
   device time of the kernels it adds, over the kernels it adds (``recompute.core.timing.replayed``).
 
-Each time is the calibration timer's (best of three batches). The models' figures are pooled: total time over
-total kernels.
+The steps run in interleaved rounds (a batch of plain steps, a batch of checkpointed ones, a batch of optimizer
+steps alone), each batch long enough to span the scheduler's time slices; each time is a median over the
+rounds, the replay's a median of the rounds' differences: on a shared machine whose speed drifts, a round's
+batches see the same load. The models' figures are pooled: their time over their kernels.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from recompute.checkpointing import apply
 from recompute.core.policy import Policy
 from recompute.core.spec import ModelSpec
-from recompute.core.timing import OPTIMIZER_PHASE, Device, HostCost, StepWork, kernels
+from recompute.core.timing import OPTIMIZER_PHASE, Device, HostCost, StepWork
 from recompute.core.workload import Workload
 from recompute.models.source import ModelSource, build_source
-from recompute.runtime import TORCH_DTYPES, random_batch
+from recompute.runtime import TORCH_DTYPES, random_batch, sync
 from recompute.trace import cached_works
 
 __all__ = ["HOST_MODELS", "HOST_SHAPE", "host_cost"]
 
 HOST_MODELS = {
-    "gpt": ("gpt2", {"hidden": 64, "n_layers": 2, "n_heads": 2, "vocab": 256, "max_positions": 64}),
+    "gpt": ("gpt2", {"hidden": 64, "n_layers": 4, "n_heads": 2, "vocab": 256, "max_positions": 64}),
     "llama": (
         "llama3.1-8b",
-        {"hidden": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "d_ff": 224, "vocab": 256, "max_positions": 64},
+        {"hidden": 64, "n_layers": 4, "n_heads": 2, "n_kv_heads": 1, "d_ff": 224, "vocab": 256, "max_positions": 64},
     ),
 }
 """The models the host is timed on: a preset and its overrides (Llama 3.1's MLP ratio and GQA, shrunk)."""
@@ -48,77 +51,98 @@ HOST_MODELS = {
 HOST_SHAPE = (1, 32)
 """(micro-batch, sequence) of the timed steps."""
 
-Timer = Callable[[Callable[[], Any]], float]
 
-
-@dataclass(frozen=True)
-class _Times:
-    """One model's measured seconds and its traced kernels: the plain step, its optimizer step alone, and the
-    step with every layer checkpointed; the device time of each part on the calibrated rates."""
-
-    step: float
-    optimizer: float
-    replayed_step: float
-    kernels: int
-    optimizer_kernels: int
-    replayed: int
-    device: float
-    optimizer_device: float
-    replay_device: float
-
-
-def host_cost(device: Device, timer: Timer, *, models: tuple[str, ...] = ("gpt", "llama")) -> HostCost:
+def host_cost(device: Device, *, models: tuple[str, ...] = ("gpt", "llama"), seconds: float = 2.0) -> HostCost:
     """The host's time per kernel, per replayed kernel and per optimizer kernel on this machine's ``device``
-    (its rates already calibrated: ``device.host`` is not read), from real steps of ``models``."""
-    times = {name: _measure(name, device, timer) for name in models}
+    (its rates already calibrated: ``device.host`` is not read), from real steps of ``models``, about
+    ``seconds`` of steps for each."""
+    times = {name: _measure(name, device, seconds) for name in models}
     ahead = device.asynchronous  # the host runs ahead of a GPU: its time is the step's, nothing to take off
 
     def per(spent: float, busy: float, count: int) -> float:
         return max(device.overhead, (spent - (0.0 if ahead else busy)) / max(count, 1))
 
     t = list(times.values())
-    kernel = per(
-        sum(x.step - x.optimizer for x in t),
-        sum(x.device - x.optimizer_device for x in t),
-        sum(x.kernels - x.optimizer_kernels for x in t),
-    )
+    kernel = per(sum(x.passes for x in t), sum(x.passes_device for x in t), sum(x.pass_kernels for x in t))
     optimizer = per(
         sum(x.optimizer for x in t), sum(x.optimizer_device for x in t), sum(x.optimizer_kernels for x in t)
     )
-    replay = per(sum(x.replayed_step - x.step for x in t), sum(x.replay_device for x in t), sum(x.replayed for x in t))
+    replay = per(sum(x.replay for x in t), sum(x.replay_device for x in t), sum(x.replayed for x in t))
     b, s = HOST_SHAPE
     parts = "; ".join(
-        f"{name}: step {x.step * 1e3:.2f} ms for {x.kernels} kernels (optimizer {x.optimizer * 1e3:.2f} ms for "
-        f"{x.optimizer_kernels}), every layer checkpointed {x.replayed_step * 1e3:.2f} ms for {x.replayed} more"
+        f"{name}: forward and backward {x.passes * 1e3:.2f} ms for {x.pass_kernels} kernels, optimizer step "
+        f"{x.optimizer * 1e3:.2f} ms for {x.optimizer_kernels}, every layer checkpointed +{x.replay * 1e3:.2f} ms "
+        f"for {x.replayed} more ({x.rounds} rounds)"
         for name, x in times.items()
     )
-    return HostCost(kernel, replay, optimizer, source=f"eager training steps at b={b} s={s}, {parts}")
+    return HostCost(kernel, replay, optimizer, source=f"eager training steps at b={b} s={s}, medians; {parts}")
 
 
-def _measure(name: str, device: Device, timer: Timer) -> _Times:
+@dataclass(frozen=True)
+class _Times:
+    """One model's medians over interleaved rounds (a batch of plain steps, one of steps with every layer
+    checkpointed, one of optimizer steps alone): the plain step's forward and backward, its optimizer step, and
+    what the checkpointed step takes beyond it in the same round; the traced kernels of each, and their device
+    time on the calibrated rates."""
+
+    passes: float
+    optimizer: float
+    replay: float
+    pass_kernels: int
+    optimizer_kernels: int
+    replayed: int
+    passes_device: float
+    optimizer_device: float
+    replay_device: float
+    rounds: int
+
+
+def _measure(name: str, device: Device, seconds: float) -> _Times:
     preset, overrides = HOST_MODELS[name]
     spec = ModelSpec.from_name(preset, **overrides)
     kind = "cpu" if device.kind == "cpu" else "cuda"
     b, s = HOST_SHAPE
     wl = Workload(micro_batch=b, seq_len=s, dtype="fp32" if kind == "cpu" else "bf16", device=kind, keep_grads=False)
     works = cached_works(spec, wl, ["none", "block"])
-    plain, replayed = _Step(spec, wl, "none"), _Step(spec, wl, "block")
-    step, again = timer(plain), timer(replayed)
-    plain.backward()  # gradients for the optimizer step timed alone
-    optimizer = timer(plain.optimizer.step)
+    plain, checkpointed = _Step(spec, wl, "none"), _Step(spec, wl, "block")
+    for _ in range(3):  # warm-up: the allocator's blocks, the optimizer's state, lazy initialisations
+        plain()
+        checkpointed()
+    n = max(1, round(seconds / 20 / max(_batch(plain, 1), 1e-6)))  # steps per batch: a twentieth of the time
+    rounds: list[tuple[float, float, float]] = []
+    start = time.perf_counter()
+    while len(rounds) < 3 or time.perf_counter() - start < seconds:
+        step, again = _batch(plain, n), _batch(checkpointed, n)
+        plain.backward()  # gradients for optimizer steps alone
+        optimizer = _batch(plain.optimizer.step, n, wait=plain.device)
+        plain.optimizer.zero_grad(set_to_none=True)
+        rounds.append((step - optimizer, optimizer, again - step))
     none, block = works["none"], works["block"]
-    opt = none.phases.get(OPTIMIZER_PHASE, ())
+    opt = StepWork({OPTIMIZER_PHASE: none.phases.get(OPTIMIZER_PHASE, ())}, 0)
     return _Times(
-        step=step,
-        optimizer=optimizer,
-        replayed_step=again,
-        kernels=none.kernels(),
-        optimizer_kernels=kernels(opt),
+        passes=statistics.median(r[0] for r in rounds),
+        optimizer=statistics.median(r[1] for r in rounds),
+        replay=statistics.median(r[2] for r in rounds),
+        pass_kernels=none.kernels() - opt.kernels(),
+        optimizer_kernels=opt.kernels(),
         replayed=sum(block.replayed(none).values()),
-        device=_device_seconds(none, device),
-        optimizer_device=sum(device.kernel(op) * op[4] for op in opt),
+        passes_device=_device_seconds(none, device) - _device_seconds(opt, device),
+        optimizer_device=_device_seconds(opt, device),
         replay_device=_device_seconds(block, device) - _device_seconds(none, device),
+        rounds=len(rounds),
     )
+
+
+def _batch(fn: Callable[[], object], n: int, *, wait: str | None = None) -> float:
+    """Mean seconds of ``n`` calls of ``fn`` in a row, the device waited for at the end (on a GPU the host runs
+    ahead: a batch's wall time is the host's)."""
+    device = wait or str(getattr(fn, "device", "cpu"))
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / n
 
 
 def _device_seconds(work: StepWork, device: Device) -> float:
@@ -138,6 +162,7 @@ class _Step:
         self.loss_fn = built.loss_fn
         self.optimizer = torch.optim.AdamW(self.model.parameters())
         self.batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=wl.device, seed=0)
+        self.device = wl.device
 
     def backward(self) -> None:
         _, loss = self.loss_fn(self.model, *self.batch)

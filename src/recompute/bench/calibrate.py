@@ -288,7 +288,7 @@ def calibrate(device: str = "cpu", *, quick: bool = False, progress: Progress = 
         threads=threads,
         measured={"torch": torch.__version__, "quick": quick, "host": platform.node(), "cpus": os.cpu_count()},
     )
-    host = host_cost(rates, bench.timer, models=("gpt",) if quick else tuple(HOST_MODELS))
+    host = host_cost(rates, models=("gpt",) if quick else tuple(HOST_MODELS), seconds=20 * plan.batch_seconds)
     bench.tick("host dispatch")
     return replace(rates, host=host)
 
