@@ -294,9 +294,12 @@ def test_plan_costs_time_by_default(capsys: pytest.CaptureFixture[str], tmp_path
 def test_calibrate_and_bench_predict_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cpu.json"
     assert main(["calibrate", "--device", "cpu", "--threads", "1", "--quick", "-o", str(out)]) == 0
-    assert "overhead per kernel" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "overhead per kernel" in printed and "us per replayed kernel" in printed
     d = Device.load(out)
     assert d.kind == "cpu" and d.threads == 1 and d.overhead > 0 and "gelu_backward" in d.ops
+    assert d.host is not None and min(d.host.kernel, d.host.replay, d.host.optimizer) >= d.overhead
+    assert "gpt: forward and backward" in d.host.source  # --quick times the host on one model
     assert d.rate("matmul", "float32", 1e9) > 1e9  # more than a GFLOP/s on any CPU this runs on
     argv = ["bench", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "32", "--micro-batch", "2"]
     assert main([*argv, "--steps", "1", "--policies", "none,block", "--device-profile", str(out), "--json"]) == 0
