@@ -14,14 +14,14 @@ whose device work is negligible:
   device time of the kernels it adds, over the kernels it adds (``recompute.core.timing.replayed``).
 
 The steps run in interleaved rounds (a batch of plain steps, a batch of checkpointed ones, a batch of optimizer
-steps alone), each batch long enough to span the scheduler's time slices; each time is a median over the
-rounds, the replay's a median of the rounds' differences: on a shared machine whose speed drifts, a round's
-batches see the same load. The models' figures are pooled: their time over their kernels.
+steps alone), each batch long enough to span the scheduler's time slices, and each time is the best batch's
+over the rounds, as the rates are (``recompute.bench.calibrate``: the best of three batches): the host's time
+and the device's are then measured alike, so a step's prediction, and a replay's share of it, are too. The
+models' figures are pooled: their time over their kernels.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,15 +75,15 @@ def host_cost(device: Device, *, models: tuple[str, ...] = ("gpt", "llama"), sec
         f"for {x.replayed} more ({x.rounds} rounds)"
         for name, x in times.items()
     )
-    return HostCost(kernel, replay, optimizer, source=f"eager training steps at b={b} s={s}, medians; {parts}")
+    return HostCost(kernel, replay, optimizer, source=f"eager training steps at b={b} s={s}, best batches; {parts}")
 
 
 @dataclass(frozen=True)
 class _Times:
-    """One model's medians over interleaved rounds (a batch of plain steps, one of steps with every layer
-    checkpointed, one of optimizer steps alone): the plain step's forward and backward, its optimizer step, and
-    what the checkpointed step takes beyond it in the same round; the traced kernels of each, and their device
-    time on the calibrated rates."""
+    """One model's best batches over interleaved rounds (of plain steps, of steps with every layer checkpointed,
+    of optimizer steps alone): the plain step's forward and backward, its optimizer step, and what the
+    checkpointed step takes beyond it; the traced kernels of each, and their device time on the calibrated
+    rates."""
 
     passes: float
     optimizer: float
@@ -112,17 +112,17 @@ def _measure(name: str, device: Device, seconds: float) -> _Times:
     rounds: list[tuple[float, float, float]] = []
     start = time.perf_counter()
     while len(rounds) < 3 or time.perf_counter() - start < seconds:
-        step, again = _batch(plain, n), _batch(checkpointed, n)
+        batches = _batch(plain, n), _batch(checkpointed, n)
         plain.backward()  # gradients for optimizer steps alone
-        optimizer = _batch(plain.optimizer.step, n, wait=plain.device)
+        rounds.append((*batches, _batch(plain.optimizer.step, n, wait=plain.device)))
         plain.optimizer.zero_grad(set_to_none=True)
-        rounds.append((step - optimizer, optimizer, again - step))
+    step, again, optimizer = (min(r[i] for r in rounds) for i in range(3))
     none, block = works["none"], works["block"]
     opt = StepWork({OPTIMIZER_PHASE: none.phases.get(OPTIMIZER_PHASE, ())}, 0)
     return _Times(
-        passes=statistics.median(r[0] for r in rounds),
-        optimizer=statistics.median(r[1] for r in rounds),
-        replay=statistics.median(r[2] for r in rounds),
+        passes=step - optimizer,
+        optimizer=optimizer,
+        replay=again - step,
         pass_kernels=none.kernels() - opt.kernels(),
         optimizer_kernels=opt.kernels(),
         replayed=sum(block.replayed(none).values()),
