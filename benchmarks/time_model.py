@@ -13,6 +13,11 @@ errors to benchmarks/results/time_model_<device>.json and the device profile bes
 Goal (issue 14): |measured - predicted overhead| <= 3 points for every policy and predicted step time within
 15 %, medians over the sweep. On the CPU the run uses one torch thread and glibc's reuse settings (the note
 [the CPU allocator] of plan_vs_uniform.py), like the calibration.
+
+Every configuration is priced twice from the same measurements (issue 25, item 4): with the host's time per
+kernel calibrated on real eager steps (``HostCost``; the ``predicted_*`` figures) and with a bare launch per
+kernel instead, as before host dispatch was priced (the ``bare_*`` figures). ``--shapes 256x4,1024x1`` runs a
+subset of the shapes.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ def run_config(spec: ModelSpec, wl: Workload, device: Device, rounds: int) -> di
     works = step_works(spec, wl, list(POLICIES))
     traced = time.perf_counter() - t0
     predicted = {p: timing(works[p], works["none"], device) for p in POLICIES}
+    bare_device = dataclasses.replace(device, host=None)
+    bare = {p: timing(works[p], works["none"], bare_device) for p in POLICIES}
     result = bench(spec, wl, list(POLICIES), steps=rounds, warmup=2)
     rows = {r.policy: r for r in result.rows}
     base = rows["none"].step_times
@@ -81,6 +88,9 @@ def run_config(spec: ModelSpec, wl: Workload, device: Device, rounds: int) -> di
         "measured_step_s": measured_step,
         "predicted_step_s": predicted["none"].step,
         "step_error": predicted["none"].step / measured_step - 1,
+        "bare_step_s": bare["none"].step,
+        "bare_step_error": bare["none"].step / measured_step - 1,
+        "kernels": works["none"].kernels(),
         "policies": {},
     }
     for p in POLICIES:
@@ -90,7 +100,10 @@ def run_config(spec: ModelSpec, wl: Workload, device: Device, rounds: int) -> di
             "predicted_overhead": predicted[p].overhead,
             "flop_overhead": rows[p].predicted_overhead,
             "error_points": 100 * (predicted[p].overhead - meas),
+            "bare_overhead": bare[p].overhead,
+            "bare_error_points": 100 * (bare[p].overhead - meas),
             "flop_error_points": 100 * (rows[p].predicted_overhead - meas),
+            "replayed_kernels": sum(works[p].replayed(works["none"]).values()),
             "step_times": list(rows[p].step_times),
         }
     return out
@@ -103,16 +116,20 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if p == "none":
             continue
         errors = [abs(r["policies"][p]["error_points"]) for r in rows]
+        bare = [abs(r["policies"][p]["bare_error_points"]) for r in rows]
         flop = [abs(r["policies"][p]["flop_error_points"]) for r in rows]
         per[p] = {
             "median_abs_error_points": statistics.median(errors),
             "max_abs_error_points": max(errors),
+            "median_abs_bare_error_points": statistics.median(bare),
+            "max_abs_bare_error_points": max(bare),
             "median_abs_flop_error_points": statistics.median(flop),
         }
     step = statistics.median(abs(r["step_error"]) for r in rows)
     return {
         "policies": per,
         "median_abs_step_error": step,
+        "median_abs_bare_step_error": statistics.median(abs(r["bare_step_error"]) for r in rows),
         "goal_overhead_3_points": all(v["median_abs_error_points"] <= 3 for v in per.values()),
         "goal_step_15_percent": step <= 0.15,
     }
@@ -128,6 +145,7 @@ def write(
         "command": "python " + " ".join(sys.argv),
         "device": device.label,
         "device_source": device.source,
+        "host_dispatch": device.host_note(),
         "host": platform.node(),
         "torch": torch.__version__,
         "dtype": dtype,
@@ -149,6 +167,7 @@ def main() -> None:
     parser.add_argument("--device-profile", type=Path, help="a `recompute calibrate -o` file of this device")
     parser.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
     parser.add_argument("--attention", default="eager,flash", help="comma-separated: eager, flash")
+    parser.add_argument("--shapes", default=None, help="a subset of the shapes, SxB comma-separated (e.g. 256x4)")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/time_model_<device>.json")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -163,6 +182,8 @@ def main() -> None:
         device = calibrate(args.device, quick=args.quick)
     device.save(out.with_name(out.stem + "_device.json"))
     shapes = SHAPES[args.device][:1] if args.quick else SHAPES[args.device]
+    if args.shapes:
+        shapes = tuple((int(shape.split("x")[0]), int(shape.split("x")[1])) for shape in args.shapes.split(","))
     rows = []
     chosen = args.models.split(",")
     for name, spec in ((k, v) for k, v in models(args.device).items() if k in chosen):
@@ -177,13 +198,15 @@ def main() -> None:
                 rows.append(row)
                 cells = " ".join(
                     f"{p}:{100 * v['measured_overhead']:+.1f}/{100 * v['predicted_overhead']:+.1f}"
+                    f"/{100 * v['bare_overhead']:+.1f}"
                     for p, v in row["policies"].items()
                     if p != "none"
                 )
                 print(
                     f"{name} {attention} s={s} b={b}: step {row['measured_step_s'] * 1e3:.1f} ms measured, "
-                    f"{row['predicted_step_s'] * 1e3:.1f} predicted ({row['step_error']:+.1%}); "
-                    f"overhead measured/predicted % {cells}",
+                    f"{row['predicted_step_s'] * 1e3:.1f} predicted ({row['step_error']:+.1%}), "
+                    f"{row['bare_step_s'] * 1e3:.1f} with a bare launch ({row['bare_step_error']:+.1%}); "
+                    f"overhead measured/predicted/bare launch % {cells}",
                     flush=True,
                 )
                 write(out, args, device, dtype, rows)  # after every configuration: a cut-off run keeps its rows
@@ -193,12 +216,17 @@ def main() -> None:
             p,
             f"{v['median_abs_error_points']:.1f}",
             f"{v['max_abs_error_points']:.1f}",
+            f"{v['median_abs_bare_error_points']:.1f}",
             f"{v['median_abs_flop_error_points']:.1f}",
         ]
         for p, v in summ["policies"].items()
     ]
-    print(render_table(["policy", "median |error| (pts)", "max", "FLOP model's median |error|"], table))
-    print(f"median |step time error|: {summ['median_abs_step_error']:.1%}")
+    heads = ["policy", "median |error| (pts)", "max", "bare launch's median |error|", "FLOP model's median |error|"]
+    print(render_table(heads, table))
+    print(
+        f"median |step time error|: {summ['median_abs_step_error']:.1%} "
+        f"(bare launch: {summ['median_abs_bare_step_error']:.1%})"
+    )
     print(f"wrote {out}")
 
 

@@ -18,7 +18,7 @@ from recompute.core.hardware import BANDWIDTH_SHARE, GPUS, MATMUL_SHARE, datashe
 from recompute.core.plan import plan
 from recompute.core.policy import POLICIES
 from recompute.core.profile import Profile
-from recompute.core.timing import Curve, Device, StepWork, merge, mixed_timing, op_class, timing
+from recompute.core.timing import Curve, Device, HostCost, StepWork, merge, mixed_timing, op_class, timing
 from recompute.trace import profile, step_work, step_works
 
 SPEC = ModelSpec.from_name("gpt2", hidden=64, n_layers=4, n_heads=4, vocab=512, max_positions=128)
@@ -266,6 +266,22 @@ def test_profile_times_compose_to_the_whole_step(tiny_profile: Profile) -> None:
         assert math.isclose(composed.seconds(dev), whole.seconds(dev), rel_tol=1e-3)
 
 
+def test_profile_prices_replayed_kernels_at_the_host_s_replay_cost(tiny_profile: Profile) -> None:
+    """With host costs, a layer's replay is priced from its kernels beyond ``none``'s (``LayerKind.seconds``), as
+    the whole step priced against its step under ``none``: the profile's replay times equal the whole traces'."""
+    dev = dataclasses.replace(flat_device("cuda"), host=HostCost(10e-6, 100e-6, 2e-6))
+    n = SPEC.n_layers
+    table = tiny_profile.cost_table(dev)
+    none = step_work(SPEC, WL, "none")
+    for p in ("attn", "block"):
+        whole = step_work(SPEC, WL, p)
+        assert math.isclose(table.compose([p] * n).seconds, whole.seconds(dev, none) - none.seconds(dev), rel_tol=1e-3)
+        kind = tiny_profile.kind_of(0)
+        again = sum(whole.replayed(none).values()) // n
+        plain = dataclasses.replace(dev, host=HostCost(10e-6, 10e-6, 2e-6))  # a replayed kernel at the plain cost
+        assert math.isclose(kind.recompute_seconds(p, dev) - kind.recompute_seconds(p, plain), again * 90e-6)
+
+
 def test_plans_on_time_pick_the_least_predicted_time(tiny_profile: Profile) -> None:
     dev = flat_device()
     table = tiny_profile.cost_table(dev)
@@ -315,9 +331,12 @@ def test_plan_costs_time_by_default(capsys: pytest.CaptureFixture[str], tmp_path
 def test_calibrate_and_bench_predict_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cpu.json"
     assert main(["calibrate", "--device", "cpu", "--threads", "1", "--quick", "-o", str(out)]) == 0
-    assert "overhead per kernel" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "overhead per kernel" in printed and "us per replayed kernel" in printed
     d = Device.load(out)
     assert d.kind == "cpu" and d.threads == 1 and d.overhead > 0 and "gelu_backward" in d.ops
+    assert d.host is not None and min(d.host.kernel, d.host.replay, d.host.optimizer) >= d.overhead
+    assert "gpt: forward and backward" in d.host.source  # --quick times the host on one model
     assert d.rate("matmul", "float32", 1e9) > 1e9  # more than a GFLOP/s on any CPU this runs on
     argv = ["bench", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "32", "--micro-batch", "2"]
     assert main([*argv, "--steps", "1", "--policies", "none,block", "--device-profile", str(out), "--json"]) == 0

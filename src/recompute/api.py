@@ -84,6 +84,7 @@ def plan(
     *,
     gpu: str | None = None,
     device_profile: str | Path | None = None,
+    compiled: bool = False,
     seq_len: int | Workload | None = None,
     cost: str = "time",
     consider: Sequence[str] = ("offload", "chunked"),
@@ -99,6 +100,7 @@ def plan(
         budget: bytes per GPU, a size (``"70GiB"``) or a GPU name (its usable memory); default: ``gpu``'s.
         gpu: the GPU the plan is priced on (its datasheet row; default an H100 SXM); ``device_profile``: a
             ``recompute calibrate`` file instead.
+        compiled: price the step as run under ``torch.compile`` or CUDA graphs (no eager host dispatch).
         seq_len: tokens per sequence, or a whole ``Workload``.
         cost: ``time`` (predicted on the device) or ``flops``.
         consider: besides recomputation, ``offload`` and ``chunked`` (the chunked loss).
@@ -116,7 +118,7 @@ def plan(
         raise ConfigError("plan needs a budget: give budget= (e.g. '70GiB') or gpu= (its usable memory)")
     limit = parse_budget(budget if budget is not None else str(gpu))
     host = parse_budget(host_budget, "host_budget") if host_budget is not None else None
-    device = choose_device(gpu=gpu, device_profile=device_profile) if cost == "time" else None
+    device = choose_device(gpu=gpu, device_profile=device_profile, compiled=compiled) if cost == "time" else None
     name = _name(model)
     wl = _workload(seq_len, workload, max_positions(name) if name is not None else _source(model).max_positions)
     losses = ("chunked",) if "chunked" in consider else ()

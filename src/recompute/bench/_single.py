@@ -235,7 +235,11 @@ def bench(
             f"ran {built.class_name} built from {source.origin}",
             *built.notes,
             predicted.note,
-            *([f"predicted times: {device_profile.source}"] if device_profile is not None else []),
+            *(
+                [f"predicted times: {device_profile.source}; {device_profile.host_note()}"]
+                if device_profile is not None
+                else []
+            ),
         ),
     )
 

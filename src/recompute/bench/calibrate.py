@@ -10,7 +10,9 @@ Each curve is measured at several sizes, because eager PyTorch reaches a device'
 - named element-wise ops (``ELEMENTWISE``: GELU and its backward, softmax, layer norm, dropout's random draw,
   ...), each on its own, bytes counted as the trace counts them: on a CPU an erf or a random number per
   element costs ten times an add, and these are what a replay repeats;
-- overhead: the host's time per kernel for tiny ops (eager dispatch and launch);
+- overhead: the host's time per bare kernel launch (a tiny op in a loop);
+- host: the host's time per kernel of real eager training steps, per kernel a checkpoint replays and per
+  optimizer kernel (``recompute.bench._host``): what the time model prices the host's dispatch at;
 - host link (GPUs): pinned host-to-device copies.
 
 Every point is the best of three batches, each batch repeating the op until it has run a minimum time; GPU
@@ -25,7 +27,7 @@ import platform
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from recompute.bench._host import HOST_MODELS, host_cost
 from recompute.core import store
 from recompute.core.errors import ConfigError
 from recompute.core.progress import Progress, no_progress
@@ -182,7 +185,7 @@ class _Plan:
 
     @property
     def steps(self) -> int:
-        return len(self.sizes) * len(self.dtypes) + 2 * len(self.seqs) * len(self.dtypes) + 3 * len(self.elements) + 2
+        return len(self.sizes) * len(self.dtypes) + 2 * len(self.seqs) * len(self.dtypes) + 3 * len(self.elements) + 3
 
 
 def _plan(gpu: bool, quick: bool) -> _Plan:
@@ -249,7 +252,8 @@ class _Bench:
 def calibrate(device: str = "cpu", *, quick: bool = False, progress: Progress = no_progress) -> Device:
     """Measure this machine's ``device`` (``cpu`` or ``cuda``) and return its profile.
 
-    ``quick``: fewer sizes and shorter batches (seconds; ``bench`` uses it when given no profile).
+    ``quick``: fewer sizes and shorter batches, the host timed on one model (seconds; ``bench`` uses it when
+    given no profile).
 
     Raises:
         ConfigError: an unknown device, or CUDA asked for without CUDA.
@@ -269,7 +273,7 @@ def calibrate(device: str = "cpu", *, quick: bool = False, progress: Progress = 
     ops = _named_ops(bench)
     label = local_device_label(device)
     threads = None if gpu else torch.get_num_threads()
-    return Device(
+    rates = Device(
         name="cuda" if gpu else "cpu",
         kind="cuda" if gpu else "cpu",
         label=label,
@@ -284,6 +288,9 @@ def calibrate(device: str = "cpu", *, quick: bool = False, progress: Progress = 
         threads=threads,
         measured={"torch": torch.__version__, "quick": quick, "host": platform.node(), "cpus": os.cpu_count()},
     )
+    host = host_cost(rates, models=("gpt",) if quick else tuple(HOST_MODELS), seconds=20 * plan.batch_seconds)
+    bench.tick("host dispatch")
+    return replace(rates, host=host)
 
 
 Points = dict[str, list[tuple[float, float]]]

@@ -173,11 +173,17 @@ def measured_workload(args: argparse.Namespace, profile: Any) -> Workload:
 
 
 def add_time_args(p: argparse.ArgumentParser, *, what: str = "predict step times", no_time: bool = True) -> None:
-    """``--gpu`` (the device everywhere), ``--device-profile`` and ``--no-time``."""
+    """``--gpu`` (the device everywhere), ``--device-profile``, ``--compiled`` and ``--no-time``."""
     p.add_argument("--gpu", help=f"the GPU you train on: {what} on its datasheet row (default: {DEFAULT_GPU})")
     p.add_argument(
         "--device-profile",
         help=f"a `recompute calibrate -o` file: {what} on that device (instead of --gpu's datasheet row)",
+    )
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="the step runs under torch.compile or CUDA graphs: price no eager host dispatch, a bare launch per "
+        "kernel (default: eager PyTorch, the host's time per kernel as calibrated)",
     )
     if no_time:
         p.add_argument(
@@ -188,12 +194,17 @@ def add_time_args(p: argparse.ArgumentParser, *, what: str = "predict step times
 
 
 def time_device(args: argparse.Namespace) -> Device:
-    """The device of ``--device-profile``, else ``--gpu``'s datasheet row, else the default GPU's.
+    """The device of ``--device-profile``, else ``--gpu``'s datasheet row, else the default GPU's (``--compiled``:
+    priced without eager host dispatch).
 
     Raises:
         ConfigError: a missing or unreadable device profile, or an unknown GPU.
     """
-    return choose_device(gpu=getattr(args, "gpu", None), device_profile=getattr(args, "device_profile", None))
+    return choose_device(
+        gpu=getattr(args, "gpu", None),
+        device_profile=getattr(args, "device_profile", None),
+        compiled=getattr(args, "compiled", False),
+    )
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str | None = "block") -> None:

@@ -50,14 +50,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render_device(d: Device) -> str:
-    """The calibrated rates at their largest measured size, and the overheads."""
+    """The calibrated rates at their largest measured size, the bare launch and the host's time per kernel."""
     rows = [[k, f"{c.points[-1][1] / 1e12:.3g} TFLOP/s", f"{c.points[0][1] / 1e12:.3g}"] for k, c in d.compute.items()]
     rows += [[k, f"{c.points[-1][1] / 1e9:.3g} GB/s", f"{c.points[0][1] / 1e9:.3g}"] for k, c in d.bandwidth.items()]
     rows += [[k, f"{c.points[-1][1] / 1e9:.3g} GB/s", f"{c.points[0][1] / 1e9:.3g}"] for k, c in d.ops.items()]
     lines = [
         f"{d.label} ({d.kind}): {d.source}",
         render_table(["rate", "largest size", "smallest size"], rows),
-        f"overhead per kernel: {d.overhead * 1e6:.2f} us",
+        f"overhead per kernel: {d.overhead * 1e6:.2f} us (a bare launch)",
+        d.host_note(),
     ]
     if d.host_link:
         lines.append(f"host to device (pinned): {d.host_link / 1e9:.3g} GB/s")

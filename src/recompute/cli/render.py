@@ -26,12 +26,15 @@ __all__ = [
 
 
 def device_note(device: Device, wl: Workload | None = None) -> str:
-    """One line saying where times are predicted and from what."""
+    """One line saying where times are predicted and from what (the host's dispatch included)."""
     kind = "calibrated" if device.source.startswith("calibrated") else "datasheet roofline"
     traced = ""
     if wl is not None and wl.device == "cuda" and device.kind != "cpu":
         traced = "; kernels from the fake-tensor trace of the step"
-    return f"times: predicted on {device.label} ({kind}; see docs/time.md for what the model ignores){traced}"
+    return (
+        f"times: predicted on {device.label} ({kind}; see docs/time.md for what the model ignores){traced}; "
+        f"{device.host_note()}"
+    )
 
 
 def describe_workload(model: str, wl: Workload) -> str:
@@ -181,6 +184,7 @@ def render_plan(
         "",
         uniform,
         f"source: {plan.source}; costs in {plan.cost_kind}",
+        *([Device.from_dict(plan.device).host_note()] if timed and plan.device else []),
         *(f"note: {n}" for n in notes),
     ]
     return "\n".join(lines)

@@ -9,6 +9,7 @@ functions here: a recompute policy's seconds per layer from the traced step work
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from recompute.core.errors import require
@@ -34,15 +35,17 @@ DEFAULT_GPU = "h100-80gb"
 """The device times are predicted on when none is named: the datasheet row of an H100 SXM."""
 
 
-def choose_device(*, gpu: str | None = None, device_profile: str | Path | None = None) -> Device:
-    """The device of a ``recompute calibrate`` file, else ``gpu``'s datasheet row, else the default GPU's.
+def choose_device(
+    *, gpu: str | None = None, device_profile: str | Path | None = None, compiled: bool = False
+) -> Device:
+    """The device of a ``recompute calibrate`` file, else ``gpu``'s datasheet row, else the default GPU's;
+    ``compiled``: priced as run under ``torch.compile`` or CUDA graphs (no eager host dispatch).
 
     Raises:
         ConfigError: a missing or unreadable device profile, or an unknown GPU.
     """
-    if device_profile:
-        return Device.load(device_profile)
-    return datasheet_device(gpu or DEFAULT_GPU)
+    device = Device.load(device_profile) if device_profile else datasheet_device(gpu or DEFAULT_GPU)
+    return replace(device, compiled=True) if compiled else device
 
 
 def unpriced(wl: Workload) -> str | None:
@@ -57,7 +60,7 @@ def layer_costs(works: Mapping[str, StepWork], device: Device, n_layers: int) ->
     each uniform policy's step work: (T_policy - T_none) / L."""
     missing = [p for p in POLICIES if p not in works]
     require(not missing, f"no step work for {', '.join(missing)}")
-    times = {p: works[p].seconds(device) for p in POLICIES}
+    times = {p: works[p].seconds(device, works["none"]) for p in POLICIES}
     return {p: max(0.0, (times[p] - times["none"]) / n_layers) for p in POLICIES}, times["none"]
 
 

@@ -34,7 +34,7 @@ from recompute.core.costs import CostTable, KindCosts, LinkCost, TopCost
 from recompute.core.errors import ConfigError, require
 from recompute.core.files import atomic_write, read_json_file
 from recompute.core.profile_schema import check_profile_dict
-from recompute.core.timing import Device, Op, StepWork, work_seconds
+from recompute.core.timing import Device, Op, StepWork, replayed, work_seconds
 from recompute.core.workload import Workload
 
 __all__ = ["FORMAT", "LastFigures", "LayerKind", "PairFigures", "Profile"]
@@ -118,7 +118,9 @@ class LayerKind:
 
     def seconds(self, policy: str, device: Device) -> float:
         """Predicted time of the layer's forward and backward (the replay included) under ``policy``."""
-        return work_seconds(self.forward_work[policy], device) + work_seconds(self.backward_work[policy], device)
+        backward = self.backward_work[policy]
+        again = replayed(backward, self.backward_work["none"])
+        return work_seconds(self.forward_work[policy], device) + work_seconds(backward, device, replayed=again)
 
     def recompute_seconds(self, policy: str, device: Device) -> float:
         """Predicted time ``policy`` adds to the layer: its replay, priced by the roofline of ``device``."""

@@ -14,11 +14,21 @@ calibrate``): a 64x64 matmul does not run at the peak of an 8192x8192 one, nor d
 the bandwidth of a 1 GiB copy. A datasheet row (``recompute.core.hardware``) gives flat curves at the stated
 peaks times an achievable share.
 
-``overhead`` is the per-kernel cost of eager PyTorch: dispatch plus launch. On a GPU the host runs ahead of
-the device, so an op costs the larger of its kernel time and the host's time to issue it; on the CPU the
-two are in series. What the model ignores, by construction: overlap of communication or copies with
-compute, kernel fusion (``torch.compile``), caches warmed by the previous op, clocks that change under
-load, and the allocator. ``docs/time.md`` gives the figures it was held to.
+The host's time is priced per phase of the step (the forward of a layer, its backward, the optimizer step):
+an eager step spends, per kernel, Python, ``nn.Module`` calls, autograd's bookkeeping, dispatch and the launch,
+and per kernel that a non-reentrant checkpoint replays, its saved-tensor hooks and re-entered forward too
+(``HostCost``, measured on real training steps by ``recompute calibrate``). A phase costs
+
+    host = kernels x host_c + replayed x host_replay      device = the sum of its kernels' rooflines
+    max(host, device)  on a GPU (the host issues kernels ahead of the device)    host + device  on a CPU
+
+A phase's replayed kernels are what it runs beyond the same phase of the step without recomputation (a
+policy's backward of a layer runs the layer's backward, and its replay). Under ``torch.compile`` or CUDA
+graphs (``Device.compiled``) the eager host work is gone: each kernel costs the host a bare launch
+(``Device.overhead``) and no more. What the model ignores, by construction: overlap of communication or
+copies with compute, the host running ahead across phases, kernel fusion (``torch.compile``), caches warmed
+by the previous op, clocks that change under load, and the allocator. ``docs/time.md`` gives the figures it
+was held to.
 """
 
 from __future__ import annotations
@@ -38,16 +48,20 @@ from recompute.core.files import atomic_write, read_json_file
 __all__ = [
     "CLASSES",
     "DEVICE_FORMAT",
+    "OPTIMIZER_PHASE",
     "Curve",
     "Device",
+    "HostCost",
     "Op",
     "StepWork",
     "Timing",
     "by_class",
     "check_device_dict",
+    "kernels",
     "merge",
     "mixed_timing",
     "op_class",
+    "replayed",
     "scale_work",
     "timing",
     "work_list",
@@ -57,6 +71,9 @@ __all__ = [
 DEVICE_FORMAT = "recompute.device/1"
 
 CLASSES = ("matmul", "attention", "math", "memory")
+
+OPTIMIZER_PHASE = "optimizer step"
+"""The phase whose kernels the host issues at ``HostCost.optimizer`` (no modules, no autograd)."""
 
 Op = tuple[str, str, int, int, int]
 """One work signature and how many kernels ran it: (op, dtype, FLOPs, bytes, count)."""
@@ -108,6 +125,37 @@ class Curve:
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """Seconds the host spends per kernel of an eager training step, measured on real steps of small models
+    whose device work is negligible (``recompute calibrate``): the step's wall time less its kernels' predicted
+    device time, over the kernels the fake-tensor trace of the same step files."""
+
+    kernel: float
+    """Per kernel of a forward and backward: Python, ``nn.Module`` calls, autograd, dispatch, launch."""
+    replay: float
+    """Per kernel a non-reentrant ``torch.utils.checkpoint`` replays: what a checkpointed step adds to the host's
+    time over the same step without, per kernel it adds (the replay's dispatch, the checkpoint's saved-tensor
+    hooks, its re-entered forward)."""
+    optimizer: float
+    """Per kernel of the optimizer step (a loop over parameters, or multi-tensor kernels)."""
+    source: str = ""
+    """How it was measured: the models, their kernels, the steps' times."""
+
+    def __post_init__(self) -> None:
+        require(
+            min(self.kernel, self.replay, self.optimizer) > 0,
+            f"host costs per kernel must be positive, got {self.kernel}, {self.replay}, {self.optimizer}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kernel": self.kernel, "replay": self.replay, "optimizer": self.optimizer, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HostCost:
+        return cls(float(data["kernel"]), float(data["replay"]), float(data["optimizer"]), str(data.get("source", "")))
+
+
+@dataclass(frozen=True)
 class Device:
     """What one device does per second: the rate curves by op class (and dtype for matmul and attention),
     the per-kernel overhead, the host link and the memory. Made from a datasheet row or ``recompute
@@ -123,7 +171,8 @@ class Device:
     bandwidth: dict[str, Curve]
     """Bytes moved per second (read plus written) against the op's bytes, by ``memory`` and ``math``."""
     overhead: float
-    """Seconds of host work per kernel (eager dispatch and launch)."""
+    """Seconds of host work per bare kernel launch (a one-element add called in a loop): what a kernel costs the
+    host under ``torch.compile`` or CUDA graphs, and in eager steps where ``host`` is not calibrated."""
     ops: dict[str, Curve] = field(default_factory=dict)
     """Bytes per second of named element-wise ops (``gelu_backward``, ``bernoulli_``, ...), measured one by one:
     their cost per byte varies tenfold on a CPU (a random number or an erf per element against an add)."""
@@ -135,11 +184,51 @@ class Device:
     """CPU threads the calibration ran with (``torch.get_num_threads()``); None on a GPU."""
     measured: dict[str, Any] = field(default_factory=dict)
     """The calibration's raw points and settings, for the record."""
+    host: HostCost | None = None
+    """The host's time per kernel of an eager training step; None (a datasheet row, a profile calibrated before
+    it was measured): the bare launch ``overhead`` stands in, and ``host_note`` says so."""
+    compiled: bool = False
+    """Price the step as run under ``torch.compile`` or CUDA graphs: no eager host work, a bare launch per
+    kernel (a pricing choice, not a property of the device: ``recompute estimate --compiled``)."""
 
     @property
     def asynchronous(self) -> bool:
-        """The host issues kernels ahead of the device (GPUs): an op costs max(kernel, overhead)."""
+        """The host issues kernels ahead of the device (GPUs): a phase costs max(host, device)."""
         return self.kind != "cpu"
+
+    def host_seconds(self, kernels: int, replayed: int = 0, *, phase: str = "") -> float:
+        """The host's time to issue a phase of ``kernels`` kernels, ``replayed`` of them replayed by a checkpoint."""
+        if self.compiled or self.host is None:
+            return kernels * self.overhead
+        per = self.host.optimizer if phase == OPTIMIZER_PHASE else self.host.kernel
+        return (kernels - replayed) * per + replayed * self.host.replay
+
+    def phase_seconds(self, work: Iterable[Op], *, phase: str = "", replayed: int = 0) -> float:
+        """Time of one phase of a step: its kernels on the device and the host's time to issue them, the larger
+        on a GPU, their sum on a CPU (the module docstring)."""
+        ops = tuple(work)
+        device = sum(self.kernel(op) * op[4] for op in ops)
+        host = self.host_seconds(sum(op[4] for op in ops), replayed, phase=phase)
+        return max(host, device) if self.asynchronous else host + device
+
+    def host_note(self) -> str:
+        """What a kernel costs the host in these predictions, in words."""
+        if self.compiled:
+            return (
+                f"host dispatch not priced (--compiled: torch.compile or CUDA graphs), "
+                f"a bare launch of {self.overhead * 1e6:.1f} us per kernel"
+            )
+        if self.host is None:
+            why = "a datasheet row" if self.source.startswith("datasheet") else "this device profile has no host costs"
+            return (
+                f"host dispatch: a bare launch of {self.overhead * 1e6:.1f} us per kernel ({why}; eager steps spend "
+                "more: calibrate with `recompute calibrate -o device.json`)"
+            )
+        h = self.host
+        return (
+            f"host dispatch: {h.kernel * 1e6:.1f} us per kernel, {h.replay * 1e6:.1f} us per replayed kernel, "
+            f"{h.optimizer * 1e6:.1f} us per optimizer kernel (calibrated on eager training steps)"
+        )
 
     def rate(self, cls: str, dtype: str, size: float, name: str = "") -> float:
         """FLOP/s (matmul, attention) or bytes/s (math, memory) of an op of class ``cls`` and ``size``; a curve
@@ -167,9 +256,8 @@ class Device:
         return nbytes / (named(nbytes) if named is not None else self.rate(cls, dtype, nbytes))
 
     def seconds(self, op: Op) -> float:
-        """Time of ``count`` kernels of one work signature, the host's overhead included."""
-        kernel = self.kernel(op)
-        return op[4] * (max(kernel, self.overhead) if self.asynchronous else kernel + self.overhead)
+        """Time of ``count`` kernels of one work signature as a phase of their own, the host's time included."""
+        return self.phase_seconds((op,))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -186,6 +274,8 @@ class Device:
             "source": self.source,
             "threads": self.threads,
             "measured": self.measured,
+            "host": None if self.host is None else self.host.to_dict(),
+            "compiled": self.compiled,
         }
 
     @classmethod
@@ -209,6 +299,8 @@ class Device:
             source=str(data.get("source", "")),
             threads=data.get("threads"),
             measured=dict(data.get("measured") or {}),
+            host=None if data.get("host") is None else HostCost.from_dict(data["host"]),
+            compiled=bool(data.get("compiled", False)),
         )
 
     def save(self, path: str | Path) -> None:
@@ -256,7 +348,7 @@ _DEVICE_BYTES = 16 * 2**20
 
 _DEVICE_KEYS = {
     "format", "name", "kind", "label", "compute", "bandwidth", "overhead", "ops", "host_link", "memory", "source",
-    "threads", "measured",
+    "threads", "measured", "host", "compiled",
 }  # fmt: skip
 
 
@@ -293,6 +385,12 @@ def check_device_dict(data: Mapping[str, Any]) -> None:
             f"{key!r} must be a positive integer or null, got {value!r}",
         )
     require(isinstance(data.get("measured", {}) or {}, Mapping), "'measured' must be an object")
+    host = data.get("host")
+    require(host is None or isinstance(host, Mapping), "'host' must be an object of host costs per kernel or null")
+    if host is not None:
+        for key in ("kernel", "replay", "optimizer"):
+            _check_number(f"host.{key}", host.get(key), low=0.0, strict=True)
+    require(isinstance(data.get("compiled", False), bool), "'compiled' must be true or false")
 
 
 def _check_number(name: str, value: Any, *, low: float, strict: bool = False) -> None:
@@ -315,9 +413,19 @@ def _check_curve(name: str, curve: Any) -> None:
             _check_number(f"a point of {name}", value, low=0.0, strict=True)
 
 
-def work_seconds(work: Iterable[Op], device: Device) -> float:
-    """Seconds of a list of work signatures on ``device``."""
-    return sum(device.seconds(op) for op in work)
+def work_seconds(work: Iterable[Op], device: Device, *, replayed: int = 0) -> float:
+    """Seconds of one phase's work signatures on ``device``, ``replayed`` of its kernels replayed by a checkpoint."""
+    return device.phase_seconds(work, replayed=replayed)
+
+
+def kernels(work: Iterable[Op]) -> int:
+    """How many kernels a list of work signatures runs."""
+    return sum(op[4] for op in work)
+
+
+def replayed(work: Iterable[Op], base: Iterable[Op]) -> int:
+    """The kernels a phase runs beyond the same phase without recomputation (``base``): its replay."""
+    return max(0, kernels(work) - kernels(base))
 
 
 def merge(*works: Sequence[Op]) -> tuple[Op, ...]:
@@ -329,17 +437,14 @@ def merge(*works: Sequence[Op]) -> tuple[Op, ...]:
     return tuple((*k, v) for k, v in sorted(out.items()))
 
 
-def by_class(work: Iterable[Op], device: Device) -> dict[str, float]:
-    """Seconds of ``work`` by op class (and ``overhead`` where the host's issue time is what costs)."""
-    out = dict.fromkeys((*CLASSES, "overhead"), 0.0)
-    for op in work:
-        name, _, flops, _, count = op
-        kernel = device.kernel(op)
-        if device.asynchronous:
-            out["overhead" if kernel <= device.overhead else op_class(name, flops)] += device.seconds(op)
-        else:
-            out[op_class(name, flops)] += kernel * count
-            out["overhead"] += device.overhead * count
+def by_class(work: Iterable[Op], device: Device, *, phase: str = "", replayed: int = 0) -> dict[str, float]:
+    """Seconds of one phase's ``work`` by op class, and ``host``: the host's time where it adds to the device's
+    (all of it on a CPU; on a GPU what it takes beyond the device's time)."""
+    ops = tuple(work)
+    out = dict.fromkeys((*CLASSES, "host"), 0.0)
+    for op in ops:
+        out[op_class(op[0], op[2])] += device.kernel(op) * op[4]
+    out["host"] = device.phase_seconds(ops, phase=phase, replayed=replayed) - sum(out.values())
     return out
 
 
@@ -357,12 +462,21 @@ class StepWork:
     tokens: int
     """Tokens the step trains on (micro-batch x sequence)."""
 
-    def phase_seconds(self, device: Device) -> dict[str, float]:
-        return {name: work_seconds(ops, device) for name, ops in self.phases.items()}
+    def replayed(self, base: StepWork | None) -> dict[str, int]:
+        """Kernels each phase replays: what it runs beyond ``base``'s phase of the same name (none without one)."""
+        if base is None:
+            return dict.fromkeys(self.phases, 0)
+        return {name: replayed(ops, base.phases.get(name, ())) for name, ops in self.phases.items()}
 
-    def seconds(self, device: Device) -> float:
-        """Predicted time of the step on ``device``."""
-        return sum(self.phase_seconds(device).values())
+    def phase_seconds(self, device: Device, base: StepWork | None = None) -> dict[str, float]:
+        """Seconds of each phase on ``device``; ``base``: the same step without recomputation, whose phases tell
+        the replayed kernels apart (the host issues them at their own cost)."""
+        again = self.replayed(base)
+        return {name: device.phase_seconds(ops, phase=name, replayed=again[name]) for name, ops in self.phases.items()}
+
+    def seconds(self, device: Device, base: StepWork | None = None) -> float:
+        """Predicted time of the step on ``device`` (``base``: as ``phase_seconds``)."""
+        return sum(self.phase_seconds(device, base).values())
 
     def flops(self) -> int:
         return sum(op[2] * op[4] for ops in self.phases.values() for op in ops)
@@ -370,8 +484,14 @@ class StepWork:
     def kernels(self) -> int:
         return sum(op[4] for ops in self.phases.values() for op in ops)
 
-    def by_class(self, device: Device) -> dict[str, float]:
-        return by_class(merge(*self.phases.values()), device)
+    def by_class(self, device: Device, base: StepWork | None = None) -> dict[str, float]:
+        """Seconds of the step by op class and the host's exposed time (``by_class``, phase by phase)."""
+        out = dict.fromkeys((*CLASSES, "host"), 0.0)
+        again = self.replayed(base)
+        for name, ops in self.phases.items():
+            for key, value in by_class(ops, device, phase=name, replayed=again[name]).items():
+                out[key] += value
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "phases": {k: [list(op) for op in v] for k, v in self.phases.items()}}
@@ -410,7 +530,7 @@ class Timing:
 
 def timing(work: StepWork, base: StepWork, device: Device) -> Timing:
     """``work``'s predicted step time, tokens/s and time overhead against ``base`` (the step under ``none``)."""
-    step, plain = work.seconds(device), base.seconds(device)
+    step, plain = work.seconds(device, base), base.seconds(device)
     return Timing(device.label, step, work.tokens / step if step else 0.0, step / plain - 1 if plain else 0.0)
 
 
@@ -472,9 +592,10 @@ def mixed_timing(works: Mapping[str, StepWork], layers: Sequence[str], device: D
 
     An ``offload`` layer runs the kernels of ``none``: its copies go on a side stream, taken as hidden behind
     compute (not priced; unmeasured)."""
-    base = works["none"].seconds(device)
+    none = works["none"]
+    base = none.seconds(device)
     n = len(layers)
-    extra = sum((works[_TIMED_AS.get(name, name)].seconds(device) - base) / n for name in layers)
+    extra = sum((works[_TIMED_AS.get(name, name)].seconds(device, none) - base) / n for name in layers)
     step = base + extra
     tokens = works["none"].tokens
     return Timing(device.label, step, tokens / step if step else 0.0, extra / base if base else 0.0)

@@ -1,0 +1,174 @@
+"""The host's time per kernel of eager training steps (``recompute.core.timing.HostCost``), for ``calibrate``.
+
+A bare launch (a one-element add in a loop) is not what a training step costs the host per kernel: an eager
+step also runs Python, ``nn.Module`` calls and autograd's bookkeeping around each kernel, and a non-reentrant
+checkpoint's replay goes through its saved-tensor hooks and re-entered forward as well. So the host is timed on
+real steps of small models (``HOST_MODELS``: recompute's GPT and Llama, four layers of width 64, 32 tokens)
+whose device work is negligible:
+
+- ``kernel``: a step's forward and backward (a step less an optimizer step), less their kernels' device time
+  (predicted on the rates just calibrated; on a GPU the host runs ahead, so nothing is taken off), over their
+  kernels as the fake-tensor trace of the same step files them;
+- ``optimizer``: the optimizer step, the same way, over its kernels;
+- ``replay``: what the step with every layer checkpointed (``block``) takes beyond the plain step, less the
+  device time of the kernels it adds, over the kernels it adds (``recompute.core.timing.replayed``).
+
+The steps run in interleaved rounds (a batch of plain steps, a batch of checkpointed ones, a batch of optimizer
+steps alone), each batch long enough to span the scheduler's time slices, and each time is the best batch's
+over the rounds, as the rates are (``recompute.bench.calibrate``: the best of three batches): the host's time
+and the device's are then measured alike, so a step's prediction, and a replay's share of it, are too. The
+models' figures are pooled: their time over their kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from recompute.checkpointing import apply
+from recompute.core.policy import Policy
+from recompute.core.spec import ModelSpec
+from recompute.core.timing import OPTIMIZER_PHASE, Device, HostCost, StepWork
+from recompute.core.workload import Workload
+from recompute.models.source import ModelSource, build_source
+from recompute.runtime import TORCH_DTYPES, random_batch, sync
+from recompute.trace import cached_works
+
+__all__ = ["HOST_MODELS", "HOST_SHAPE", "host_cost"]
+
+HOST_MODELS = {
+    "gpt": ("gpt2", {"hidden": 64, "n_layers": 4, "n_heads": 2, "vocab": 256, "max_positions": 64}),
+    "llama": (
+        "llama3.1-8b",
+        {"hidden": 64, "n_layers": 4, "n_heads": 2, "n_kv_heads": 1, "d_ff": 224, "vocab": 256, "max_positions": 64},
+    ),
+}
+"""The models the host is timed on: a preset and its overrides (Llama 3.1's MLP ratio and GQA, shrunk)."""
+
+HOST_SHAPE = (1, 32)
+"""(micro-batch, sequence) of the timed steps."""
+
+
+def host_cost(device: Device, *, models: tuple[str, ...] = ("gpt", "llama"), seconds: float = 2.0) -> HostCost:
+    """The host's time per kernel, per replayed kernel and per optimizer kernel on this machine's ``device``
+    (its rates already calibrated: ``device.host`` is not read), from real steps of ``models``, about
+    ``seconds`` of steps for each."""
+    times = {name: _measure(name, device, seconds) for name in models}
+    ahead = device.asynchronous  # the host runs ahead of a GPU: its time is the step's, nothing to take off
+
+    def per(spent: float, busy: float, count: int) -> float:
+        return max(device.overhead, (spent - (0.0 if ahead else busy)) / max(count, 1))
+
+    t = list(times.values())
+    kernel = per(sum(x.passes for x in t), sum(x.passes_device for x in t), sum(x.pass_kernels for x in t))
+    optimizer = per(
+        sum(x.optimizer for x in t), sum(x.optimizer_device for x in t), sum(x.optimizer_kernels for x in t)
+    )
+    replay = per(sum(x.replay for x in t), sum(x.replay_device for x in t), sum(x.replayed for x in t))
+    b, s = HOST_SHAPE
+    parts = "; ".join(
+        f"{name}: forward and backward {x.passes * 1e3:.2f} ms for {x.pass_kernels} kernels, optimizer step "
+        f"{x.optimizer * 1e3:.2f} ms for {x.optimizer_kernels}, every layer checkpointed +{x.replay * 1e3:.2f} ms "
+        f"for {x.replayed} more ({x.rounds} rounds)"
+        for name, x in times.items()
+    )
+    return HostCost(kernel, replay, optimizer, source=f"eager training steps at b={b} s={s}, best batches; {parts}")
+
+
+@dataclass(frozen=True)
+class _Times:
+    """One model's best batches over interleaved rounds (of plain steps, of steps with every layer checkpointed,
+    of optimizer steps alone): the plain step's forward and backward, its optimizer step, and what the
+    checkpointed step takes beyond it; the traced kernels of each, and their device time on the calibrated
+    rates."""
+
+    passes: float
+    optimizer: float
+    replay: float
+    pass_kernels: int
+    optimizer_kernels: int
+    replayed: int
+    passes_device: float
+    optimizer_device: float
+    replay_device: float
+    rounds: int
+
+
+def _measure(name: str, device: Device, seconds: float) -> _Times:
+    preset, overrides = HOST_MODELS[name]
+    spec = ModelSpec.from_name(preset, **overrides)
+    kind = "cpu" if device.kind == "cpu" else "cuda"
+    b, s = HOST_SHAPE
+    wl = Workload(micro_batch=b, seq_len=s, dtype="fp32" if kind == "cpu" else "bf16", device=kind, keep_grads=False)
+    works = cached_works(spec, wl, ["none", "block"])
+    plain, checkpointed = _Step(spec, wl, "none"), _Step(spec, wl, "block")
+    for _ in range(3):  # warm-up: the allocator's blocks, the optimizer's state, lazy initialisations
+        plain()
+        checkpointed()
+    n = max(1, round(seconds / 20 / max(_batch(plain, 1), 1e-6)))  # steps per batch: a twentieth of the time
+    rounds: list[tuple[float, float, float]] = []
+    start = time.perf_counter()
+    while len(rounds) < 3 or time.perf_counter() - start < seconds:
+        batches = _batch(plain, n), _batch(checkpointed, n)
+        plain.backward()  # gradients for optimizer steps alone
+        rounds.append((*batches, _batch(plain.optimizer.step, n, wait=plain.device)))
+        plain.optimizer.zero_grad(set_to_none=True)
+    step, again, optimizer = (min(r[i] for r in rounds) for i in range(3))
+    none, block = works["none"], works["block"]
+    opt = StepWork({OPTIMIZER_PHASE: none.phases.get(OPTIMIZER_PHASE, ())}, 0)
+    return _Times(
+        passes=step - optimizer,
+        optimizer=optimizer,
+        replay=again - step,
+        pass_kernels=none.kernels() - opt.kernels(),
+        optimizer_kernels=opt.kernels(),
+        replayed=sum(block.replayed(none).values()),
+        passes_device=_device_seconds(none, device) - _device_seconds(opt, device),
+        optimizer_device=_device_seconds(opt, device),
+        replay_device=_device_seconds(block, device) - _device_seconds(none, device),
+        rounds=len(rounds),
+    )
+
+
+def _batch(fn: Callable[[], object], n: int, *, wait: str | None = None) -> float:
+    """Mean seconds of ``n`` calls of ``fn`` in a row, the device waited for at the end (on a GPU the host runs
+    ahead: a batch's wall time is the host's)."""
+    device = wait or str(getattr(fn, "device", "cpu"))
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def _device_seconds(work: StepWork, device: Device) -> float:
+    return sum(device.kernel(op) * op[4] for ops in work.phases.values() for op in ops)
+
+
+class _Step:
+    """One eager training step of a model under a policy: forward, backward, optimizer step, gradients freed."""
+
+    def __init__(self, spec: ModelSpec, wl: Workload, policy: str) -> None:
+        torch.manual_seed(0)
+        built = build_source(
+            ModelSource.preset(spec), attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=wl.device
+        )
+        self.model = built.model.train()
+        apply(self.model, Policy(policy))
+        self.loss_fn = built.loss_fn
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=wl.device, seed=0)
+        self.device = wl.device
+
+    def backward(self) -> None:
+        _, loss = self.loss_fn(self.model, *self.batch)
+        loss.backward()
+
+    def __call__(self) -> None:
+        self.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
