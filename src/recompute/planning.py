@@ -27,9 +27,12 @@ from recompute.core.plan import smallest_achievable
 from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
 from recompute.core.pricing import (
+    Job,
     layer_costs,
     measured_costs,
+    network_notes,
     offload_layer_seconds,
+    scheduled_profile_table,
     unpriced,
     unpriced_offload,
 )
@@ -155,23 +158,25 @@ def _analytic(
             tables.append(analytic_table(spec, w))
             continue
         works = preset_works(spec, w, progress=progress)
-        seconds, base = layer_costs(works, device, spec.n_layers)
-        off = offload_layer_seconds(works["none"], layer_activations(spec, w).offloaded("offload"), device)
+        job = Job.of(spec, w)
+        seconds, base = layer_costs(works, device, job)
+        off = offload_layer_seconds(works["none"], layer_activations(spec, w).offloaded("offload"), device, job)
         priced_offload = off if offload else None
-        tables.append(
-            analytic_table(
-                spec,
-                w,
-                seconds=seconds,
-                model_seconds=base,
-                offload=priced_offload,
-                cost_kind=f"predicted seconds on {device.label}",
-                device=device.to_dict(),
-            )
+        table = analytic_table(
+            spec,
+            w,
+            seconds=seconds,
+            model_seconds=base,
+            offload=priced_offload,
+            cost_kind=f"predicted seconds on {device.label}",
+            device=device.to_dict(),
         )
+        tables.append(replace(table, tokens=job.tokens))  # tokens/s of the step: m b s d
     if offload and priced_offload is None:
         cost = "measured seconds" if measured is not None else "flops" if device is None else "time"
         notes.append(f"offload not considered: {unpriced_offload(device, cost)}")
+    if device is not None:
+        notes += network_notes(device, wl)
 
     def alternatives(change: Workload) -> float:
         return smallest_achievable(analytic_table(spec, change))
@@ -203,7 +208,15 @@ def _profiled(
                 notes.append(f"the {mode} loss not considered: {first_line(e)}")
     if offload:
         notes.append("offload not considered: a profiled model's offload is not measured yet")
-    return ModelTables(tuple(p.cost_table(device) for p in profiles), None, profiles, tuple(notes))
+    tables = []
+    for found_profile in profiles:
+        table = found_profile.cost_table(device)
+        if device is not None:
+            table = scheduled_profile_table(table, found_profile, device, wl)
+        tables.append(table)
+    if device is not None:
+        notes += network_notes(device, wl)
+    return ModelTables(tuple(tables), None, profiles, tuple(notes))
 
 
 def profiles_of(
@@ -238,8 +251,10 @@ def _states_only(wl: Workload) -> bool:
 
 def preset_works(spec: ModelSpec, wl: Workload, *, progress: Progress = no_progress) -> dict[str, StepWork]:
     """Each uniform policy's step work of a preset, from the store without torch, or traced now (two and three
-    layers, scaled). One device's step: the workload's parallelism is dropped."""
-    one = replace(wl, pp=1, dp=1, sp=False, interleave=1, n_microbatches=None)
+    layers, scaled). One rank's step of one micro-batch: tensor and sequence parallelism kept (rank 0 on a fake
+    process group, its collectives filed), the pipeline, data parallelism and the micro-batch count dropped
+    (``recompute.core.pricing`` lays the step out on them)."""
+    one = replace(wl, pp=1, dp=1, sp=wl.sp and wl.tp > 1, interleave=1, n_microbatches=None)
     key = store.step_key(store.spec_identity(spec.to_dict()), one.to_dict())
     found = {name: store.load("work", f"{key}-{name}", StepWork.from_dict) for name in POLICIES}
     if all(w is not None for w in found.values()):

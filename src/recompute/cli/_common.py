@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from recompute.core.errors import ConfigError
 from recompute.core.policy import ALL_POLICIES, Policy
-from recompute.core.pricing import DEFAULT_GPU, choose_device
+from recompute.core.pricing import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, choose_device
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import Device
 from recompute.core.workload import Workload, workload_fields
@@ -157,6 +157,13 @@ def add_time_args(p: argparse.ArgumentParser, *, what: str = "predict step times
         "--device-profile",
         help=f"a `recompute calibrate -o` file: {what} on that device (instead of --gpu's datasheet row)",
     )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=DEFAULT_GPUS_PER_NODE,
+        help="GPUs per node: a parallel group within a node talks over --gpu's NVLink (or PCIe), across nodes over "
+        f"each GPU's InfiniBand (default: {DEFAULT_GPUS_PER_NODE})",
+    )
     if no_time:
         p.add_argument(
             "--no-time",
@@ -171,7 +178,11 @@ def time_device(args: argparse.Namespace) -> Device:
     Raises:
         ConfigError: a missing or unreadable device profile, or an unknown GPU.
     """
-    return choose_device(gpu=getattr(args, "gpu", None), device_profile=getattr(args, "device_profile", None))
+    return choose_device(
+        gpu=getattr(args, "gpu", None),
+        device_profile=getattr(args, "device_profile", None),
+        gpus_per_node=getattr(args, "gpus_per_node", None),
+    )
 
 
 def add_policy_args(p: argparse.ArgumentParser, default: str | None = "block") -> None:

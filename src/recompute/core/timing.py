@@ -36,6 +36,7 @@ from recompute.core.errors import ConfigError, require
 
 __all__ = [
     "CLASSES",
+    "COMM_PREFIX",
     "DEVICE_FORMAT",
     "Curve",
     "Device",
@@ -55,6 +56,9 @@ __all__ = [
 DEVICE_FORMAT = "recompute.device/1"
 
 CLASSES = ("matmul", "attention", "math", "memory")
+
+COMM_PREFIX = "comm."
+"""Work signatures of collectives (``comm.all_reduce.tp.8``): priced by ``recompute.core.comms``, not here."""
 
 Op = tuple[str, str, int, int, int]
 """One work signature and how many kernels ran it: (op, dtype, FLOPs, bytes, count)."""
@@ -133,6 +137,8 @@ class Device:
     """CPU threads the calibration ran with (``torch.get_num_threads()``); None on a GPU."""
     measured: dict[str, Any] = field(default_factory=dict)
     """The calibration's raw points and settings, for the record."""
+    network: dict[str, Any] = field(default_factory=dict)
+    """The links between GPUs and the collectives measured (``recompute.core.comms.Network.to_dict``)."""
 
     @property
     def asynchronous(self) -> bool:
@@ -156,6 +162,8 @@ class Device:
     def kernel(self, op: Op) -> float:
         """The device time of one kernel of a work signature: the roofline, without the host's overhead."""
         name, dtype, flops, nbytes, _ = op
+        if name.startswith(COMM_PREFIX):  # a collective: recompute.core.comms prices it
+            return 0.0
         cls = op_class(name, flops)
         if cls in ("matmul", "attention"):
             return max(flops / self.rate(cls, dtype, flops, name), nbytes / self.bandwidth["memory"](nbytes))
@@ -166,6 +174,8 @@ class Device:
 
     def seconds(self, op: Op) -> float:
         """Time of ``count`` kernels of one work signature, the host's overhead included."""
+        if op[0].startswith(COMM_PREFIX):
+            return 0.0
         kernel = self.kernel(op)
         return op[4] * (max(kernel, self.overhead) if self.asynchronous else kernel + self.overhead)
 
@@ -184,6 +194,7 @@ class Device:
             "source": self.source,
             "threads": self.threads,
             "measured": self.measured,
+            "network": self.network,
         }
 
     @classmethod
@@ -204,6 +215,7 @@ class Device:
             source=str(data.get("source", "")),
             threads=data.get("threads"),
             measured=dict(data.get("measured") or {}),
+            network=dict(data.get("network") or {}),
         )
 
     def save(self, path: str | Path) -> None:
@@ -270,6 +282,8 @@ def by_class(work: Iterable[Op], device: Device) -> dict[str, float]:
     out = dict.fromkeys((*CLASSES, "overhead"), 0.0)
     for op in work:
         name, _, flops, _, count = op
+        if name.startswith(COMM_PREFIX):
+            continue
         kernel = device.kernel(op)
         if device.asynchronous:
             out["overhead" if kernel <= device.overhead else op_class(name, flops)] += device.seconds(op)
