@@ -71,6 +71,7 @@ __all__ = [
     "timings",
     "unpriced",
     "unpriced_offload",
+    "with_network",
 ]
 
 DEFAULT_GPU = "h100-80gb"
@@ -90,12 +91,29 @@ def choose_device(
     *, gpu: str | None = None, device_profile: str | Path | None = None, gpus_per_node: int | None = None
 ) -> Device:
     """The device of a ``recompute calibrate`` file, else ``gpu``'s datasheet row, else the default GPU's, with
-    its network (``Device.network``): the row's links, ``gpus_per_node`` and the GPUs sharing a host link, and
-    the collectives the profile measured. A profile without collectives takes ``gpu``'s (or the default) row's
-    links and says so in a note.
+    its network (``with_network``).
 
     Raises:
         ConfigError: a missing or unreadable device profile, an unknown GPU, or gpus_per_node < 1.
+    """
+    if device_profile:
+        return with_network(Device.load(device_profile), gpu=gpu, gpus_per_node=gpus_per_node, path=device_profile)
+    return with_network(datasheet_device(gpu or DEFAULT_GPU), gpu=gpu, gpus_per_node=gpus_per_node)
+
+
+def with_network(
+    device: Device,
+    *,
+    gpu: str | None = None,
+    gpus_per_node: int | None = None,
+    path: str | Path = "device.json",
+) -> Device:
+    """``device`` with its network (``Device.network``): ``gpu``'s (or the default) row's links, ``gpus_per_node``
+    and the GPUs sharing a host link, and the collectives a calibrated profile measured. A calibrated profile
+    without collectives takes the row's links and says so in a note.
+
+    Raises:
+        ConfigError: an unknown GPU, or gpus_per_node < 1.
     """
     g = DEFAULT_GPUS_PER_NODE if gpus_per_node is None else gpus_per_node
     require(
@@ -103,14 +121,12 @@ def choose_device(
         f"gpus_per_node must be a positive integer, got {g!r}",
         fields=("gpus_per_node",),
     )
-    row = gpu_by_name(gpu or DEFAULT_GPU)
-    device = Device.load(device_profile) if device_profile else datasheet_device(row)
-    measured = dict(device.network) if device_profile else {}
+    row = gpu_by_name(gpu or (device.name if device.name in GPUS else DEFAULT_GPU))
+    calibrated = not device.source.startswith("datasheet")
+    measured = dict(device.network) if calibrated else {}
     notes = list(measured.get("notes", []))
-    if device_profile and not measured.get("collectives"):
-        notes.append(
-            _NO_COLLECTIVES.format(gpu=row.name, intra=row.intra.name, inter=row.inter.name, path=device_profile)
-        )
+    if calibrated and not measured.get("collectives"):
+        notes.append(_NO_COLLECTIVES.format(gpu=row.name, intra=row.intra.name, inter=row.inter.name, path=path))
     network = {
         **measured,
         **datasheet_network(row, g).to_dict(),
