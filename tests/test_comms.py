@@ -158,7 +158,8 @@ def test_pipeline_bubble_sends_and_data_parallel_reduction() -> None:
     st = step_time(_work(), device, job)
     layer = 3e-3 + AR  # one layer's kernels and its forward all-reduce
     assert st.compute + st.tp == pytest.approx(layer + 1e-3)  # the stage's layer and the embedding
-    assert st.p2p == pytest.approx(2 * (BASE_LATENCY + 2e6 / 100e9))  # forward and backward, one chunk boundary
+    gather = BASE_LATENCY + 4e6 / 2 / 100e9  # the scatter/gather optimisation: b s h / t sent, all-gathered
+    assert st.p2p == pytest.approx(2 * (BASE_LATENCY + 2e6 / 100e9 + gather))  # forward and backward, one boundary
     assert st.bubble == 1 and st.microbatches == 4 and st.tokens == 4 * 1024 * 2
     reduce = BASE_LATENCY + 10**8 * 4 * 1.0 / 100e9  # all-reduce of 400 MB over 2 ranks: factor 1
     assert st.dp == pytest.approx(max(reduce / 1, reduce - (1e-3 + 1e-3 + 2e-3)))

@@ -18,7 +18,8 @@ Note: [the step's time] One rank's step, for ``m`` micro-batches on ``p`` pipeli
   (Megatron overlaps each input-gradient collective with a weight-gradient matmul; Korthikanti et al. 2022,
   Sec. 6.2): per phase, max(0, backward collectives - half the phase's weight matmul time under ``none``);
 - p2p: the activations a micro-batch sends to the next stage in the forward and its gradient back, once per
-  chunk boundary (v of them per stage), in line;
+  chunk boundary (v of them per stage), in line: b s h / t per rank (Megatron's scatter/gather optimisation, an
+  all-gather over the tensor-parallel group on arrival without sequence parallelism);
 - (p - 1)/v: the pipeline bubble of the (interleaved) 1F1B schedule, in micro-batch times (Narayanan et al.
   2021);
 - optimizer: the optimizer step's kernels, the stage's share (ceil(L/p)/L) of the whole model's;
@@ -65,6 +66,7 @@ __all__ = [
     "network_of",
     "offload_layer_seconds",
     "offload_seconds",
+    "phase_seconds",
     "scheduled_profile_table",
     "step_time",
     "timing",
@@ -190,14 +192,15 @@ class Job:
     params: int = 0
     """Parameters on one rank's pipeline stage (the data-parallel reduction's size)."""
     boundary: float = 0.0
-    """Bytes of one micro-batch's activations at a pipeline-stage boundary: b s h (s/t with sequence
-    parallelism) in the activation dtype."""
+    """Bytes one rank sends of a micro-batch's activations at a pipeline-stage boundary: b s h / t in the
+    activation dtype (with sequence parallelism its shard; without, Megatron's scatter/gather optimisation sends
+    1/t from each rank and all-gathers it on the next stage, Narayanan et al. 2021 Sec. 4.1)."""
 
     @classmethod
     def of(cls, spec: ModelSpec, wl: Workload) -> Job:
         """A preset's (or any ``ModelSpec``'s) job under ``wl``."""
-        s = wl.seq_len // wl.tp if wl.sp else wl.seq_len
-        return cls(wl, spec.n_layers, stage_params(spec, wl), wl.micro_batch * s * spec.hidden * wl.element_bytes)
+        boundary = wl.micro_batch * wl.seq_len * spec.hidden * wl.element_bytes / wl.tp
+        return cls(wl, spec.n_layers, stage_params(spec, wl), boundary)
 
     @property
     def tokens(self) -> int:
@@ -320,6 +323,20 @@ def step_time(work: StepWork, device: Device, job: Job | int, *, base: StepWork 
     )
 
 
+def phase_seconds(work: StepWork, device: Device, job: Job | int, *, base: StepWork | None = None) -> dict[str, float]:
+    """Each phase's seconds on one rank: its kernels and its collectives on the critical path (a layer's
+    forward, its backward with the replay: what Korthikanti et al.'s Table 4 times per layer)."""
+    job = _job(job)
+    net = network_of(device)
+    layout = dataclasses.replace(job.layout, gpus_per_node=net.gpus_per_node)
+    base = base or work
+    out = {}
+    for name, ops in work.phases.items():
+        _, exposed = _phase_comm(ops, base.phases.get(name, ()), name, device, net, layout)
+        out[name] = work_seconds(ops, device) + exposed
+    return out
+
+
 def _phase_comm(
     ops: Sequence[Op], base: Sequence[Op], name: str, device: Device, net: Network, layout: Layout
 ) -> tuple[float, float]:
@@ -349,11 +366,16 @@ def _weight_matmuls(ops: Sequence[Op], device: Device) -> float:
 
 
 def _p2p(job: Job, net: Network, layout: Layout) -> float:
-    """A micro-batch's sends to the next stage (forward) and back (backward), once per chunk boundary."""
-    if job.wl.pp == 1:
+    """A micro-batch's sends to the next stage (forward) and back (backward), once per chunk boundary; without
+    sequence parallelism each is all-gathered over the tensor-parallel group on arrival."""
+    wl = job.wl
+    if wl.pp == 1:
         return 0.0
     _, nodes = layout.group("pp")
-    return 2 * job.wl.interleave * net.seconds("send_recv", job.boundary, 2, 2 if nodes > 1 else 1)
+    one = net.seconds("send_recv", job.boundary, 2, 2 if nodes > 1 else 1)
+    if wl.tp > 1 and not wl.sp:
+        one += net.seconds("all_gather", job.boundary * wl.tp, *layout.group("tp"))
+    return 2 * wl.interleave * one
 
 
 def _stage_passes(base: StepWork, device: Device, share: float) -> tuple[float, float]:

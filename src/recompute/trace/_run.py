@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -177,6 +178,8 @@ def _work_tracer(
     """A function tracing the step's work of the model at ``n`` layers under a policy, and the model's layer
     count: a CUDA step on a machine without CUDA stands in on the CPU, SDPA's dropout fused as on a GPU; with
     ``wl.tp`` > 1, rank 0 of a fake process group, its collectives filed with its kernels."""
+    # One rank of one micro-batch's whole model: the pipeline and data parallelism lay it out (recompute.core.pricing)
+    wl = dataclasses.replace(wl, pp=1, interleave=1, n_microbatches=None, dp=1)
     foreach = wl.device == "cuda"  # AdamW's multi-tensor kernels, PyTorch's default on CUDA
     stand_in = wl.device == "cuda" and not torch.cuda.is_available()
     if stand_in:
@@ -352,11 +355,13 @@ def _fake_group(tp: int) -> Iterator[None]:
             "--tp traces one rank on a fake process group, but a process group is already running here; "
             "run recompute trace outside torchrun"
         )
+    hook = sys.excepthook  # each process group wraps it (a "[rank0]:" prefix): the fake one's is undone
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _fake_model(
