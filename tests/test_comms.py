@@ -25,7 +25,7 @@ from recompute.core.pricing import (
     step_time,
     timings,
 )
-from recompute.core.timing import Curve, Device, StepWork
+from recompute.core.timing import Curve, Device, Op, StepWork
 from tiny import tiny_gpt, tiny_llama
 
 # --- the link model ------------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def _work(replay: int = 0) -> StepWork:
     backward with one (hidden behind its weight matmuls) and ``replay`` replayed ones (inline)."""
     ar = ("comm.all_reduce.tp.2", "bfloat16", 0, 1_000_000, 1)
     replayed = ("comm.all_reduce.tp.2.replay", "bfloat16", 0, 1_000_000, replay)
-    phases = {"forward (embedding)": (("mm", "bfloat16", 10**9, 0, 1),)}
+    phases: dict[str, tuple[Op, ...]] = {"forward (embedding)": (("mm", "bfloat16", 10**9, 0, 1),)}
     for i in range(2):
         phases[f"forward of layer {i}"] = (("mm", "bfloat16", 10**9, 0, 1), ar)
     for i in (1, 0):

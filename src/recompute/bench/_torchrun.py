@@ -17,8 +17,10 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from recompute.checkpointing import apply
 from recompute.core.analytic import layer_activations, paper_layer_bytes
@@ -79,36 +81,32 @@ def bench_parallel(
     for sp in modes:
         here = dataclasses.replace(wl, sp=sp)
         paper_wl = dataclasses.replace(here, dtype="fp16", device="cuda")
+        mode = ("TP+SP" if sp else "TP") if wl.tp > 1 else "DP"
+        runs: list[_Run] = []
         for pol in pols:
-            mode = ("TP+SP" if sp else "TP") if wl.tp > 1 else "DP"
-            progress(f"{mode} {pol.describe()}", len(rows), len(modes) * len(pols))
-            torch.manual_seed(seed)
-            model = build_model(spec, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device).train()
-            parallelize(model, mesh, sp=sp)
-            apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
-            kept = [sum(layer.values()) for layer in saved_bytes_per_layer(model, batch)]
-            optimizer = torch.optim.AdamW(model.parameters())
-            times = [_step(model, optimizer, batch, device) for _ in range(warmup + steps)][warmup:]
-            peak = None
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                _step(model, optimizer, batch, device)
-                peak = torch.cuda.max_memory_allocated()
-            per_layer = pol.per_layer(spec.n_layers)
+            progress(f"{mode} {pol.describe()}", len(rows) + len(runs), len(modes) * len(pols))
+            runs.append(_Run(pol, *_built(spec, here, pol, mesh, batch, seed)))
+            if device == "cuda":  # one model resident at a time: the allocator's peak is this policy's
+                _measure(runs[-1], batch, device, steps=steps, warmup=warmup)
+                del runs[-1].model, runs[-1].optimizer
+        if device != "cuda":  # every model resident: the timed steps go round the policies (a drifting CPU)
+            _measure_round_robin(runs, batch, device, steps=steps, warmup=warmup)
+        for run in runs:
+            per_layer = run.policy.per_layer(spec.n_layers)
             paper = [paper_layer_bytes(spec, paper_wl, name) for name in per_layer]
             rows.append(
                 RankRow(
                     mode=mode,
-                    policy=pol.describe(),
-                    measured=statistics.mean(kept),
+                    policy=run.policy.describe(),
+                    measured=statistics.mean(run.kept),
                     analytic=_mean_stored(spec, here, per_layer),
                     paper_setting=_mean_stored(spec, paper_wl, per_layer),
                     paper=None if None in paper else statistics.mean(p for p in paper if p is not None),
-                    step_s=statistics.median(times),
-                    peak=peak,
+                    step_s=statistics.median(run.times),
+                    peak=run.peak,
                 )
             )
-            del model, optimizer
+        del runs
     progress("done", len(rows), len(rows))
     return ParallelBench(
         model=spec.name,
@@ -166,6 +164,51 @@ def predict_parallel(
             work = works[pol.name] if pol.is_uniform else step_work(spec, here, pol)
             out[sp, pol.describe()] = step_time(work, device, job, base=works["none"])
     return out
+
+
+@dataclass
+class _Run:
+    """One policy's model on this rank, what it keeps per layer, and its timed steps."""
+
+    policy: Policy
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    kept: list[int]
+    times: list[float] = field(default_factory=list)
+    peak: int | None = None
+
+
+def _built(
+    spec: ModelSpec, wl: Workload, pol: Policy, mesh: DeviceMesh, batch: tuple[torch.Tensor, torch.Tensor], seed: int
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[int]]:
+    """The model (same seed on every rank), parallelized, ``pol`` applied, its AdamW, and the bytes each layer
+    keeps on this rank."""
+    torch.manual_seed(seed)
+    model = build_model(spec, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=mesh.device_type).train()
+    parallelize(model, mesh, sp=wl.sp)
+    apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
+    kept = [sum(layer.values()) for layer in saved_bytes_per_layer(model, batch)]
+    return model, torch.optim.AdamW(model.parameters()), kept
+
+
+def _measure(run: _Run, batch: tuple[torch.Tensor, torch.Tensor], device: str, *, steps: int, warmup: int) -> None:
+    run.times = [_step(run.model, run.optimizer, batch, device) for _ in range(warmup + steps)][warmup:]
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        _step(run.model, run.optimizer, batch, device)
+        run.peak = torch.cuda.max_memory_allocated()
+
+
+def _measure_round_robin(
+    runs: list[_Run], batch: tuple[torch.Tensor, torch.Tensor], device: str, *, steps: int, warmup: int
+) -> None:
+    """Warm every run up, then time one step of each in turn, ``steps`` rounds."""
+    for run in runs:
+        for _ in range(warmup):
+            _step(run.model, run.optimizer, batch, device)
+    for _ in range(steps):
+        for run in runs:
+            run.times.append(_step(run.model, run.optimizer, batch, device))
 
 
 def _mean_stored(spec: ModelSpec, wl: Workload, per_layer: Sequence[str]) -> float:

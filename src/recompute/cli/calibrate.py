@@ -66,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
-    """Every rank measures the collectives; rank 0 calibrates the device first if -o has no profile yet, then
-    writes the collectives into it."""
+    """Every rank measures the collectives, and rank 0 writes them into the profile at -o. Without one there
+    yet, every rank calibrates the device first, all at once (the ranks of a step share the machine: on a CPU
+    the rates they reach together are what a step sees), and rank 0 keeps its own."""
     if not under_torchrun():
         raise ConfigError(
             "--collectives measures a process group: torchrun --nproc-per-node 2 -m recompute calibrate "
@@ -77,14 +78,15 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank0 = dist.get_rank() == 0
-    base = None
-    if rank0:
-        with progress_bar("calibrate", enabled=not args.json) as progress:
-            base = Device.load(output) if output.is_file() else calibrate(device, quick=args.quick, progress=progress)
+    base = Device.load(output) if output.is_file() else None
+    dist.barrier()  # every rank has looked before rank 0 writes
+    if base is None:
+        with progress_bar("calibrate", enabled=rank0 and not args.json) as progress:
+            base = calibrate(device, quick=args.quick, progress=progress)
     dist.barrier()
     with progress_bar("collectives", enabled=rank0 and not args.json) as progress:
         found = measure_collectives(quick=args.quick, progress=progress)
-    if rank0 and base is not None:
+    if rank0:
         result = dataclasses.replace(base, network={**base.network, **found})
         result.save(output)
         if args.json:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from types import FrameType
 from typing import Any
 
 import torch
@@ -205,10 +206,10 @@ def _group(args: Any, kwargs: Any) -> tuple[str, int]:
     """(mesh dimension, ranks) of a collective's process group: by its name (functional collectives) or the
     group itself (the process group's own ops)."""
     for a in tree_leaves((args, kwargs)):
-        pg = None
+        pg: Any = None
         if isinstance(a, str):
             try:
-                pg = dist.distributed_c10d._resolve_process_group(a)
+                pg = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]
             except (KeyError, RuntimeError, ValueError):
                 continue
         elif hasattr(a, "size") and hasattr(a, "group_desc"):
@@ -221,7 +222,7 @@ def _group(args: Any, kwargs: Any) -> tuple[str, int]:
 
 def _replaying() -> bool:
     """Whether the op runs inside non-reentrant checkpoint's recomputation (``recompute_fn`` on the stack)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "recompute_fn" and frame.f_code.co_filename.replace("\\", "/").endswith(
             "torch/utils/checkpoint.py"
