@@ -322,3 +322,35 @@ def test_calibrate_collectives_and_bench_predict_under_torchrun(tmp_path: Path) 
     result = json.loads(done.stdout)
     assert all(row["predicted_s"] > 0 for row in result["rows"])
     assert any("collectives measured on 2 ranks (gloo)" in n for n in result["notes"])
+
+
+MOE_CONFIG = Path(__file__).parent.parent / "benchmarks" / "results" / "planner" / "qwen3moe.json"
+"""A Qwen3-MoE shape: 6 layers (layer 0 dense), 8 experts, top-2, hidden 128."""
+
+
+def test_expert_parallelism_adds_each_moe_layers_all_to_alls(capsys: pytest.CaptureFixture[str]) -> None:
+    """--analytic --ep 2 on a transformers MoE config: its class traced on one device, two all-to-alls (dispatch,
+    combine) per MoE layer in the forward, the backward, and the replay of a policy that recomputes the experts."""
+    from recompute.cli import main
+
+    argv = ["estimate", "--model", str(MOE_CONFIG), "--analytic", "--ep", "2", "--seq-len", "64"]
+    argv += ["--micro-batch", "2", "--dtype", "fp32", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    rows = {p["policy"]: p["time"] for p in json.loads(capsys.readouterr().out)["policies"]}
+    size = 2 * 64 * 2 * 128 * 4  # b s k copies routed to the rank (expected load), h fp32 each
+    for policy, time_ in rows.items():
+        found = {(c["phase"], c["kind"], c["group"]): (c["count"], c["bytes"]) for c in time_["collectives"]}
+        expected = {("forward", "all_to_all", "ep"): (10, 10 * size), ("backward", "all_to_all", "ep"): (10, 10 * size)}
+        if policy in ("mlp", "attn+mlp", "block"):
+            expected[("replay", "all_to_all", "ep")] = (10, 10 * size)
+        assert found == expected, policy
+    assert rows["mlp"]["time_overhead"] > 0 and rows["none"]["step"]["tokens"] == 2 * 64 * 2  # two ranks' batches
+
+
+def test_tensor_parallel_transformers_class_is_not_timed_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    from recompute.cli import main
+
+    argv = ["estimate", "--model", str(MOE_CONFIG), "--analytic", "--tp", "2", "--seq-len", "64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "times: not predicted (tensor parallelism of transformers' class" in out

@@ -35,6 +35,7 @@ from recompute.core.pricing import (
     scheduled_profile_table,
     unpriced,
     unpriced_offload,
+    with_expert_parallelism,
 )
 from recompute.core.profile import Profile
 from recompute.core.progress import Progress, no_progress
@@ -42,7 +43,15 @@ from recompute.core.spec import ModelSpec, analytic_model, hf_config_dict
 from recompute.core.timing import Device, StepWork
 from recompute.core.workload import Workload
 
-__all__ = ["ModelTables", "cost_tables", "is_profiled", "max_positions", "preset_works", "profiles_of"]
+__all__ = [
+    "ModelTables",
+    "cost_tables",
+    "is_profiled",
+    "max_positions",
+    "model_works",
+    "preset_works",
+    "profiles_of",
+]
 
 FP16_CHUNKED = "with dtype fp16 its gradients, taken in the forward before a loss scaler scales them, would underflow"
 """Why the chunked loss is not weighed under fp16."""
@@ -120,10 +129,11 @@ def cost_tables(
     if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None):
         return _profiled(model, wl, modes, device, offload, profile, progress, notes)
     spec = analytic_model(model)
-    return _analytic(spec, wl, modes, device, measured, offload, progress, notes)
+    return _analytic(model, spec, wl, modes, device, measured, offload, progress, notes)
 
 
 def _analytic(
+    model: str | Any,
     spec: ModelSpec,
     wl: Workload,
     modes: Sequence[str],
@@ -134,12 +144,9 @@ def _analytic(
     notes: list[str],
 ) -> ModelTables:
     wl.check(spec)
-    why_not = unpriced(wl) if device is not None else None
+    why_not = unpriced(wl, preset=spec.name in PRESETS) if device is not None else None
     if why_not:
         notes.append(f"costs in recomputed FLOPs: no time predicted with {why_not}")
-        device = None
-    if spec.name not in PRESETS and device is not None:
-        notes.append("costs in recomputed FLOPs: a model read analytically has no traced step to time; drop --analytic")
         device = None
     require(
         measured is None or list(modes) == [wl.loss],
@@ -157,7 +164,7 @@ def _analytic(
         if device is None:
             tables.append(analytic_table(spec, w))
             continue
-        works = preset_works(spec, w, progress=progress)
+        works = model_works(model, spec, w, progress=progress)
         job = Job.of(spec, w)
         seconds, base = layer_costs(works, device, job)
         off = offload_layer_seconds(works["none"], layer_activations(spec, w).offloaded("offload"), device, job)
@@ -260,6 +267,28 @@ def preset_works(spec: ModelSpec, wl: Workload, *, progress: Progress = no_progr
     if all(w is not None for w in found.values()):
         return {name: w for name, w in found.items() if w is not None}
     return dict(_trace().cached_works(spec, one, list(POLICIES), progress=progress))
+
+
+def model_works(
+    model: str | Any, spec: ModelSpec, wl: Workload, *, progress: Progress = no_progress
+) -> dict[str, StepWork]:
+    """Each uniform policy's step work of one rank of a model read analytically: a preset's (``preset_works``),
+    or the class a transformers config names, traced whole at one device (cached), with each MoE layer's
+    all-to-alls under expert parallelism added (``recompute.core.pricing.with_expert_parallelism``).
+
+    Raises:
+        ConfigError: the model cannot be traced (tensor parallelism of transformers' class: ``unpriced``).
+    """
+    if spec.name in PRESETS:
+        works = preset_works(spec, wl, progress=progress)
+    else:
+        why = unpriced(wl, preset=False)
+        require(why is None, f"no time predicted with {why}; add --no-time", fields=("tp",))
+        one = replace(wl, ep=1, capacity_factor=1.0, pp=1, dp=1, interleave=1, n_microbatches=None, sp=False)
+        trace = _trace()
+        source = trace.resolve_source(model) if isinstance(model, str) else model
+        works = dict(trace.cached_works(source, one, list(POLICIES), progress=progress))
+    return with_expert_parallelism(works, spec, wl)
 
 
 def _trace() -> ModuleType:

@@ -33,7 +33,7 @@ from recompute.core.spec import analytic_model
 from recompute.core.table import gib
 from recompute.core.timing import Device
 from recompute.core.workload import build_workload
-from recompute.planning import is_profiled, max_positions, preset_works, profiles_of
+from recompute.planning import is_profiled, max_positions, model_works, profiles_of
 
 __all__ = ["add_args", "run"]
 
@@ -54,15 +54,13 @@ def run(args: argparse.Namespace) -> int:
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)
     rows, chosen = estimate_policies(spec, wl), estimate(spec, wl, policy_from(args))
-    why_not = "--no-time" if args.no_time else unpriced(wl)
-    if why_not is None and args.model not in PRESETS:
-        why_not = "--analytic on a config.json: its times come from tracing transformers' class, so drop --analytic"
+    why_not = "--no-time" if args.no_time else unpriced(wl, preset=args.model in PRESETS)
     times, note, steps, works = None, f"times: not predicted ({why_not})" if why_not else "", {}, {}
     if why_not is None:
         job = Job.of(spec, wl)
         notes = network_notes(device, wl)  # refuses a layout that does not tile the nodes before tracing
         with progress_bar("time model", enabled=not args.json) as progress:
-            works = preset_works(spec, wl, progress=progress)
+            works = model_works(args.model, spec, wl, progress=progress)
         n = spec.n_layers
         times = timings(works, [[e.policy] * n for e in rows] + [list(chosen.per_layer)], device, job)
         steps = {e.policy: step_time(works[e.policy], device, job, base=works["none"]) for e in rows}

@@ -33,13 +33,14 @@ tokens/s = m b s d / step. A policy's time overhead is the step's over the step 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recompute.core.analytic.params import bytes_per_param, stage_params
-from recompute.core.comms import Layout, Network, parse_comm
+from recompute.core.comms import Layout, Network, comm_name, parse_comm
 from recompute.core.costs import CostTable
 from recompute.core.errors import require
 from recompute.core.hardware import GPUS, datasheet_device, datasheet_network, gpu_by_name
@@ -73,6 +74,7 @@ __all__ = [
     "timings",
     "unpriced",
     "unpriced_offload",
+    "with_expert_parallelism",
     "with_network",
 ]
 
@@ -175,10 +177,15 @@ def network_notes(device: Device, wl: Workload) -> list[str]:
     return [*net.notes, line]
 
 
-def unpriced(wl: Workload) -> str | None:
+def unpriced(wl: Workload, *, preset: bool = True) -> str | None:
     """Why a workload gets no predicted time, or None: every workload the analytic model accepts is priced
-    (tensor, sequence, pipeline, data parallelism; expert parallelism needs a model with experts, which the
-    presets are not)."""
+    (tensor, sequence, pipeline, data and expert parallelism), but tensor parallelism of a model that is not a
+    preset: its step is traced from transformers' class, on one device."""
+    if not preset and wl.tp > 1:
+        return (
+            "tensor parallelism of transformers' class (its step is traced on one device; recompute.parallel "
+            "splits recompute's GPT and Llama)"
+        )
     return None
 
 
@@ -204,8 +211,9 @@ class Job:
 
     @property
     def tokens(self) -> int:
-        """Tokens of the step: m micro-batches of b s on each of d data-parallel replicas."""
-        return self.wl.microbatches * self.wl.tokens * self.wl.dp
+        """Tokens of the step: m micro-batches of b s on each of d data-parallel replicas (each expert-parallel rank
+        trains on its own batch: at least ep of them)."""
+        return self.wl.microbatches * self.wl.tokens * max(self.wl.dp, self.wl.ep)
 
     @property
     def layout(self) -> Layout:
@@ -318,7 +326,7 @@ def step_time(work: StepWork, device: Device, job: Job | int, *, base: StepWork 
         bubble=job.bubble,
         optimizer=share * optimizer,
         dp=dp,
-        tokens=wl.microbatches * work.tokens * wl.dp,
+        tokens=wl.microbatches * work.tokens * max(wl.dp, wl.ep),
         comm=comm + p2p,
     )
 
@@ -349,13 +357,43 @@ def _phase_comm(
         kind, group, n, replay = parsed
         _, nodes = layout.group(group) if group in ("tp", "dp", "pp", "ep") else (n, 1)
         seconds = op[4] * net.seconds(kind, op[3], n, nodes)
-        if name.startswith("backward") and not replay:
+        if name.startswith("backward") and not replay and kind != "all_to_all":  # Note: [overlap] rule 4
             hidden += seconds
         else:
             inline += seconds
     if not hidden:
         return inline, inline
     return inline + hidden, inline + max(0.0, hidden - 0.5 * _weight_matmuls(base, device))
+
+
+REPLAYS_EXPERTS = ("mlp", "attn+mlp", "block")
+"""Policies whose replay runs a layer's MLP (its experts) again: with them its all-to-alls run again too."""
+
+
+def with_expert_parallelism(works: Mapping[str, StepWork], spec: ModelSpec, wl: Workload) -> dict[str, StepWork]:
+    """One rank's step works, traced without expert parallelism, with each MoE layer's all-to-alls under ``wl.ep``
+    added: the dispatch and the combine of the token copies routed to the rank (``Workload.routed_tokens``, h
+    each) in the forward, both again in the backward, and in the backward's replay for a policy that recomputes
+    the experts (``REPLAYS_EXPERTS``). The experts' compute is the traced step's: at one rank, transformers'
+    grouped matmuls run every routed copy (b s k), as many as an expert-parallel rank receives at the expected
+    load (Note: [expected load] in ``recompute.core.workload``)."""
+    if wl.ep == 1 or not spec.n_experts:
+        return dict(works)
+    size = int(wl.routed_tokens(spec)) * spec.hidden * wl.element_bytes
+    once, again = comm_name("all_to_all", "ep", wl.ep), comm_name("all_to_all", "ep", wl.ep, replay=True)
+    out = {}
+    for policy, work in works.items():
+        phases = dict(work.phases)
+        for name, ops in work.phases.items():
+            m = re.fullmatch(r"(forward|backward) of layer (\d+)", name)
+            if m is None or not spec.is_moe(int(m.group(2))):
+                continue
+            added: list[Op] = [(once, wl.dtype, 0, size, 2)]
+            if m.group(1) == "backward" and policy in REPLAYS_EXPERTS:
+                added.append((again, wl.dtype, 0, size, 2))
+            phases[name] = (*ops, *added)
+        out[policy] = StepWork(phases, work.tokens)
+    return out
 
 
 def _weight_matmuls(ops: Sequence[Op], device: Device) -> float:
