@@ -126,9 +126,11 @@ def test_plan_for_another_layer_count(capsys: pytest.CaptureFixture[str], tmp_pa
 
 
 def test_console_script_runs_without_importing_torch() -> None:
+    """Without times (tensor parallelism is priced in time too now, from a trace the first time)."""
     code = (
         "import sys; from recompute.cli import main; "
-        "rc = main(['estimate', '--model', 'llama3.1-405b', '--seq-len', '8192', '--tp', '8', '--sp', '--json']); "
+        "rc = main(['estimate', '--model', 'llama3.1-405b', '--seq-len', '8192', '--tp', '8', '--sp', '--json', "
+        "'--no-time']); "
         "assert 'torch' not in sys.modules, 'estimate imported torch'; sys.exit(rc)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -29,11 +29,15 @@ from recompute.core.plan import smallest_achievable
 from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
 from recompute.core.pricing import (
+    Job,
     layer_costs,
     measured_costs,
+    network_notes,
     offload_layer_seconds,
+    scheduled_profile_table,
     unpriced,
     unpriced_offload,
+    with_expert_parallelism,
 )
 from recompute.core.profile import Profile
 from recompute.core.progress import Progress, no_progress
@@ -41,7 +45,15 @@ from recompute.core.spec import ModelSpec, analytic_model, hf_config_dict
 from recompute.core.timing import Device, StepWork
 from recompute.core.workload import Workload
 
-__all__ = ["ModelTables", "cost_tables", "is_profiled", "max_positions", "preset_works", "profiles_of"]
+__all__ = [
+    "ModelTables",
+    "cost_tables",
+    "is_profiled",
+    "max_positions",
+    "model_works",
+    "preset_works",
+    "profiles_of",
+]
 
 FP16_CHUNKED = "in fp16 its gradients, taken in the forward before a loss scaler scales them, would underflow"
 """Why the chunked loss is not weighed under fp16."""
@@ -121,7 +133,7 @@ def cost_tables(
     if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None):
         found = _profiled(model, wl, modes, device, offload, profile, progress, notes)
     else:
-        found = _analytic(analytic_model(model), wl, modes, device, measured, offload, progress, notes)
+        found = _analytic(model, analytic_model(model), wl, modes, device, measured, offload, progress, notes)
     return _identified(found, model, profile is not None)
 
 
@@ -141,6 +153,7 @@ def _identified(found: ModelTables, model: str, from_file: bool) -> ModelTables:
 
 
 def _analytic(
+    model: str | Any,
     spec: ModelSpec,
     wl: Workload,
     modes: Sequence[str],
@@ -151,12 +164,9 @@ def _analytic(
     notes: list[str],
 ) -> ModelTables:
     wl.check(spec)
-    why_not = unpriced(wl) if device is not None else None
+    why_not = unpriced(wl, preset=spec.name in PRESETS) if device is not None else None
     if why_not:
         notes.append(f"costs in recomputed FLOPs: no time predicted with {why_not}")
-        device = None
-    if spec.name not in PRESETS and device is not None:
-        notes.append("costs in recomputed FLOPs: a model read analytically has no traced step to time; drop --analytic")
         device = None
     require(
         measured is None or list(modes) == [wl.loss],
@@ -174,24 +184,26 @@ def _analytic(
         if device is None:
             tables.append(analytic_table(spec, w))
             continue
-        works = preset_works(spec, w, progress=progress)
-        seconds, base = layer_costs(works, device, spec.n_layers)
-        off = offload_layer_seconds(works["none"], layer_activations(spec, w).offloaded("offload"), device)
+        works = model_works(model, spec, w, progress=progress)
+        job = Job.of(spec, w)
+        seconds, base = layer_costs(works, device, job)
+        off = offload_layer_seconds(works["none"], layer_activations(spec, w).offloaded("offload"), device, job)
         priced_offload = off if offload else None
-        tables.append(
-            analytic_table(
-                spec,
-                w,
-                seconds=seconds,
-                model_seconds=base,
-                offload=priced_offload,
-                cost_kind=f"predicted seconds on {device.label}",
-                device=device.to_dict(),
-            )
+        table = analytic_table(
+            spec,
+            w,
+            seconds=seconds,
+            model_seconds=base,
+            offload=priced_offload,
+            cost_kind=f"predicted seconds on {device.label}",
+            device=device.to_dict(),
         )
+        tables.append(replace(table, tokens=job.tokens))  # tokens/s of the step: m b s d
     if offload and priced_offload is None:
         cost = "measured seconds" if measured is not None else "flops" if device is None else "time"
         notes.append(f"offload not considered: {unpriced_offload(device, cost)}")
+    if device is not None:
+        notes += network_notes(device, wl)
 
     def alternatives(change: Workload) -> float:
         return smallest_achievable(analytic_table(spec, change))
@@ -223,7 +235,15 @@ def _profiled(
                 notes.append(f"the {mode} loss not considered: {first_line(e)}")
     if offload:
         notes.append("offload not considered: a profiled model's offload is not measured yet")
-    return ModelTables(tuple(p.cost_table(device) for p in profiles), None, profiles, tuple(notes))
+    tables = []
+    for found_profile in profiles:
+        table = found_profile.cost_table(device)
+        if device is not None:
+            table = scheduled_profile_table(table, found_profile, device, wl)
+        tables.append(table)
+    if device is not None:
+        notes += network_notes(device, wl)
+    return ModelTables(tuple(tables), None, profiles, tuple(notes))
 
 
 def profiles_of(
@@ -258,13 +278,37 @@ def _states_only(wl: Workload) -> bool:
 
 def preset_works(spec: ModelSpec, wl: Workload, *, progress: Progress = no_progress) -> dict[str, StepWork]:
     """Each uniform policy's step work of a preset, from the store without torch, or traced now (two and three
-    layers, scaled). One device's step: the workload's parallelism is dropped."""
-    one = replace(wl, pp=1, dp=1, sp=False, interleave=1, n_microbatches=None)
+    layers, scaled). One rank's step of one micro-batch: tensor and sequence parallelism kept (rank 0 on a fake
+    process group, its collectives filed), the pipeline, data parallelism and the micro-batch count dropped
+    (``recompute.core.pricing`` lays the step out on them)."""
+    one = replace(wl, pp=1, dp=1, sp=wl.sp and wl.tp > 1, interleave=1, n_microbatches=None)
     key = store.step_key(store.spec_identity(spec.to_dict()), one.to_dict())
     found = {name: store.load("work", f"{key}-{name}", StepWork.from_dict) for name in POLICIES}
     if all(w is not None for w in found.values()):
         return {name: w for name, w in found.items() if w is not None}
     return dict(_trace().cached_works(spec, one, list(POLICIES), progress=progress))
+
+
+def model_works(
+    model: str | Any, spec: ModelSpec, wl: Workload, *, progress: Progress = no_progress
+) -> dict[str, StepWork]:
+    """Each uniform policy's step work of one rank of a model read analytically: a preset's (``preset_works``),
+    or the class a transformers config names, traced whole at one device (cached), with each MoE layer's
+    all-to-alls under expert parallelism added (``recompute.core.pricing.with_expert_parallelism``).
+
+    Raises:
+        ConfigError: the model cannot be traced (tensor parallelism of transformers' class: ``unpriced``).
+    """
+    if spec.name in PRESETS:
+        works = preset_works(spec, wl, progress=progress)
+    else:
+        why = unpriced(wl, preset=False)
+        require(why is None, f"no time predicted with {why}; add --no-time", fields=("tp",))
+        one = replace(wl, ep=1, capacity_factor=1.0, pp=1, dp=1, interleave=1, n_microbatches=None, sp=False)
+        trace = _trace()
+        source = trace.resolve_source(model) if isinstance(model, str) else model
+        works = dict(trace.cached_works(source, one, list(POLICIES), progress=progress))
+    return with_expert_parallelism(works, spec, wl)
 
 
 def _trace() -> ModuleType:

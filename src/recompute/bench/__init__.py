@@ -6,7 +6,14 @@ keeps per layer. ``read_bench`` reads either's JSON back (``recompute.core.resul
 """
 
 from recompute.bench._single import CPU_GPT2, BenchResult, BenchRow, bench, bench_source, bench_spec, render_bench
-from recompute.bench._torchrun import ParallelBench, RankRow, bench_parallel, render_parallel_bench
+from recompute.bench._torchrun import (
+    ParallelBench,
+    RankRow,
+    bench_parallel,
+    predict_parallel,
+    render_parallel_bench,
+    with_predictions,
+)
 
 __all__ = [
     "CPU_GPT2",
@@ -18,6 +25,8 @@ __all__ = [
     "bench_parallel",
     "bench_source",
     "bench_spec",
+    "predict_parallel",
     "render_bench",
     "render_parallel_bench",
+    "with_predictions",
 ]

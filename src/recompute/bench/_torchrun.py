@@ -5,7 +5,10 @@ data-parallel rank gets its own batch. Per policy it measures the activation byt
 autograd on this rank (``saved_bytes_per_layer``), a few timed training steps (AdamW) and, on CUDA, the
 allocator's peak. Rank 0 reports, next to the analytic model for the same step and Korthikanti et al.'s
 formulas (fp16, 1-byte masks: the paper's accounting, with the analytic model in that accounting beside
-it, which differs from the paper only by the LayerNorm statistics the paper leaves out).
+it, which differs from the paper only by the LayerNorm statistics the paper leaves out), and next to the time
+model's step for the rank (``with_predictions``: the fake-tensor trace of rank 0, its kernels priced on the
+device profile and its collectives on the profile's measured ones), worked out once the process group has ended
+(the trace runs on a fake one).
 """
 
 from __future__ import annotations
@@ -14,24 +17,35 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from recompute.checkpointing import apply
 from recompute.core.analytic import layer_activations, paper_layer_bytes
 from recompute.core.errors import require
 from recompute.core.policy import Policy
+from recompute.core.pricing import Job, StepTime, network_notes, step_time
 from recompute.core.progress import Progress, no_progress
 from recompute.core.results import ParallelBench, RankRow
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, mib, render_table
+from recompute.core.timing import Device
 from recompute.core.workload import Workload
 from recompute.models import build_model
 from recompute.parallel import check_parallel, init_from_env, parallelize
 from recompute.runtime import TORCH_DTYPES, random_batch, sync
-from recompute.trace import saved_bytes_per_layer
+from recompute.trace import cached_works, saved_bytes_per_layer, step_work
 
-__all__ = ["ParallelBench", "RankRow", "bench_parallel", "render_parallel_bench"]
+__all__ = [
+    "ParallelBench",
+    "RankRow",
+    "bench_parallel",
+    "predict_parallel",
+    "render_parallel_bench",
+    "with_predictions",
+]
 
 
 def bench_parallel(
@@ -57,46 +71,42 @@ def bench_parallel(
     require(wl.pp == 1, "bench runs tensor and data parallelism; drop --pp (recompute estimate models pipelines)")
     require(steps > 0 and warmup >= 0, f"--steps must be > 0 and --warmup >= 0, got {steps} and {warmup}")
     pols = [Policy.parse(p) for p in policies]
+    modes = (False, True) if wl.sp else (False,)
     mesh = init_from_env(tp=wl.tp, dp=wl.dp, argv=argv)
     device = mesh.device_type
     batch = random_batch(
         spec.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed + mesh["dp"].get_local_rank()
     )  # a batch per data-parallel rank
     rows: list[RankRow] = []
-    modes = (False, True) if wl.sp else (False,)
     for sp in modes:
         here = dataclasses.replace(wl, sp=sp)
         paper_wl = dataclasses.replace(here, dtype="fp16", device="cuda")
+        mode = ("TP+SP" if sp else "TP") if wl.tp > 1 else "DP"
+        runs: list[_Run] = []
         for pol in pols:
-            mode = ("TP+SP" if sp else "TP") if wl.tp > 1 else "DP"
-            progress(f"{mode} {pol.describe()}", len(rows), len(modes) * len(pols))
-            torch.manual_seed(seed)
-            model = build_model(spec, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device).train()
-            parallelize(model, mesh, sp=sp)
-            apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
-            kept = [sum(layer.values()) for layer in saved_bytes_per_layer(model, batch)]
-            optimizer = torch.optim.AdamW(model.parameters())
-            times = [_step(model, optimizer, batch, device) for _ in range(warmup + steps)][warmup:]
-            peak = None
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                _step(model, optimizer, batch, device)
-                peak = torch.cuda.max_memory_allocated()
-            per_layer = pol.per_layer(spec.n_layers)
+            progress(f"{mode} {pol.describe()}", len(rows) + len(runs), len(modes) * len(pols))
+            runs.append(_Run(pol, *_built(spec, here, pol, mesh, batch, seed)))
+            if device == "cuda":  # one model resident at a time: the allocator's peak is this policy's
+                _measure(runs[-1], batch, device, steps=steps, warmup=warmup)
+                del runs[-1].model, runs[-1].optimizer
+        if device != "cuda":  # every model resident: the timed steps go round the policies (a drifting CPU)
+            _measure_round_robin(runs, batch, device, steps=steps, warmup=warmup)
+        for run in runs:
+            per_layer = run.policy.per_layer(spec.n_layers)
             paper = [paper_layer_bytes(spec, paper_wl, name) for name in per_layer]
             rows.append(
                 RankRow(
                     mode=mode,
-                    policy=pol.describe(),
-                    measured=statistics.mean(kept),
+                    policy=run.policy.describe(),
+                    measured=statistics.mean(run.kept),
                     analytic=_mean_stored(spec, here, per_layer),
                     paper_setting=_mean_stored(spec, paper_wl, per_layer),
                     paper=None if None in paper else statistics.mean(p for p in paper if p is not None),
-                    step_s=statistics.median(times),
-                    peak=peak,
+                    step_s=statistics.median(run.times),
+                    peak=run.peak,
                 )
             )
-            del model, optimizer
+        del runs
     progress("done", len(rows), len(rows))
     return ParallelBench(
         model=spec.name,
@@ -106,6 +116,99 @@ def bench_parallel(
         steps=steps,
         rows=tuple(rows),
     )
+
+
+def with_predictions(
+    result: ParallelBench,
+    spec: ModelSpec,
+    policies: Sequence[str | Policy],
+    device: Device,
+    *,
+    progress: Progress = no_progress,
+) -> ParallelBench:
+    """``result`` with each row's predicted step (``predict_parallel``) and where the prediction comes from.
+    Call it once the process group has ended (the trace starts a fake one)."""
+    wl = Workload(**result.workload)
+    pols = [Policy.parse(p) for p in policies]
+    modes = (False, True) if wl.sp else (False,)
+    predicted = predict_parallel(spec, wl, pols, device, modes=modes, progress=progress)
+    rows = tuple(
+        dataclasses.replace(row, predicted_s=predicted[row.mode == "TP+SP", row.policy].step) for row in result.rows
+    )
+    return dataclasses.replace(result, rows=rows, notes=tuple(network_notes(device, wl)))
+
+
+def predict_parallel(
+    spec: ModelSpec,
+    wl: Workload,
+    policies: Sequence[Policy],
+    device: Device,
+    *,
+    modes: Sequence[bool] = (False,),
+    progress: Progress = no_progress,
+) -> dict[tuple[bool, str], StepTime]:
+    """Each policy's predicted step on one rank, per mode (sequence parallelism off or on): the step of rank 0
+    traced on a fake process group (``recompute.trace``), its kernels priced on ``device`` and its collectives
+    on ``device``'s network. Call it before a process group starts (the trace starts a fake one).
+
+    Data parallelism is priced as gradient reduction (``recompute.core.pricing``); FSDP2's own parameter
+    gathers are not traced.
+    """
+    out = {}
+    for sp in modes:
+        here = dataclasses.replace(wl, sp=sp)
+        names = [p.name for p in policies if p.is_uniform]
+        works = cached_works(spec, here, list(dict.fromkeys(["none", *names])), progress=progress)
+        job = Job.of(spec, here)
+        for pol in policies:
+            work = works[pol.name] if pol.is_uniform else step_work(spec, here, pol)
+            out[sp, pol.describe()] = step_time(work, device, job, base=works["none"])
+    return out
+
+
+@dataclass
+class _Run:
+    """One policy's model on this rank, what it keeps per layer, and its timed steps."""
+
+    policy: Policy
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    kept: list[int]
+    times: list[float] = field(default_factory=list)
+    peak: int | None = None
+
+
+def _built(
+    spec: ModelSpec, wl: Workload, pol: Policy, mesh: DeviceMesh, batch: tuple[torch.Tensor, torch.Tensor], seed: int
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[int]]:
+    """The model (same seed on every rank), parallelized, ``pol`` applied, its AdamW, and the bytes each layer
+    keeps on this rank."""
+    torch.manual_seed(seed)
+    model = build_model(spec, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=mesh.device_type).train()
+    parallelize(model, mesh, sp=wl.sp)
+    apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
+    kept = [sum(layer.values()) for layer in saved_bytes_per_layer(model, batch)]
+    return model, torch.optim.AdamW(model.parameters()), kept
+
+
+def _measure(run: _Run, batch: tuple[torch.Tensor, torch.Tensor], device: str, *, steps: int, warmup: int) -> None:
+    run.times = [_step(run.model, run.optimizer, batch, device) for _ in range(warmup + steps)][warmup:]
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        _step(run.model, run.optimizer, batch, device)
+        run.peak = torch.cuda.max_memory_allocated()
+
+
+def _measure_round_robin(
+    runs: list[_Run], batch: tuple[torch.Tensor, torch.Tensor], device: str, *, steps: int, warmup: int
+) -> None:
+    """Warm every run up, then time one step of each in turn, ``steps`` rounds."""
+    for run in runs:
+        for _ in range(warmup):
+            _step(run.model, run.optimizer, batch, device)
+    for _ in range(steps):
+        for run in runs:
+            run.times.append(_step(run.model, run.optimizer, batch, device))
 
 
 def _mean_stored(spec: ModelSpec, wl: Workload, per_layer: Sequence[str]) -> float:
@@ -132,10 +235,16 @@ def _step(
 def render_parallel_bench(r: ParallelBench) -> str:
     """The per-rank table: measured bytes per layer against the analytic model and the paper."""
     wl = r.workload
-    base = {row.mode: row.step_s for row in r.rows if row.policy == "none"}
+    base = {row.mode: row for row in r.rows if row.policy == "none"}
     body = []
     for row in r.rows:
-        over = f"{100 * (row.step_s / base[row.mode] - 1):+.1f}%" if row.mode in base else "-"
+        ref = base.get(row.mode)
+        over = f"{100 * (row.step_s / ref.step_s - 1):+.1f}%" if ref else "-"
+        guess = "-"
+        if row.predicted_s is not None:
+            guess = f"{row.predicted_s:.3f} s"
+            if ref is not None and ref.predicted_s:
+                guess += f" ({100 * (row.predicted_s / ref.predicted_s - 1):+.1f}%)"
         body.append(
             [
                 row.mode,
@@ -147,6 +256,7 @@ def render_parallel_bench(r: ParallelBench) -> str:
                 mib(row.paper, digits=2) if row.paper is not None else "-",
                 f"{row.step_s:.3f} s",
                 over,
+                guess,
                 gib(row.peak) if row.peak is not None else "-",
             ]
         )
@@ -165,6 +275,7 @@ def render_parallel_bench(r: ParallelBench) -> str:
             "paper formula",
             "step",
             "overhead",
+            "predicted step (overhead)",
             "peak",
         ],
         body,
@@ -173,4 +284,4 @@ def render_parallel_bench(r: ParallelBench) -> str:
         "paper's fp16: fp16 activations and 1-byte dropout masks, as Korthikanti et al. count; the analytic model "
         "there differs from the paper's formula only by the LayerNorm statistics the paper leaves out"
     )
-    return f"{head}\n{table}\n{note}"
+    return "\n".join([head, table, note, *(f"note: {n}" for n in r.notes)])

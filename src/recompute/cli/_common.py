@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from recompute.core.errors import ConfigError
 from recompute.core.files import check_writable
 from recompute.core.policy import ALL_POLICIES, Policy
-from recompute.core.pricing import DEFAULT_GPU, choose_device
+from recompute.core.pricing import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, choose_device
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import Device
 from recompute.core.workload import Workload, workload_fields
@@ -185,6 +185,13 @@ def add_time_args(p: argparse.ArgumentParser, *, what: str = "predict step times
         help="the step runs under torch.compile or CUDA graphs: price no eager host dispatch, a bare launch per "
         "kernel (default: eager PyTorch, the host's time per kernel as calibrated)",
     )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=DEFAULT_GPUS_PER_NODE,
+        help="GPUs per node: a parallel group within a node talks over --gpu's NVLink (or PCIe), across nodes over "
+        f"each GPU's InfiniBand (default: {DEFAULT_GPUS_PER_NODE})",
+    )
     if no_time:
         p.add_argument(
             "--no-time",
@@ -204,6 +211,7 @@ def time_device(args: argparse.Namespace) -> Device:
         gpu=getattr(args, "gpu", None),
         device_profile=getattr(args, "device_profile", None),
         compiled=getattr(args, "compiled", False),
+        gpus_per_node=getattr(args, "gpus_per_node", None),
     )
 
 

@@ -11,13 +11,20 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from recompute.bench import bench, bench_parallel, bench_source, render_bench, render_parallel_bench
+from recompute.bench import (
+    bench,
+    bench_parallel,
+    bench_source,
+    render_bench,
+    render_parallel_bench,
+    with_predictions,
+)
 from recompute.bench.calibrate import cached_calibration
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, distinct, require
 from recompute.core.policy import Policy
-from recompute.core.pricing import choose_device
+from recompute.core.pricing import choose_device, with_network
 from recompute.core.timing import Device
 from recompute.core.workload import Workload
 from recompute.models.source import ModelSource
@@ -100,12 +107,23 @@ def _run_parallel(args: argparse.Namespace, source: ModelSource, wl: Workload, p
             "drop --tp/--dp, or bench a preset"
         )
     runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
+    require(not (args.no_time and args.device_profile), "--no-time and --device-profile exclude each other")
+    device = None
+    if not args.no_time and args.device_profile:  # refused on every rank before the steps, if it is
+        device = choose_device(device_profile=args.device_profile)
+        device.check_runs_on(wl.device, threads=torch.get_num_threads())
     with progress_bar("bench", enabled=_rank() == 0) as progress:
         result = bench_parallel(spec, wl, policies, **runs, argv=args.argv, progress=progress)
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    end_process_group()  # Note: [ending together]
+    if rank == 0:
+        if not args.no_time:  # rank 0 predicts once the group has ended: the trace runs on a fake one
+            with progress_bar("time model", enabled=not args.json) as progress:
+                if device is None:
+                    device = with_network(cached_calibration(wl.device, progress=progress))
+                result = with_predictions(result, spec, policies, device, progress=progress)
         emit_json(result.to_dict()) if args.json else print(render_parallel_bench(result))
         sys.stdout.flush()
-    end_process_group()  # Note: [ending together]
     return 0
 
 

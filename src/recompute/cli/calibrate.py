@@ -1,21 +1,29 @@
 """``recompute calibrate``: measure the local CPU or GPU for the time model and write ``device.json``.
 
 Every command that predicts time takes the file as ``--device-profile``; the datasheet rows
-(``recompute.core.hardware``) stand in for a device not measured.
+(``recompute.core.hardware``) stand in for a device not measured. ``--collectives``, under torchrun, measures
+the process group's collectives too (``recompute.bench.collectives``) into the profile's network.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from recompute.bench.calibrate import calibrate
+from recompute.bench.collectives import measure_collectives
 from recompute.cli._common import emit_json, writable
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, require
 from recompute.core.table import render_table
 from recompute.core.timing import Device
+from recompute.parallel import end_process_group, under_torchrun
 
 __all__ = ["add_args", "render_device", "run"]
 
@@ -27,6 +35,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--threads", type=int, help="CPU threads to measure with (torch.set_num_threads); predictions assume them"
     )
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter batches (seconds, less exact)")
+    p.add_argument(
+        "--collectives",
+        action="store_true",
+        help="under torchrun: measure all-reduce, all-gather, reduce-scatter and all-to-all over a size sweep on the "
+        "process group (gloo on CPUs, NCCL on GPUs) into the profile at -o (made first if missing)",
+    )
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
@@ -38,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         if device != "cpu":
             raise ConfigError("--threads sets CPU threads; drop it to calibrate a GPU")
         torch.set_num_threads(args.threads)
+    if args.collectives:
+        return _collectives(args, output, device)
     with progress_bar("calibrate", enabled=not args.json) as progress:
         result = calibrate(device, quick=args.quick, progress=progress)
     result.save(output)
@@ -47,6 +63,51 @@ def run(args: argparse.Namespace) -> int:
         print(render_device(result))
         print(f"\nwrote {output}")
     return 0
+
+
+def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
+    """Every rank measures the collectives, and rank 0 writes them into the profile at -o. Without one there
+    yet, every rank calibrates the device first, all at once (the ranks of a step share the machine: on a CPU
+    the rates they reach together are what a step sees), and rank 0 keeps its own."""
+    if not under_torchrun():
+        raise ConfigError(
+            "--collectives measures a process group: torchrun --nproc-per-node 2 -m recompute calibrate "
+            f"--collectives -o {output}"
+        )
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank0 = dist.get_rank() == 0
+    base = Device.load(output) if output.is_file() else None
+    dist.barrier()  # every rank has looked before rank 0 writes
+    if base is None:
+        with progress_bar("calibrate", enabled=rank0 and not args.json) as progress:
+            base = calibrate(device, quick=args.quick, progress=progress)
+    dist.barrier()
+    with progress_bar("collectives", enabled=rank0 and not args.json) as progress:
+        found = measure_collectives(quick=args.quick, progress=progress)
+    if rank0:
+        result = dataclasses.replace(base, network={**base.network, **found})
+        result.save(output)
+        if args.json:
+            emit_json(result.to_dict())
+        else:
+            print(render_collectives(found))
+            print(f"\nwrote {output}")
+        sys.stdout.flush()
+    end_process_group()
+    return 0
+
+
+def render_collectives(found: dict) -> str:
+    """Bus bandwidth per collective at each size measured."""
+    rows = [
+        [kind, f"{size:,.0f}", f"{found['times'][kind][i][1] * 1e6:,.1f}", f"{busbw / 1e9:.3g}"]
+        for kind, points in found["collectives"].items()
+        for i, (size, busbw) in enumerate(points)
+    ]
+    head = f"collectives on {found['ranks']} ranks ({found['backend']}):"
+    return "\n".join([head, render_table(["collective", "bytes", "time (us)", "bus bandwidth (GB/s)"], rows)])
 
 
 def render_device(d: Device) -> str:

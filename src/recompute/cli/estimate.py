@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+from typing import Any
 
 from recompute.cli._common import (
     add_model_args,
@@ -23,16 +24,17 @@ from recompute.cli._common import (
     workload_from,
 )
 from recompute.cli.progress import progress_bar
-from recompute.cli.render import device_note, render_estimate, render_profile, seconds
+from recompute.cli.render import device_note, render_estimate, render_profile, render_step, seconds
 from recompute.core.analytic import estimate, estimate_policies
+from recompute.core.comms import comms_of, summarize
 from recompute.core.presets import PRESETS
-from recompute.core.pricing import timings, unpriced
+from recompute.core.pricing import Job, network_notes, scheduled_profile_table, step_time, timings, unpriced
 from recompute.core.profile import Profile
 from recompute.core.spec import analytic_model
 from recompute.core.table import gib
 from recompute.core.timing import Device
 from recompute.core.workload import build_workload
-from recompute.planning import is_profiled, max_positions, preset_works, profiles_of
+from recompute.planning import is_profiled, max_positions, model_works, profiles_of
 
 __all__ = ["add_args", "run"]
 
@@ -53,23 +55,25 @@ def run(args: argparse.Namespace) -> int:
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)
     rows, chosen = estimate_policies(spec, wl), estimate(spec, wl, policy_from(args))
-    why_not = "--no-time" if args.no_time else unpriced(wl)
-    if why_not is None and args.model not in PRESETS:
-        why_not = "--analytic on a config.json: its times come from tracing transformers' class, so drop --analytic"
-    times, note = None, f"times: not predicted ({why_not})" if why_not else ""
+    why_not = "--no-time" if args.no_time else unpriced(wl, preset=args.model in PRESETS)
+    times, note, steps, works = None, f"times: not predicted ({why_not})" if why_not else "", {}, {}
     if why_not is None:
+        job = Job.of(spec, wl)
+        notes = network_notes(device, wl)  # refuses a layout that does not tile the nodes before tracing
         with progress_bar("time model", enabled=not args.json) as progress:
-            works = preset_works(spec, wl, progress=progress)
+            works = model_works(args.model, spec, wl, progress=progress)
         n = spec.n_layers
-        times = timings(works, [[e.policy] * n for e in rows] + [list(chosen.per_layer)], device)
-        note = device_note(device, wl)
+        times = timings(works, [[e.policy] * n for e in rows] + [list(chosen.per_layer)], device, job)
+        steps = {e.policy: step_time(works[e.policy], device, job, base=works["none"]) for e in rows}
+        note = "\n".join([device_note(device, wl), *(f"note: {n}" for n in notes)])
     if args.json:
         emit_json(
             {
                 "model": spec.to_dict(),
                 "workload": wl.to_dict(),
                 "policies": [
-                    {**e.to_dict(), **({"time": times[i].to_dict()} if times else {})} for i, e in enumerate(rows)
+                    {**e.to_dict(), **({"time": times[i].to_dict() | _parts(works, steps, e.policy)} if times else {})}
+                    for i, e in enumerate(rows)
                 ],
                 "chosen": {**chosen.to_dict(), **({"time": times[-1].to_dict()} if times else {})},
                 "device": device.to_dict() if times else None,
@@ -80,7 +84,15 @@ def run(args: argparse.Namespace) -> int:
         if times:
             t = times[-1]
             print(f"chosen: step {seconds(t.step)}, {t.tokens_per_second:,.0f} tokens/s, {t.overhead:+.1%} time")
+            uniform = chosen.per_layer[0] if len(set(chosen.per_layer)) == 1 else "none"
+            if uniform in steps:
+                print(render_step(uniform, steps[uniform], summarize(comms_of(works[uniform].phases))))
     return 0
+
+
+def _parts(works: dict[str, Any], steps: dict[str, Any], policy: str) -> dict[str, Any]:
+    """A uniform policy's step, part by part, and its collectives of one micro-batch (``--json``)."""
+    return {"step": steps[policy].to_dict(), "collectives": summarize(comms_of(works[policy].phases))}
 
 
 def _run_profiled(args: argparse.Namespace, device: Device) -> int:
@@ -93,6 +105,8 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
     wl = build_workload(**prof.workload_dict())
     timed = None if args.no_time else device
     table = prof.cost_table(timed)
+    if timed is not None:
+        table = scheduled_profile_table(table, prof, timed, wl)
     layers = policy_from(args).per_layer(prof.n_layers)
     chosen = table.compose(layers)
     step = (

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from recompute.core.analytic.estimate import Estimate
 from recompute.core.plan import Plan, PlanPoint
+from recompute.core.pricing import StepTime
 from recompute.core.profile import Profile
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table, size
@@ -20,6 +22,7 @@ __all__ = [
     "render_estimate",
     "render_plan",
     "render_profile",
+    "render_step",
     "seconds",
     "time_cells",
 ]
@@ -106,6 +109,28 @@ def render_estimate(
         *(f"note: {n}" for n in chosen.notes),
     ]
     return "\n".join(lines)
+
+
+def render_step(policy: str, st: StepTime, collectives: Sequence[dict[str, Any]]) -> str:
+    """How a step's predicted time adds up, and the collectives of one micro-batch on one rank."""
+    parts = [f"compute {seconds(st.compute)}"]
+    if st.comm:
+        parts.append(f"collectives {seconds(st.tp)} exposed of {seconds(st.comm - st.p2p)}")
+    if st.p2p:
+        parts.append(f"pipeline sends {seconds(st.p2p)}")
+    line = f"step of {policy}: {seconds(st.step)} = {st.microbatches} micro-batch(es)"
+    if st.bubble:
+        line += f" + bubble {st.bubble:g}"
+    line += f" x {seconds(st.microbatch)} ({', '.join(parts)}) + optimizer {seconds(st.optimizer)}"
+    if st.dp:
+        line += f" + data-parallel reduction {seconds(st.dp)} exposed"
+    if not collectives:
+        return line
+    shown = "; ".join(
+        f"{r['phase']} {r['count']} {r['kind']} ({r['group']}, {r['ranks']} ranks, {gib(r['bytes'])})"
+        for r in collectives
+    )
+    return f"{line}\ncollectives of one micro-batch on one rank: {shown}"
 
 
 def time_cells(t: Timing) -> list[str]:

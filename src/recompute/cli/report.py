@@ -28,9 +28,9 @@ from recompute.core.files import atomic_write, check_folder
 from recompute.core.hardware import gpu_by_name, usable_bytes
 from recompute.core.plan import NothingFits, parse_budget, plan
 from recompute.core.presets import PRESETS
-from recompute.core.pricing import DEFAULT_GPU, offload_layer_seconds, unpriced
+from recompute.core.pricing import DEFAULT_GPU, Job, offload_layer_seconds, timing, unpriced
 from recompute.core.spec import ModelSpec, resolve_model
-from recompute.core.timing import Timing, timing
+from recompute.core.timing import Timing
 from recompute.core.workload import ATTENTIONS, Workload
 from recompute.planning import cost_tables, max_positions, preset_works
 from recompute.report.answer import answer_data
@@ -117,12 +117,14 @@ def _times(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str,
     out = {}
     for attention in ATTENTIONS:
         wl_a = dataclasses.replace(at, attention=attention)
+        job = Job.of(spec, wl_a)
         works = preset_works(spec, wl_a)
-        out[attention] = {p: timing(works[p], works["none"], device) for p in works}
+        out[attention] = {p: timing(works[p], works["none"], device, job) for p in works}
         if wl_a.dtype != "fp16":  # the chunked loss refuses fp16
             chunked = preset_works(spec, dataclasses.replace(wl_a, loss="chunked"))
-            out[attention]["chunked loss"] = timing(chunked["none"], works["none"], device)
-        layer = offload_layer_seconds(works["none"], layer_activations(spec, wl_a).offloaded("offload"), device)
+            out[attention]["chunked loss"] = timing(chunked["none"], works["none"], device, job)
+        held = layer_activations(spec, wl_a).offloaded("offload")
+        layer = offload_layer_seconds(works["none"], held, device, job)
         if layer is not None:
             base = out[attention]["none"]
             step = base.step + spec.n_layers * layer

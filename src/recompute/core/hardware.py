@@ -1,15 +1,20 @@
-"""GPUs as data rows: memory, dense matmul peaks by dtype, bandwidths, and how much of the memory a step can use.
+"""GPUs as data rows: memory, dense matmul peaks by dtype, bandwidths, links, and how much of the memory a step
+can use.
 
 Each row names its sources. ``memory`` is the total the driver reports (``nvidia-smi``'s ``memory.total``,
 which is also what ``torch.cuda.get_device_properties(i).total_memory`` reports), not the marketing figure:
 an "80GB" H100 reports 81559 MiB. ``peak_bf16`` is the dense (no 2:4 sparsity) bf16 tensor-core rate with
-fp32 accumulation from the vendor's datasheet. Torch-free: the planner and the report read this module.
+fp32 accumulation from the vendor's datasheet. ``intra`` and ``inter`` are the GPU's links to the GPUs of its
+node (NVLink through NVSwitch, Infinity Fabric, or PCIe) and to other nodes (its own InfiniBand/RoCE adapter),
+each with its datasheet bandwidth per direction and NCCL's latency per ring step (``recompute.core.comms``).
+Torch-free: the planner and the report read this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from recompute.core.comms import Link, Network
 from recompute.core.errors import ConfigError
 from recompute.core.table import GiB, MiB
 from recompute.core.timing import Curve, Device
@@ -23,6 +28,7 @@ __all__ = [
     "KERNEL_OVERHEAD",
     "MATMUL_SHARE",
     "datasheet_device",
+    "datasheet_network",
     "gpu_by_name",
     "usable_bytes",
 ]
@@ -41,6 +47,64 @@ _SMI = "nvidia-smi memory.total as logged publicly"
 _MODAL = "nvidia-smi memory.total per GPU type, modal-labs/modal-client PR #2797"
 _LENT = "nvidia-smi memory.total on the H100 the device tool lends (81559 MiB)"
 _PCIE4, _PCIE5 = 32e9, 64e9  # x16 per direction, as the PCI-SIG specifications state
+
+_NCCL_LAT = "per-step latency: NCCL's tuning model, Simple protocol (NVIDIA/nccl src/graph/tuning.cc, commit b6475625)"
+NVLINK3 = Link(
+    "NVLink 3 (NVSwitch)",
+    300e9,
+    3.4e-6,
+    f"NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional, 300 per direction; {_NCCL_LAT}",
+)
+NVLINK4 = Link(
+    "NVLink 4 (NVSwitch)",
+    450e9,
+    3.4e-6,
+    f"NVIDIA H100/H200 datasheets: NVLink 900 GB/s bidirectional, 450 per direction; {_NCCL_LAT}",
+)
+NVLINK5 = Link(
+    "NVLink 5 (NVSwitch)",
+    900e9,
+    3.4e-6,
+    f"NVIDIA HGX B200 datasheet: NVLink 1.8 TB/s per GPU bidirectional, 900 per direction; {_NCCL_LAT}",
+)
+INFINITY_FABRIC = Link(
+    "AMD Infinity Fabric (7 links)",
+    448e9,
+    3.4e-6,
+    "AMD Instinct MI300X datasheet: 896 GB/s aggregate peer-to-peer Infinity Fabric (7 links of 128 GB/s "
+    f"bidirectional), 448 per direction; NVLink's per-step latency assumed ({_NCCL_LAT})",
+)
+PCIE4_P2P = Link("PCIe Gen4 x16", _PCIE4, 5.7e-6, f"PCI-SIG Gen4 x16: 32 GB/s per direction; {_NCCL_LAT}")
+PCIE5_P2P = Link(
+    "PCIe Gen5 x16",
+    _PCIE5,
+    5.7e-6,
+    f"PCI-SIG Gen5 x16: 64 GB/s per direction; {_NCCL_LAT}; bus bandwidth 40 GB/s, the middle of the 35-45 GB/s "
+    "published for all-reduce on 8 H100 PCIe without NVSwitch (docs.alayanew.com, NCCL-tests in practice, 2026)",
+    busbw=40e9,
+)
+IB_HDR = Link(
+    "InfiniBand HDR 200 Gb/s per GPU",
+    25e9,
+    14e-6,
+    "DGX A100 / Selene: eight 200 Gb/s HDR HCAs per node, one per GPU (Korthikanti et al. 2022, Sec. 6); " + _NCCL_LAT,
+)
+IB_NDR = Link(
+    "InfiniBand NDR 400 Gb/s per GPU",
+    50e9,
+    14e-6,
+    f"DGX H100/H200/B200 user guides: eight ConnectX-7 400 Gb/s adapters per node, one per GPU; {_NCCL_LAT}",
+)
+ETH_100 = Link(
+    "Ethernet 100 Gb/s (RoCE) per GPU",
+    12.5e9,
+    14e-6,
+    f"assumed for a workstation GPU (no datacenter adapter is part of the card); {_NCCL_LAT}",
+)
+_HGX_SWITCH = (
+    "HGX boards put two GPUs (and two NICs) behind each PCIe switch, one x16 uplink to the host (DGX A100 user "
+    "guide; nvidia-smi topo -m of an HGX B200: GPU0 and GPU1 PIX to the same NICs)"
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +132,15 @@ class GPU:
     """Host-to-device bandwidth per direction, bytes per second (the PCIe generation's x16 rate)."""
     kind: str = "cuda"
     """``cuda`` or ``rocm``: what ``torch`` calls the device either way is ``cuda``."""
+    intra: Link = PCIE4_P2P
+    """The link to the other GPUs of its node (``recompute.core.comms``)."""
+    inter: Link = IB_HDR
+    """The link to GPUs of other nodes, per GPU."""
+    gpus_per_host_link: int = 1
+    """GPUs behind one host link (a PCIe switch's uplink): when they all copy to the host at once (offload under
+    any multi-GPU job) each gets ``host_link / gpus_per_host_link``."""
+    links_source: str = ""
+    """Where the host-link sharing comes from."""
 
     @property
     def peak_fp16(self) -> float:
@@ -89,6 +162,10 @@ GPUS: dict[str, GPU] = {
             peak_fp32=66.9e12,
             bandwidth=3.35e12,
             host_link=_PCIE5,
+            intra=NVLINK4,
+            inter=IB_NDR,
+            gpus_per_host_link=2,
+            links_source=_HGX_SWITCH,
         ),
         GPU(
             "h100-pcie-80gb",
@@ -101,6 +178,8 @@ GPUS: dict[str, GPU] = {
             peak_fp32=51.2e12,
             bandwidth=2.0e12,
             host_link=_PCIE5,
+            intra=PCIE5_P2P,
+            inter=IB_NDR,
         ),
         GPU(
             "h200-141gb",
@@ -113,6 +192,10 @@ GPUS: dict[str, GPU] = {
             peak_fp32=66.9e12,
             bandwidth=4.8e12,
             host_link=_PCIE5,
+            intra=NVLINK4,
+            inter=IB_NDR,
+            gpus_per_host_link=2,
+            links_source=_HGX_SWITCH,
         ),
         GPU(
             "b200-180gb",
@@ -125,6 +208,10 @@ GPUS: dict[str, GPU] = {
             peak_fp32=80e12,
             bandwidth=8.0e12,
             host_link=_PCIE5,
+            intra=NVLINK5,
+            inter=IB_NDR,
+            gpus_per_host_link=2,
+            links_source=_HGX_SWITCH,
         ),
         GPU(
             "a100-80gb",
@@ -136,6 +223,10 @@ GPUS: dict[str, GPU] = {
             peak_tf32=156e12,
             peak_fp32=19.5e12,
             bandwidth=2.039e12,
+            intra=NVLINK3,
+            inter=IB_HDR,
+            gpus_per_host_link=2,
+            links_source=_HGX_SWITCH,
         ),
         GPU(
             "a100-40gb",
@@ -147,6 +238,10 @@ GPUS: dict[str, GPU] = {
             peak_tf32=156e12,
             peak_fp32=19.5e12,
             bandwidth=1.555e12,
+            intra=NVLINK3,
+            inter=IB_HDR,
+            gpus_per_host_link=2,
+            links_source=_HGX_SWITCH,
         ),
         GPU(
             "l40s-48gb",
@@ -158,6 +253,8 @@ GPUS: dict[str, GPU] = {
             peak_tf32=183e12,
             peak_fp32=91.6e12,
             bandwidth=864e9,
+            intra=PCIE4_P2P,
+            inter=IB_NDR,
         ),
         GPU(
             "rtx4090-24gb",
@@ -169,6 +266,8 @@ GPUS: dict[str, GPU] = {
             peak_tf32=82.6e12,
             peak_fp32=82.6e12,
             bandwidth=1.008e12,
+            intra=PCIE4_P2P,
+            inter=ETH_100,
         ),
         GPU(
             "mi300x-192gb",
@@ -182,6 +281,8 @@ GPUS: dict[str, GPU] = {
             bandwidth=5.3e12,
             host_link=_PCIE5,
             kind="rocm",
+            intra=INFINITY_FABRIC,
+            inter=IB_NDR,
         ),
     )
 }
@@ -220,7 +321,14 @@ def datasheet_device(gpu: str | GPU) -> Device:
         host_link=row.host_link,
         memory=row.memory,
         source=f"datasheet: {row.source}; matmul at {MATMUL_SHARE:.0%} and bandwidth at {BANDWIDTH_SHARE:.0%} of peak",
+        network=datasheet_network(row).to_dict(),
     )
+
+
+def datasheet_network(gpu: str | GPU, gpus_per_node: int = 8) -> Network:
+    """The links of a table row as a ``Network`` (nothing measured)."""
+    row = gpu_by_name(gpu)
+    return Network(row.intra, row.inter, gpus_per_node)
 
 
 def gpu_by_name(name: str | GPU) -> GPU:

@@ -151,6 +151,8 @@ class RankRow:
     """Median training step (forward, backward, AdamW step)."""
     peak: int | None
     """``torch.cuda.max_memory_allocated`` over one step on this rank (CUDA only)."""
+    predicted_s: float | None = None
+    """The time model's step for this rank (``recompute.core.pricing.step_time``: kernels and collectives)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,8 @@ class ParallelBench:
     device: str
     steps: int
     rows: tuple[RankRow, ...]
+    notes: tuple[str, ...] = ()
+    """Where the predicted times come from (the device profile, its collectives)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,7 +174,8 @@ class ParallelBench:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelBench:
         rows = tuple(RankRow(**r) for r in data["rows"])
-        return cls(**{**{k: data[k] for k in ("model", "workload", "world", "device", "steps")}, "rows": rows})
+        keys = ("model", "workload", "world", "device", "steps")
+        return cls(**{**{k: data[k] for k in keys}, "rows": rows, "notes": tuple(data.get("notes", ()))})
 
 
 def read_json(path: str | Path, what: str, fix: str) -> dict[str, Any]:

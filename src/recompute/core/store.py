@@ -33,9 +33,13 @@ __all__ = [
 
 T = TypeVar("T")
 
-MEASURED_WORKLOAD = ("micro_batch", "seq_len", "dtype", "attention", "device", "keep_grads", "loss", "loss_chunk")
-"""The workload fields a measured step depends on (one device: no parallelism; precision and data parallelism
-only change the model states, which are priced from the parameter count)."""
+MEASURED_WORKLOAD = (
+    *("micro_batch", "seq_len", "dtype", "attention", "device", "keep_grads", "loss", "loss_chunk"),
+    *("tp", "sp"),
+)
+"""The workload fields a measured step depends on: one rank's step, tensor- and sequence-parallel (rank 0 on a
+fake process group) or not; precision and data parallelism only change the model states, which are priced from
+the parameter count, and the pipeline lays the step out (``recompute.core.pricing``)."""
 
 KEY_FORMAT = "recompute.profile/2"
 """Part of every key: a change to what a profile holds changes it, so old files are not read as new."""

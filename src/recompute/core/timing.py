@@ -47,6 +47,7 @@ from recompute.core.files import atomic_write, read_json_file
 
 __all__ = [
     "CLASSES",
+    "COMM_PREFIX",
     "DEVICE_FORMAT",
     "OPTIMIZER_PHASE",
     "Curve",
@@ -74,6 +75,8 @@ CLASSES = ("matmul", "attention", "math", "memory")
 
 OPTIMIZER_PHASE = "optimizer step"
 """The phase whose kernels the host issues at ``HostCost.optimizer`` (no modules, no autograd)."""
+COMM_PREFIX = "comm."
+"""Work signatures of collectives (``comm.all_reduce.tp.8``): priced by ``recompute.core.comms``, not here."""
 
 Op = tuple[str, str, int, int, int]
 """One work signature and how many kernels ran it: (op, dtype, FLOPs, bytes, count)."""
@@ -190,6 +193,8 @@ class Device:
     compiled: bool = False
     """Price the step as run under ``torch.compile`` or CUDA graphs: no eager host work, a bare launch per
     kernel (a pricing choice, not a property of the device: ``recompute estimate --compiled``)."""
+    network: dict[str, Any] = field(default_factory=dict)
+    """The links between GPUs and the collectives measured (``recompute.core.comms.Network.to_dict``)."""
 
     @property
     def asynchronous(self) -> bool:
@@ -206,7 +211,7 @@ class Device:
     def phase_seconds(self, work: Iterable[Op], *, phase: str = "", replayed: int = 0) -> float:
         """Time of one phase of a step: its kernels on the device and the host's time to issue them, the larger
         on a GPU, their sum on a CPU (the module docstring)."""
-        ops = tuple(work)
+        ops = tuple(op for op in work if not op[0].startswith(COMM_PREFIX))  # collectives: recompute.core.comms
         device = sum(self.kernel(op) * op[4] for op in ops)
         host = self.host_seconds(sum(op[4] for op in ops), replayed, phase=phase)
         return max(host, device) if self.asynchronous else host + device
@@ -247,6 +252,8 @@ class Device:
     def kernel(self, op: Op) -> float:
         """The device time of one kernel of a work signature: the roofline, without the host's overhead."""
         name, dtype, flops, nbytes, _ = op
+        if name.startswith(COMM_PREFIX):  # a collective: recompute.core.comms prices it
+            return 0.0
         cls = op_class(name, flops)
         if cls in ("matmul", "attention"):
             return max(flops / self.rate(cls, dtype, flops, name), nbytes / self.bandwidth["memory"](nbytes))
@@ -276,6 +283,7 @@ class Device:
             "measured": self.measured,
             "host": None if self.host is None else self.host.to_dict(),
             "compiled": self.compiled,
+            "network": self.network,
         }
 
     @classmethod
@@ -301,6 +309,7 @@ class Device:
             measured=dict(data.get("measured") or {}),
             host=None if data.get("host") is None else HostCost.from_dict(data["host"]),
             compiled=bool(data.get("compiled", False)),
+            network=dict(data.get("network") or {}),
         )
 
     def save(self, path: str | Path) -> None:
@@ -348,7 +357,7 @@ _DEVICE_BYTES = 16 * 2**20
 
 _DEVICE_KEYS = {
     "format", "name", "kind", "label", "compute", "bandwidth", "overhead", "ops", "host_link", "memory", "source",
-    "threads", "measured", "host", "compiled",
+    "threads", "measured", "host", "compiled", "network",
 }  # fmt: skip
 
 
@@ -419,8 +428,8 @@ def work_seconds(work: Iterable[Op], device: Device, *, replayed: int = 0) -> fl
 
 
 def kernels(work: Iterable[Op]) -> int:
-    """How many kernels a list of work signatures runs."""
-    return sum(op[4] for op in work)
+    """How many kernels a list of work signatures runs (collectives apart)."""
+    return sum(op[4] for op in work if not op[0].startswith(COMM_PREFIX))
 
 
 def replayed(work: Iterable[Op], base: Iterable[Op]) -> int:
@@ -440,7 +449,7 @@ def merge(*works: Sequence[Op]) -> tuple[Op, ...]:
 def by_class(work: Iterable[Op], device: Device, *, phase: str = "", replayed: int = 0) -> dict[str, float]:
     """Seconds of one phase's ``work`` by op class, and ``host``: the host's time where it adds to the device's
     (all of it on a CPU; on a GPU what it takes beyond the device's time)."""
-    ops = tuple(work)
+    ops = tuple(op for op in work if not op[0].startswith(COMM_PREFIX))
     out = dict.fromkeys((*CLASSES, "host"), 0.0)
     for op in ops:
         out[op_class(op[0], op[2])] += device.kernel(op) * op[4]

@@ -17,18 +17,29 @@ conventions (2 FLOPs per multiply-add; attention counted as if no mask, as PyTor
 It also files every kernel the step runs as a ``Work`` signature (op, dtype, FLOPs, bytes) under its phase,
 for the time model (``recompute.core.timing``): bytes are what the op reads (each input's memory span once)
 plus what it writes; views, and the allocations that run no kernel, are not kernels and are left out.
+
+Collectives (DTensor's functional ones, and the process group's own that FSDP2 calls) are filed too, under
+``comm.<kind>.<group>.<ranks>`` (``recompute.core.comms.comm_name``), with the collective's size as nccl-tests
+counts it (the all-reduce buffer, the whole gathered or scattered tensor) as bytes; the group is the mesh
+dimension its process group was made for (``tp``, ``dp``). One that runs inside a checkpoint's recomputation is
+marked ``.replay``: a replayed region runs its collectives again.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
+from types import FrameType
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
+from recompute.core.comms import comm_name
 from recompute.trace._tracker import Phase, StepTracker
 
 __all__ = ["PhaseFlops", "op_name", "span", "tensors_of"]
@@ -41,6 +52,26 @@ _NO_KERNEL = frozenset(
     | {"_unsafe_view"}
 )
 """Ops that allocate or read metadata and run no kernel (views are recognised by their schema)."""
+
+_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "allreduce_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "send": "send_recv",
+    "recv_": "send_recv",
+}
+"""Collective ops (``_c10d_functional`` and ``c10d``) by the kind ``recompute.core.comms`` prices."""
 
 
 def _sdpa_cpu(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -117,16 +148,28 @@ class PhaseFlops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        args, kwargs, out = _local((args, kwargs, result))  # Note: [DTensor ops are local kernels]
         name = op_name(func, kwargs)
         formula = _FORMULAS.get(func._overloadpacket)
         flops = _flops(formula, args, kwargs, out) if formula is not None else 0
         phase = self.tracker.phase()
+        kind = _COLLECTIVES.get(name.split(".")[-1]) if "c10d" in name else None
+        if kind is not None:
+            self._file_comm(phase, kind, args, kwargs, out)
+            return result
         if flops:
             self.by_phase.setdefault(phase, Counter())[name] += flops
         if not func.is_view and name not in _NO_KERNEL and not name.startswith("prim."):
             self._file(phase, name, flops, args, kwargs, out)
-        return out
+        return result
+
+    def _file_comm(self, phase: Phase, kind: str, args: Any, kwargs: Any, out: Any) -> None:
+        inputs, outputs = tensors_of((args, kwargs), out)
+        size = max((span(t) for t in inputs + outputs), default=0)
+        group, n = _group(args, kwargs)
+        name = comm_name(kind, group, n, replay=_replaying())
+        self.work.setdefault(phase, Counter())[name, _dtype(inputs + outputs), 0, size] += 1
 
     def _file(self, phase: Phase, name: str, flops: int, args: Any, kwargs: Any, out: Any) -> None:
         inputs, outputs = tensors_of((args, kwargs), out)
@@ -147,3 +190,43 @@ def _flops(formula: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
         heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
         wide = [(a.shape[0], heads, *a.shape[2:]) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args]
         return int(formula(*wide, **kwargs, out_val=out))
+
+
+def _local(tree: Any) -> Any:
+    """``tree`` with every DTensor replaced by this rank's local tensor.
+
+    Note: [DTensor ops are local kernels] an op on DTensors reaches this mode with the global shapes (the
+    mode runs before DTensor's own dispatch, which then runs the local kernel out of the mode's sight): a
+    row-parallel matmul would count t times its FLOPs. What the rank runs is the op on its local shards.
+    """
+    return tree_map_only(DTensor, lambda t: t.to_local() if isinstance(t, DTensor) else t, tree)
+
+
+def _group(args: Any, kwargs: Any) -> tuple[str, int]:
+    """(mesh dimension, ranks) of a collective's process group: by its name (functional collectives) or the
+    group itself (the process group's own ops)."""
+    for a in tree_leaves((args, kwargs)):
+        pg: Any = None
+        if isinstance(a, str):
+            try:
+                pg = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]
+            except (KeyError, RuntimeError, ValueError):
+                continue
+        elif hasattr(a, "size") and hasattr(a, "group_desc"):
+            pg = a
+        if pg is not None:
+            desc = str(getattr(pg, "group_desc", "") or "")
+            return (desc.removeprefix("mesh_") if desc.startswith("mesh_") else "world"), int(pg.size())
+    return "world", dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _replaying() -> bool:
+    """Whether the op runs inside non-reentrant checkpoint's recomputation (``recompute_fn`` on the stack)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "recompute_fn" and frame.f_code.co_filename.replace("\\", "/").endswith(
+            "torch/utils/checkpoint.py"
+        ):
+            return True
+        frame = frame.f_back
+    return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -103,9 +104,10 @@ def step_work(
     class with each op's FLOPs and bytes filed (``recompute.core.timing`` prices it on a device).
 
     ``layers``: trace this many layers and one more and scale (``scale_work``), as ``trace`` does; identical
-    layers only (a preset). One device's step: tensor parallelism is refused (its communication is not
-    modelled). A CUDA step on a machine without CUDA is traced on the CPU: the same kernels but for the
-    attention kernel's name and the dropout masks' dtype. SDPA's dropout is then traced as part of the fused
+    layers only (a preset). With ``wl.tp`` > 1 it is rank 0's step (recompute's GPT/Llama on a fake process
+    group), every collective filed with the kernels (``recompute.core.comms``). A CUDA step on a machine
+    without CUDA is traced on the CPU: the same kernels but for the attention kernel's name and the dropout
+    masks' dtype. SDPA's dropout is then traced as part of the fused
     kernel, as a GPU runs it (the CPU's fused kernels take no dropout and would fall back to the math path).
 
     Raises:
@@ -174,8 +176,10 @@ def _work_tracer(
     source: ModelSource, wl: Workload
 ) -> Iterator[tuple[Callable[[Policy, int], dict[str, tuple[Any, ...]]], int]]:
     """A function tracing the step's work of the model at ``n`` layers under a policy, and the model's layer
-    count: a CUDA step on a machine without CUDA stands in on the CPU, SDPA's dropout fused as on a GPU."""
-    require(wl.tp == 1, "the time model prices one device's step; drop --tp", fields=("tp",))
+    count: a CUDA step on a machine without CUDA stands in on the CPU, SDPA's dropout fused as on a GPU; with
+    ``wl.tp`` > 1, rank 0 of a fake process group, its collectives filed with its kernels."""
+    # One rank of one micro-batch's whole model: the pipeline and data parallelism lay it out (recompute.core.pricing)
+    wl = dataclasses.replace(wl, pp=1, interleave=1, n_microbatches=None, dp=1)
     foreach = wl.device == "cuda"  # AdamW's multi-tensor kernels, PyTorch's default on CUDA
     stand_in = wl.device == "cuda" and not torch.cuda.is_available()
     if stand_in:
@@ -187,7 +191,7 @@ def _work_tracer(
     def work_of(pol: Policy, k: int) -> dict[str, tuple[Any, ...]]:
         return _work(source, wl, pol, k, device, foreach)
 
-    with _fused_dropout() if stand_in else contextlib.nullcontext():
+    with _fake_group(wl.tp), _fused_dropout() if stand_in else contextlib.nullcontext():
         yield work_of, n
 
 
@@ -351,11 +355,13 @@ def _fake_group(tp: int) -> Iterator[None]:
             "--tp traces one rank on a fake process group, but a process group is already running here; "
             "run recompute trace outside torchrun"
         )
+    hook = sys.excepthook  # each process group wraps it (a "[rank0]:" prefix): the fake one's is undone
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _fake_model(
@@ -374,9 +380,13 @@ def _prepare(built: BuiltModel, wl: Workload, pol: Policy, *, device: str) -> tu
     mode = FakeTensorMode()
     fakeify(model, mode, device)
     if wl.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = init_device_mesh(device, (wl.tp,), mesh_dim_names=("tp",))  # outside the fake mode
+        # A group of its own (not the default one a whole-world mesh reuses), named as a mesh names its dims, so
+        # that the collectives traced say which dimension they run on (``recompute.trace._flops``).
+        group = dist.new_group(ranks=list(range(wl.tp)), group_desc="mesh_tp")
+        mesh = DeviceMesh.from_group(group, device, mesh_dim_names=("tp",))  # outside the fake mode
         with mode:
             parallelize(model, mesh, sp=wl.sp)
     model.train()
