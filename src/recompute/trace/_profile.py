@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -114,33 +115,142 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
         refused = [_refused(whole, layers, r) for r in reps]
         ok = [[p for p in profiled_policies() if p not in refused[k]] for k in range(lead)]
         pairs = sorted({(kind_of[i], kind_of[i + 1]) for i in range(n - 1)})
-        runs: list[tuple[tuple[Any, ...], list[int], int, tuple[str, ...]]] = []
-
-        def leads(p: str) -> tuple[str, ...]:
-            """The leading layers run the measured layer's policy where they take it: what layers share is
-            then kept by them under that policy, as by the model's first layers when every layer runs it."""
-            return tuple(p if p in ok[k] else "none" for k in range(lead))
-
-        for a, b in pairs:  # a layer of kind a at a generic position, followed by one of kind b
-            picks = [*reps, reps[a], reps[b], n - 1]
-            runs += [(("pair", a, b, p, q), picks, lead, (*leads(p), p, q, "none")) for p in ok[a] for q in ok[b]]
-        picks = [*reps, n - 1] if n > 1 else [0]  # the last layer, with the head after it
-        x_last = len(picks) - 1
-        runs += [(("last", p), picks, x_last, (*leads(p)[:x_last], p)) for p in ok[kind_of[-1]]]
-        shorts = {tuple(picks): _short_model(whole, layers, picks) for _, picks, _, _ in runs}  # while on meta
-        progress("profile", 0, len(runs) + 1)
+        chain = _chain(pairs, ok)
+        lasts = ok[kind_of[-1]]
+        x_last = lead if n > 1 else 0
+        # The last layer with the head after it, per policy; and for a policy the chain runs but the last layer
+        # cannot take, a layer of a kind that takes it after the leading layers (what the layers share that
+        # they keep, for ``_chain_sites``).
+        anchors = [("last", p, [*reps, n - 1] if n > 1 else [0], x_last) for p in lasts]
+        for p in dict.fromkeys(p for _, p in chain):
+            if p not in lasts:
+                k = next(k for k in range(lead) if p in ok[k])
+                anchors.append(("alone", p, [*reps, reps[k]], lead))
+        steps = 2 + len(anchors)
+        # Built while the whole model is on meta: a step makes its model fake in place.
+        shorts = [_short_model(whole, layers, picks) for _, _, picks, _ in anchors]
+        leads = [p for k in range(lead) for p in ok[k]]
+        long = _short_model(whole, layers, [*_lead_picks(reps, ok), *(reps[k] for k, _ in chain), n - 1])
+        progress("profile", 0, steps)
         base, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
-        progress("profile", 1, len(runs) + 1)
-        records: dict[tuple[Any, ...], tuple[StepRecord, int]] = {}
-        for j, (key, picks, x, per_layer) in enumerate(runs):
-            built = _copy(shorts[tuple(picks)])
-            records[key] = step_built(built, wl, Policy(layers=per_layer), device=device, flops=True)[0], x
-            progress("profile", j + 2, len(runs) + 1)
+        progress("profile", 1, steps)
+        records: dict[tuple[Any, ...], _Site] = {}
+        only_last = any(k not in {a for a, _ in pairs} for k in range(lead))  # its figures come from the last runs
+        shared: dict[str, int] = {}
+        for j, ((tag, p, _, x), built) in enumerate(zip(anchors, shorts)):
+            per_layer = (*_leads(p, ok)[:x], p)
+            rec = step_built(
+                built, wl, Policy(layers=per_layer), device=device, flops=only_last, step=False, owners=True
+            )[0]
+            records[tag, p] = _Site(rec, x)
+            shared[p] = rec.phase_shared.get(Phase("backward", "layer", x), 0)
+            progress("profile", j + 2, steps)
+        if chain:
+            per_layer = (*leads, *(p for _, p in chain), "none")
+            rec = step_built(long, wl, Policy(layers=per_layer), device=device, flops=True, step=False, owners=True)[0]
+            records |= _chain_sites(rec, chain, len(leads), set(pairs), shared)
+        progress("profile", steps, steps)
     members = [tuple(i for i, x in enumerate(kind_of) if x == k) for k in range(lead)]
     kinds = tuple(_kind(labels[k], members[k], layers[reps[k]], k, records, refused[k]) for k in range(lead))
     links = {f"{a}>{b}": _link(records, ("pair", a, b), ok[a], ok[b]) for a, b in pairs}
-    last = _last(records, ok[kind_of[-1]])
+    last = _last(records, lasts)
     return _assemble(source, whole, wl, base, kinds, tuple(kind_of), links, last, n_params, time.perf_counter() - start)
+
+
+def _leads(p: str, ok: Sequence[Sequence[str]]) -> tuple[str, ...]:
+    """The leading layers (the first of each kind) run ``p`` where they take it: what layers share is then kept
+    by them under that policy, as by the model's first layers when every layer runs it."""
+    return tuple(p if p in ok[k] else "none" for k in range(len(ok)))
+
+
+def _lead_picks(reps: Sequence[int], ok: Sequence[Sequence[str]]) -> list[int]:
+    """The chain's leading layers: the first layer of each kind once per policy it takes, so that whatever the
+    layers share is kept by one of them under every policy, before any measured layer."""
+    return [reps[k] for k in range(len(reps)) for _ in ok[k]]
+
+
+@dataclass(frozen=True)
+class _Site:
+    """A layer measured in a step: the step's record, the layer's index in it, and what the layers beyond the
+    one after it leave allocated through its backward (their gradients, what their forward keeps to the end of
+    the step): a short model has none of them."""
+
+    rec: StepRecord
+    x: int
+    above: int = 0
+
+
+def _chain(pairs: Sequence[tuple[int, int]], ok: Sequence[Sequence[str]]) -> list[tuple[int, str]]:
+    """Layers as (kind, policy) in an order in which every measured transition (a layer of kind a under p, then
+    one of kind b under q, for each pair of kinds (a, b) that follow each other in the model) occurs.
+
+    Note: [one step for every link] A layer's figures depend on its own policy and the next layer's, not on
+    where it stands (given the gradients of the layers above, which ``_Site.above`` takes off) nor on the
+    layers before it (given what they share is kept before it: ``_lead_picks``). So the links are measured in
+    one model whose layers walk an Euler path through the graph of transitions (Hierholzer): about one layer per
+    transition instead of a short model of four layers each. Where the graph is unbalanced or falls apart,
+    transitions no link needs are added (a layer each). tests/test_profile.py holds the result to short models
+    of each transition alone.
+    """
+    adj: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    surplus: dict[tuple[int, str], int] = {}  # edges out minus edges in
+    for a, b in pairs:
+        for p in ok[a]:
+            for q in ok[b]:
+                adj.setdefault((a, p), []).append((b, q))
+                adj.setdefault((b, q), [])
+                surplus[a, p] = surplus.get((a, p), 0) + 1
+                surplus[b, q] = surplus.get((b, q), 0) - 1
+    needs_out = [v for v in adj for _ in range(-surplus.get(v, 0))]
+    needs_in = [v for v in adj for _ in range(surplus.get(v, 0))]
+    for u, v in zip(needs_out, needs_in):
+        adj[u].append(v)
+    for v in adj:
+        adj[v].reverse()  # popped from the end: in the order added
+    chain: list[tuple[int, str]] = []
+    for v in list(adj):
+        if adj[v]:
+            chain += _circuit(v, adj)
+    return chain
+
+
+def _circuit(start: tuple[int, str], adj: dict[tuple[int, str], list[tuple[int, str]]]) -> list[tuple[int, str]]:
+    """Hierholzer's walk from ``start`` over every edge of its (balanced) component, consuming them."""
+    stack, path = [start], []
+    while stack:
+        v = stack[-1]
+        if adj[v]:
+            stack.append(adj[v].pop())
+        else:
+            path.append(stack.pop())
+    return path[::-1]
+
+
+def _chain_sites(
+    rec: StepRecord,
+    chain: Sequence[tuple[int, str]],
+    first: int,
+    pairs: set[tuple[int, int]],
+    shared: dict[str, int],
+) -> dict[tuple[Any, ...], _Site]:
+    """Every transition of ``chain`` (its layers from ``first`` on, then a copy of the model's last layer) as a
+    ``("pair", a, b, p, q)`` site; the first occurrence of each.
+
+    Note: [what the layers share] Tensors the model makes before its first layer (position ids, masks) live
+    through the backward as long as a layer below keeps them (a checkpoint's inputs). In a short model the
+    layers below a measured one run its policy, so a layer's backward is measured with what its policy keeps
+    of them; the chain's leading layers keep all of it. ``shared[p]``, measured in an anchor whose leading
+    layers run ``p``, puts the short model's amount back."""
+    out: dict[tuple[Any, ...], _Site] = {}
+    left = [g + a for g, a in zip(rec.layer_grads, rec.layer_left)]
+    for i in range(len(chain) - 1):
+        (a, p), (b, q) = chain[i], chain[i + 1]
+        key = ("pair", a, b, p, q)
+        x = first + i
+        if (a, b) in pairs and key not in out:
+            here = rec.phase_shared.get(Phase("backward", "layer", x), 0)
+            out[key] = _Site(rec, x, sum(left[x + 2 :]) + here - shared[p])
+    return out
 
 
 def _refused(whole: BuiltModel, layers: nn.ModuleList, rep: int) -> dict[str, str]:
@@ -224,10 +334,6 @@ def _owner(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
     raise ConfigError(f"cannot find the layer list in {type(model).__name__}")
 
 
-def _copy(built: BuiltModel) -> BuiltModel:
-    return BuiltModel(copy.deepcopy(built.model), built.loss_fn, built.vocab, built.class_name, built.notes)
-
-
 def _saved(record: StepRecord, layer: int) -> int:
     return sum(r.nbytes for r in record.saved if r.layer == layer)
 
@@ -245,31 +351,34 @@ def _kind(
     members: tuple[int, ...],
     layer: nn.Module,
     k: int,
-    records: dict[tuple[Any, ...], tuple[StepRecord, int]],
+    records: dict[tuple[Any, ...], _Site],
     refused: dict[str, str],
 ) -> LayerKind:
-    """Kind ``k`` from the short models where a layer of it is measured at a generic position with the next
-    layer under ``none`` (or, for a kind only last, the head after it)."""
-    mine = {key[3]: v for key, v in records.items() if key[0] == "pair" and key[1] == k and key[4] == "none"}
-    if not mine:
+    """Kind ``k`` from the sites where a layer of it is measured at a generic position with the next layer under
+    ``none`` (the next of the last kind to follow it), or, for a kind only last, with the head after it."""
+    follow = [key for key in records if key[0] == "pair" and key[1] == k]
+    if follow:
+        b = max(key[2] for key in follow)
+        mine = {key[3]: v for key, v in records.items() if key[:3] == ("pair", k, b) and key[4] == "none"}
+    else:
         mine = {key[1]: v for key, v in records.items() if key[0] == "last"}
-    ref, x = mine["none"]
-    fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
+    ref = mine["none"]
     kept, held, comps, ops, d_f, d_b, b_flops, b_ops = {}, {}, {}, {}, {}, {}, {}, {}
     f_work, b_work = {}, {}
-    for name, (rec, _) in mine.items():
+    for name, site in mine.items():
+        rec, fwd, bwd = site.rec, _layer(site, "forward"), _layer(site, "backward")
         f_work[name] = work_list(rec.work.get(fwd, {}))
         b_work[name] = work_list(rec.work.get(bwd, {}))
-        records_x = [r for r in rec.saved if r.layer == x]
+        records_x = [r for r in rec.saved if r.layer == site.x]
         kept[name] = sum(r.nbytes for r in records_x)
-        held[name] = _held(rec, x)
+        held[name] = _held(site)
         comps[name] = _sum_by(records_x, "component")
         ops[name] = _sum_by(records_x, "op")
-        d_f[name] = _phase_delta(rec, ref, fwd, x)
-        d_b[name] = _phase_delta(rec, ref, bwd, x)
+        d_f[name] = _phase_delta(site, ref, "forward")
+        d_b[name] = _phase_delta(site, ref, "backward")
         b_ops[name] = _flops(rec, bwd)
         b_flops[name] = sum(b_ops[name].values())
-    f_ops = _flops(ref, fwd)
+    f_ops = _flops(ref.rec, _layer(ref, "forward"))
     return LayerKind(
         name=label,
         layers=members,
@@ -290,55 +399,59 @@ def _kind(
     )
 
 
-def _held(rec: StepRecord, x: int) -> int:
-    """Growth of allocated bytes over layer ``x``'s forward: from its start to the next layer's (or the head's)."""
+def _layer(site: _Site, stage: str) -> Phase:
+    return Phase(stage, "layer", site.x)
+
+
+def _held(site: _Site) -> int:
+    """Growth of allocated bytes over the layer's forward: from its start to the next layer's (or the head's)."""
+    rec, x = site.rec, site.x
     after = rec.layer_starts[x + 1] if x + 1 < len(rec.layer_starts) else _peak(rec, Phase("forward", "head"))
     return after - rec.layer_starts[x]
 
 
-def _phase_delta(rec: StepRecord, ref: StepRecord, phase: Phase, x: int) -> int:
-    """The peak of ``phase`` above the memory at layer ``x``'s start, against the all-``none`` reference."""
-    return (_peak(rec, phase) - rec.layer_starts[x]) - (_peak(ref, phase) - ref.layer_starts[x])
+def _rise(site: _Site, stage: str, part: str) -> int:
+    """The peak of a phase (the layer's own, or the head's) above the memory at the layer's start, less the
+    gradients of the layers beyond the next one in a backward phase."""
+    phase = _layer(site, stage) if part == "layer" else Phase(stage, part)
+    return _peak(site.rec, phase) - site.rec.layer_starts[site.x] - (site.above if stage == "backward" else 0)
+
+
+def _phase_delta(site: _Site, ref: _Site, stage: str, part: str = "layer") -> int:
+    """A phase's rise (``_rise``) against the all-``none`` reference's."""
+    return _rise(site, stage, part) - _rise(ref, stage, part)
 
 
 def _link(
-    records: dict[tuple[Any, ...], tuple[StepRecord, int]],
-    tag: tuple[Any, ...],
-    first: Sequence[str],
-    then: Sequence[str],
+    records: dict[tuple[Any, ...], _Site], tag: tuple[Any, ...], first: Sequence[str], then: Sequence[str]
 ) -> dict[str, dict[str, tuple[int, int, int]]]:
     """Per (a layer's policy, the next one's): what it holds, its backward phase's and its forward phase's
     deltas, against both running ``none``."""
-    ref_key: tuple[Any, ...] = (*tag, "none", "none")
-    ref, x = records[ref_key]
-    fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
+    ref = records[(*tag, "none", "none")]
     out: dict[str, dict[str, tuple[int, int, int]]] = {}
     for p in first:
         out[p] = {}
         for q in then:
-            key: tuple[Any, ...] = (*tag, p, q)
-            rec, _ = records[key]
+            site = records[(*tag, p, q)]
             out[p][q] = (
-                _held(rec, x) - _held(ref, x),
-                _phase_delta(rec, ref, bwd, x),
-                _phase_delta(rec, ref, fwd, x),
+                _held(site) - _held(ref),
+                _phase_delta(site, ref, "backward"),
+                _phase_delta(site, ref, "forward"),
             )
     return out
 
 
-def _last(
-    records: dict[tuple[Any, ...], tuple[StepRecord, int]], policies: Sequence[str]
-) -> dict[str, tuple[int, int, int]]:
+def _last(records: dict[tuple[Any, ...], _Site], policies: Sequence[str]) -> dict[str, tuple[int, int, int]]:
     """For the last layer, per policy: its backward phase's delta and the head's forward and backward deltas,
     against ``none``."""
-    ref, x = records["last", "none"]
+    ref = records["last", "none"]
     out = {}
     for p in policies:
-        rec, _ = records["last", p]
+        site = records["last", p]
         out[p] = (
-            _phase_delta(rec, ref, Phase("backward", "layer", x), x),
-            _phase_delta(rec, ref, Phase("forward", "head"), x),
-            _phase_delta(rec, ref, Phase("backward", "head"), x),
+            _phase_delta(site, ref, "backward"),
+            _phase_delta(site, ref, "forward", "head"),
+            _phase_delta(site, ref, "backward", "head"),
         )
     return out
 

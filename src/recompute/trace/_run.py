@@ -317,11 +317,20 @@ def _step(source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
 
 
 def step_built(
-    built: BuiltModel, wl: Workload, pol: Policy, *, device: str, flops: bool = False, foreach: bool | None = None
+    built: BuiltModel,
+    wl: Workload,
+    pol: Policy,
+    *,
+    device: str,
+    flops: bool = False,
+    foreach: bool | None = None,
+    step: bool = True,
+    owners: bool = False,
 ) -> tuple[StepRecord, BuiltModel, int]:
     """One fake step of a model built on the meta device (made fake here, in place), and its parameter count.
 
-    ``foreach``: AdamW's implementation (None: PyTorch's default for the device)."""
+    ``foreach``: AdamW's implementation (None: PyTorch's default for the device); ``step``: run its step;
+    ``owners``: record ``StepRecord.layer_left`` and ``phase_shared``."""
     stack, mode = _prepare(built, wl, pol, device=device)
     model = built.model
     n_params = sum(p.numel() for p in model.parameters())  # each parameter once, tied ones too
@@ -329,7 +338,17 @@ def step_built(
         optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach)
         prime_optimizer(model, optimizer)
         batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device)
-        record = run_step(model, batch, optimizer, stack, loss_fn=built.loss_fn, keep_grads=wl.keep_grads, flops=flops)
+        record = run_step(
+            model,
+            batch,
+            optimizer,
+            stack,
+            loss_fn=built.loss_fn,
+            keep_grads=wl.keep_grads,
+            flops=flops,
+            step=step,
+            owners=owners,
+        )
     return record, built, n_params
 
 

@@ -48,6 +48,15 @@ class StepRecord:
     """Every kernel of each phase by work signature (op, dtype, FLOPs, bytes): how many ran (``flops=True``)."""
     host_peak: int = 0
     """The most host-memory bytes alive at once (``offload`` layers' copies; in no device figure)."""
+    layer_grads: tuple[int, ...] = ()
+    """Bytes of gradients the backward allocated for each layer's parameters (none with ``keep_grads``: they
+    exist before the step)."""
+    layer_left: tuple[int, ...] = ()
+    """Bytes each layer's forward allocated that are still alive when the backward ends (``owners=True``),
+    such as a key/value cache's entries."""
+    phase_shared: dict[Phase, int] = field(default_factory=dict)
+    """Bytes alive at each phase's peak of what the forward allocated before the first layer, which the layers
+    share (position ids, masks, rotary tables; ``owners=True``)."""
 
     @property
     def peak(self) -> tuple[int, Phase]:
@@ -101,19 +110,26 @@ def run_step(
     loss_fn: LossFn = lm_loss,
     keep_grads: bool = False,
     flops: bool = False,
+    step: bool = True,
+    owners: bool = False,
 ) -> StepRecord:
     """Track one training step of ``model`` on ``batch`` (token ids, targets); the optimizer must be primed.
 
     ``keep_grads``: the gradients exist (as zeros) from the start, as with ``zero_grad(set_to_none=False)``
     or the persistent gradient buffers of DDP and Megatron; otherwise they start as ``None``. Leaves the
     gradients set to ``None`` afterwards. ``flops``: also count every op's FLOPs by phase (``PhaseFlops``).
+    ``step``: run the optimizer step (without it the record has no optimizer phase and its ``states`` are
+    those after the backward). ``owners``: record ``layer_left`` and ``phase_shared``.
     """
     layers = list(layers)
     if keep_grads:
         for p in model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
+    had = {id(p) for p in model.parameters() if p.grad is not None}
     tracker = StepTracker(layers)
+    if owners:
+        tracker.track_owners()
     tracker.track_external(model, optimizer, *batch)
     deltas: dict[int, int] = {}
     starts: dict[int, int] = {}
@@ -126,9 +142,12 @@ def run_step(
                 kept, loss = loss_fn(model, *batch)
             tracker.set_stage("backward")
             loss.backward()
+            left = tracker.left_by_layer()
             del kept, loss
-            tracker.set_stage("optimizer")
-            optimizer.step()
+            grads = _new_grads(layers, had) if not keep_grads else (0,) * len(layers)
+            if step:
+                tracker.set_stage("optimizer")
+                optimizer.step()
             states = _merged_now(tracker)
     finally:
         for h in handles:
@@ -144,6 +163,17 @@ def run_step(
         flops={ph: dict(c) for ph, c in counter.by_phase.items()} if counter else {},
         work={ph: dict(c) for ph, c in counter.work.items()} if counter else {},
         host_peak=tracker.host_peak,
+        layer_grads=grads,
+        layer_left=left if owners else (),
+        phase_shared=dict(tracker.phase_shared),
+    )
+
+
+def _new_grads(layers: Sequence[nn.Module], had: set[int]) -> tuple[int, ...]:
+    """Bytes of the gradients each layer's parameters got in the backward (that did not exist before it)."""
+    return tuple(
+        sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None and id(p) not in had)
+        for layer in layers
     )
 
 

@@ -116,6 +116,43 @@ class StepTracker(MemTracker):
         self.host_peak = 0
         """The most host-memory bytes alive at once."""
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._owners: WeakIdKeyDictionary | None = None
+        self._shared: dict[int, int] = {}  # id of a shared storage's winfo -> its bytes
+        self.shared_bytes = 0
+        """Bytes alive now of what the forward allocated before the first layer (``track_owners``)."""
+        self.phase_shared: dict[Phase, int] = {}
+        """``shared_bytes`` at each phase's peak (``track_owners``)."""
+
+    def track_owners(self) -> None:
+        """Also note which layer's forward allocated each storage (``left_by_layer``), and follow what the
+        forward allocated before the first layer, which the layers share (``shared_bytes``, ``phase_shared``)."""
+        self._owners = WeakIdKeyDictionary()
+
+    def left_by_layer(self) -> tuple[int, ...]:
+        """Bytes alive now that each layer's forward allocated (after ``track_owners``; zeros without it)."""
+        out = [0] * len(self.layers)
+        for st, j in (self._owners or {}).items():
+            info = self._WINFO.get(st)
+            if j >= 0 and info is not None:
+                out[j] += info[0].mem_consumed
+        return tuple(out)
+
+    def _own(self, new: list[torch.UntypedStorage]) -> None:
+        """Note the owner of storages just allocated: the layer running the forward, or -1 before the first."""
+        phase = self.phase()
+        if phase.stage != "forward" or phase.part not in ("layer", "embedding"):
+            return
+        owner = phase.layer if phase.part == "layer" else -1
+        for st in new:
+            self._owners[st] = owner  # type: ignore[index]
+            info = self._WINFO.get(st)
+            if owner == -1 and info is not None:
+                self._shared[id(info[0])] = info[0].mem_consumed
+                self.shared_bytes += info[0].mem_consumed
+
+    def _delete_callback(self, winfo: Any, w_st: Any) -> None:
+        self.shared_bytes -= self._shared.pop(id(winfo), 0)
+        super()._delete_callback(winfo, w_st)
 
     # --- phases ---------------------------------------------------------------------------------------
 
@@ -161,14 +198,19 @@ class StepTracker(MemTracker):
         best = self.phase_peaks.get(phase)
         if best is None or total > best[0]:
             self.phase_peaks[phase] = (total, _merged(self._curr_mem_snap))
+            if self._owners is not None:
+                self.phase_shared[phase] = self.shared_bytes
 
     # --- host memory ---------------------------------------------------------------------------------
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         if copying_to_host():
             self._track_host(t)
-        else:
-            super()._track(reftype, t)
+            return
+        new = [st for st in storages(t) if st not in self._WINFO] if self._owners is not None else []
+        super()._track(reftype, t)
+        if new:
+            self._own(new)
 
     def _track_host(self, t: torch.Tensor) -> None:
         for st in storages(t):
