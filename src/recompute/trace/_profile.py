@@ -1,17 +1,23 @@
 """``profile(model, workload)``: measure a ``Profile`` (``recompute.core.profile``) on fake tensors of the real class.
 
-Two kinds of step, both traced like ``trace`` (nothing allocated):
+Three kinds of step, all traced like ``trace`` (nothing allocated):
 
 1. the whole model under ``none``: every layer's forward and backward peak, what each keeps, the head's and
    the fixed phases, the model states and the step's FLOPs;
-2. per pair of kinds that follow each other in the model, and per pair of policies (the layer's, the next
-   one's), a short model: a copy of the first layer of each kind under the layer's policy where it applies
-   (so what layers share, such as rotary tables or one attention type's mask, is kept by those, as by the
-   first such layer in the whole model), the measured layer and the one after it (taken from the whole
-   model with their own settings: attention type, dense or MoE MLP), and a copy of the last layer. A
-   layer's backward depends on how the next one hands it the gradient, so its figures are measured per
-   policy of the next layer; the last layer's, per policy, with the head after it. A policy a layer cannot
-   take is recorded with its reason.
+2. the links: for every pair of kinds that follow each other in the model and every pair of policies (the
+   layer's, the next one's), what a layer at a generic position holds for the backward and the peaks of its
+   forward and backward phases. A layer's backward depends on how the next one hands it the gradient, so its
+   figures are measured per policy of the next layer. All of them come from one chained step (``_chain``:
+   a model whose layers walk through every transition, each figure equal to that of a short model of the
+   transition alone); a kind's own figures (what it saves, by component and op; its FLOPs and kernels) from
+   its layers there followed by one under ``none``. Layers are copies of the model's own (with their
+   attention type, dense or MoE MLP);
+3. anchors: per policy, the last layer with the head after it (its backward and the head's phases), the
+   leading layers (the first of each kind) under that policy where they take it, as in the whole model when
+   every layer runs it.
+
+A policy a layer cannot take is recorded with its reason. The loss mode changes the head and the step's
+fixed phases, not the layers: ``profiles`` measures the links once for several loss modes.
 
 What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
 start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
@@ -25,6 +31,7 @@ attention type; they are never assumed alike otherwise.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,15 +55,16 @@ from recompute.core.profile import (
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import work_list
-from recompute.core.workload import Workload
+from recompute.core.workload import LOSSES, Workload
 from recompute.models.source import BuiltModel, ModelSource
 from recompute.runtime import TORCH_DTYPES, resolve_device
 from recompute.trace._build import build_meta, fake_kernels
+from recompute.trace._chain import Node, Site, chain, chain_positions, chain_sites, kind_keys, lead_picks, leads
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
 
-__all__ = ["cached_profile", "profile", "profile_key"]
+__all__ = ["cached_profile", "cached_profiles", "profile", "profile_key", "profiles", "with_loss"]
 
 
 def profiled_policies() -> tuple[str, ...]:
@@ -80,15 +88,34 @@ def cached_profile(
     model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Progress = no_progress
 ) -> tuple[Profile, bool]:
     """The profile of ``model`` at ``wl`` from the cache, or measured now and cached; and whether it was cached."""
+    return cached_profiles(model, wl, (wl.loss,), progress=progress)[wl.loss]
+
+
+def cached_profiles(
+    model: ModelSpec | ModelSource | str,
+    wl: Workload,
+    losses: Sequence[str] = LOSSES,
+    *,
+    progress: Progress = no_progress,
+) -> dict[str, tuple[Profile, bool]]:
+    """``cached_profile`` under each loss mode in ``losses``: those not cached are measured together
+    (``profiles``) and cached, each under its own key (the loss mode is part of it)."""
     source = _source_of(model, False)
-    key = profile_key(source, wl)
-    found = cached(key) if key else None
-    if found is not None:
-        return found, True
-    result = profile(source, wl, progress=progress)
-    if key:
-        result.save(cache_path(key))
-    return result, False
+    workloads = {loss: with_loss(wl, loss) for loss in dict.fromkeys(losses)}
+    keys = {loss: profile_key(source, w) for loss, w in workloads.items()}
+    found = {loss: cached(key) if key else None for loss, key in keys.items()}
+    missing = [loss for loss, hit in found.items() if hit is None]
+    measured = profiles(source, wl, missing, progress=progress) if missing else {}
+    out: dict[str, tuple[Profile, bool]] = {}
+    for loss, hit in found.items():
+        if hit is not None:
+            out[loss] = hit, True
+            continue
+        key = keys[loss]
+        if key:
+            measured[loss].save(cache_path(key))
+        out[loss] = measured[loss], False
+    return out
 
 
 def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Progress = no_progress) -> Profile:
@@ -97,160 +124,181 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
     Raises:
         ConfigError: as ``trace``; and parallelism (a profile is of one device: use ``--analytic`` estimates).
     """
+    return profiles(model, wl, (wl.loss,), progress=progress)[wl.loss]
+
+
+def profiles(
+    model: ModelSpec | ModelSource | str,
+    wl: Workload,
+    losses: Sequence[str] = LOSSES,
+    *,
+    progress: Progress = no_progress,
+) -> dict[str, Profile]:
+    """``profile`` of ``model`` at ``wl`` under each loss mode in ``losses``, by loss mode, in one pass: the
+    links are measured once, the whole step and the anchors once per loss mode. Each is the ``Profile`` that
+    ``profile(model, with_loss(wl, loss))`` measures.
+
+    Raises:
+        ConfigError: as ``profile``; a loss mode the workload cannot take (the chunked loss in fp16).
+    """
     source = _source_of(model, False)
     require(
         wl.tp == wl.pp == wl.dp == 1,
         "a profile measures one device's step; drop tp, pp and dp (recompute estimate --analytic models them)",
         fields=("tp", "pp", "dp"),
     )
-    _check_traceable(source, wl)
+    workloads = {loss: with_loss(wl, loss) for loss in dict.fromkeys(losses)}
+    for w in workloads.values():
+        _check_traceable(source, w)
     device = resolve_device(wl.device)
-    dtype = TORCH_DTYPES[wl.dtype]
     start = time.perf_counter()
     with fake_kernels():
-        whole = build_meta(source, attention=wl.attention, dtype=dtype)
-        layers = find_layers(whole.model)
-        kind_of, reps, labels = _layer_kinds(whole.model, layers)
-        n, lead = len(layers), len(reps)
-        refused = [_refused(whole, layers, r) for r in reps]
-        ok = [[p for p in profiled_policies() if p not in refused[k]] for k in range(lead)]
-        pairs = sorted({(kind_of[i], kind_of[i + 1]) for i in range(n - 1)})
-        chain = _chain(pairs, ok)
-        lasts = ok[kind_of[-1]]
-        x_last = lead if n > 1 else 0
-        # The last layer with the head after it, per policy; and for a policy the chain runs but the last layer
-        # cannot take, a layer of a kind that takes it after the leading layers (what the layers share that
-        # they keep, for ``_chain_sites``).
-        anchors = [("last", p, [*reps, n - 1] if n > 1 else [0], x_last) for p in lasts]
-        for p in dict.fromkeys(p for _, p in chain):
-            if p not in lasts:
-                k = next(k for k in range(lead) if p in ok[k])
-                anchors.append(("alone", p, [*reps, reps[k]], lead))
-        steps = 2 + len(anchors)
-        # Built while the whole model is on meta: a step makes its model fake in place.
-        shorts = [_short_model(whole, layers, picks) for _, _, picks, _ in anchors]
-        leads = [p for k in range(lead) for p in ok[k]]
-        long = _short_model(whole, layers, [*_lead_picks(reps, ok), *(reps[k] for k, _ in chain), n - 1])
+        shape = _Shape.of(source, wl)
+        steps = len(workloads) * (1 + len(shape.anchors)) + (1 if shape.chain else 0)
+        # Every model built on meta before a step makes one of them fake: the chained one once.
+        built = {loss: shape.models(chained=i == 0) for i, loss in enumerate(workloads)}
         progress("profile", 0, steps)
-        base, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
-        progress("profile", 1, steps)
-        records: dict[tuple[Any, ...], _Site] = {}
-        only_last = any(k not in {a for a, _ in pairs} for k in range(lead))  # its figures come from the last runs
-        shared: dict[str, int] = {}
-        for j, ((tag, p, _, x), built) in enumerate(zip(anchors, shorts)):
-            per_layer = (*_leads(p, ok)[:x], p)
-            rec = step_built(
-                built, wl, Policy(layers=per_layer), device=device, flops=only_last, step=False, owners=True
-            )[0]
-            records[tag, p] = _Site(rec, x)
-            shared[p] = rec.phase_shared.get(Phase("backward", "layer", x), 0)
-            progress("profile", j + 2, steps)
-        if chain:
-            per_layer = (*leads, *(p for _, p in chain), "none")
-            rec = step_built(long, wl, Policy(layers=per_layer), device=device, flops=True, step=False, owners=True)[0]
-            records |= _chain_sites(rec, chain, len(leads), set(pairs), shared)
-        progress("profile", steps, steps)
-    members = [tuple(i for i, x in enumerate(kind_of) if x == k) for k in range(lead)]
-    kinds = tuple(_kind(labels[k], members[k], layers[reps[k]], k, records, refused[k]) for k in range(lead))
-    links = {f"{a}>{b}": _link(records, ("pair", a, b), ok[a], ok[b]) for a, b in pairs}
-    last = _last(records, lasts)
-    return _assemble(source, whole, wl, base, kinds, tuple(kind_of), links, last, n_params, time.perf_counter() - start)
+        done = 0
+        measured: dict[str, tuple[StepRecord, int, dict[tuple[Any, ...], Site], dict[str, int]]] = {}
+        for loss, w in workloads.items():
+            whole, anchors, _ = built[loss]
+            base, _, n_params = step_built(whole, w, Policy("none"), device=device, flops=True)
+            done += 1
+            progress("profile", done, steps)
+            records, shared = {}, {}
+            for (tag, p, x), short in zip(shape.anchors, anchors):
+                per_layer = (*leads(p, shape.ok)[:x], p)
+                rec = step_built(
+                    short, w, Policy(layers=per_layer), device=device, flops=shape.only_last, step=False, owners=True
+                )[0]
+                records[tag, p] = Site(rec, x)
+                shared[p] = rec.phase_shared.get(Phase("backward", "layer", x), 0)
+                done += 1
+                progress("profile", done, steps)
+            measured[loss] = base, n_params, records, shared
+        links: dict[tuple[Any, ...], Site] = {}
+        if shape.chain:
+            first = next(iter(workloads))
+            chained = built[first][2]
+            assert chained is not None
+            links = _chained(shape, chained, workloads[first], device, measured[first][3])
+            progress("profile", steps, steps)
+    seconds = time.perf_counter() - start
+    return {
+        loss: shape.profile(source, workloads[loss], base, n_params, records | links, seconds)
+        for loss, (base, n_params, records, _) in measured.items()
+    }
 
 
-def _leads(p: str, ok: Sequence[Sequence[str]]) -> tuple[str, ...]:
-    """The leading layers (the first of each kind) run ``p`` where they take it: what layers share is then kept
-    by them under that policy, as by the model's first layers when every layer runs it."""
-    return tuple(p if p in ok[k] else "none" for k in range(len(ok)))
+def with_loss(wl: Workload, loss: str) -> Workload:
+    """``wl`` with loss mode ``loss`` (its chunk kept for the chunked loss).
+
+    Raises:
+        ConfigError: ``loss`` is not a loss mode, or one ``wl`` cannot take (the chunked loss in fp16).
+    """
+    return dataclasses.replace(wl, loss=loss, loss_chunk=wl.loss_chunk if loss == "chunked" else None)
 
 
-def _lead_picks(reps: Sequence[int], ok: Sequence[Sequence[str]]) -> list[int]:
-    """The chain's leading layers: the first layer of each kind once per policy it takes, so that whatever the
-    layers share is kept by one of them under every policy, before any measured layer."""
-    return [reps[k] for k in range(len(reps)) for _ in ok[k]]
+def _chained(
+    shape: _Shape, built: BuiltModel, wl: Workload, device: str, shared: dict[str, int]
+) -> dict[tuple[Any, ...], Site]:
+    """The chained step (``_chain``): every link's site, FLOPs and kernels counted where a kind's come from."""
+    per_layer = (*shape.lead_policies, *(p for _, p in shape.chain), "none")
+    positions = chain_positions(shape.chain, len(shape.lead_policies), set(shape.pairs))
+    counted = {positions[key] for key in kind_keys(shape.pairs, shape.ok)}
+    pol = Policy(layers=per_layer)
+    rec = step_built(built, wl, pol, device=device, flops=True, step=False, owners=True, flop_layers=counted)[0]
+    return chain_sites(rec, positions, shared)
 
 
 @dataclass(frozen=True)
-class _Site:
-    """A layer measured in a step: the step's record, the layer's index in it, and what the layers beyond the
-    one after it leave allocated through its backward (their gradients, what their forward keeps to the end of
-    the step): a short model has none of them."""
+class _Shape:
+    """What a profile measures of a model: its layers by kind, the policies each takes, the transitions between
+    kinds, the chain that walks them and the anchors."""
 
-    rec: StepRecord
-    x: int
-    above: int = 0
+    whole: BuiltModel
+    """The model on the meta device."""
+    layers: nn.ModuleList
+    kind_of: tuple[int, ...]
+    reps: tuple[int, ...]
+    """The first layer of each kind."""
+    labels: tuple[str, ...]
+    refused: tuple[dict[str, str], ...]
+    ok: tuple[tuple[str, ...], ...]
+    """The policies each kind takes."""
+    pairs: tuple[tuple[int, int], ...]
+    chain: tuple[Node, ...]
+    anchors: tuple[tuple[str, str, int], ...]
+    """(tag, policy, index of the measured layer): ``last`` the last layer with the head after it, per
+    policy; ``alone`` for a policy the chain runs that the last layer cannot take, a layer of a kind that
+    takes it (what the layers share that its leading layers keep, for ``chain_sites``)."""
+    picks: tuple[tuple[int, ...], ...]
+    """The model's layers each anchor's short model copies."""
+
+    @classmethod
+    def of(cls, source: ModelSource, wl: Workload) -> _Shape:
+        whole = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype])
+        layers = find_layers(whole.model)
+        kind_of, reps, labels = _layer_kinds(whole.model, layers)
+        n, lead = len(layers), len(reps)
+        refused = tuple(_refused(whole, layers, r) for r in reps)
+        ok = tuple(tuple(p for p in profiled_policies() if p not in refused[k]) for k in range(lead))
+        pairs = tuple(sorted({(kind_of[i], kind_of[i + 1]) for i in range(n - 1)}))
+        order = tuple(chain(pairs, ok))
+        x_last = lead if n > 1 else 0
+        anchors = [("last", p, x_last) for p in ok[kind_of[-1]]]
+        picks = [tuple([*reps, n - 1] if n > 1 else [0]) for _ in anchors]
+        for p in dict.fromkeys(p for _, p in order):
+            if p not in ok[kind_of[-1]]:
+                k = next(k for k in range(lead) if p in ok[k])
+                anchors.append(("alone", p, lead))
+                picks.append((*reps, reps[k]))
+        return cls(
+            whole, layers, tuple(kind_of), tuple(reps), tuple(labels), refused, ok, pairs, order, tuple(anchors),
+            tuple(picks),
+        )  # fmt: skip
+
+    @property
+    def lead_policies(self) -> tuple[str, ...]:
+        """The policies of the chain's leading layers (``lead_picks``)."""
+        return tuple(p for k in range(len(self.reps)) for p in self.ok[k])
+
+    @property
+    def only_last(self) -> bool:
+        """Whether a kind is only the model's last layer (its own figures come from the anchors)."""
+        return any(k not in {a for a, _ in self.pairs} for k in range(len(self.reps)))
+
+    def models(self, *, chained: bool) -> tuple[BuiltModel, list[BuiltModel], BuiltModel | None]:
+        """Meta copies of the whole model, of each anchor's short model and (``chained``) of the chained one."""
+        whole = _copy(self.whole)
+        anchors = [_short_model(self.whole, self.layers, picks) for picks in self.picks]
+        if not (chained and self.chain):
+            return whole, anchors, None
+        picks = [*lead_picks(self.reps, self.ok), *(self.reps[k] for k, _ in self.chain), len(self.layers) - 1]
+        return whole, anchors, _short_model(self.whole, self.layers, picks)
+
+    def profile(
+        self,
+        source: ModelSource,
+        wl: Workload,
+        base: StepRecord,
+        n_params: int,
+        records: dict[tuple[Any, ...], Site],
+        seconds: float,
+    ) -> Profile:
+        lead = len(self.reps)
+        members = [tuple(i for i, x in enumerate(self.kind_of) if x == k) for k in range(lead)]
+        kinds = tuple(
+            _kind(self.labels[k], members[k], self.layers[self.reps[k]], k, records, self.refused[k])
+            for k in range(lead)
+        )
+        links = {f"{a}>{b}": _link(records, ("pair", a, b), self.ok[a], self.ok[b]) for a, b in self.pairs}
+        last = _last(records, self.ok[self.kind_of[-1]])
+        return _assemble(source, self.whole, wl, base, kinds, self.kind_of, links, last, n_params, seconds)
 
 
-def _chain(pairs: Sequence[tuple[int, int]], ok: Sequence[Sequence[str]]) -> list[tuple[int, str]]:
-    """Layers as (kind, policy) in an order in which every measured transition (a layer of kind a under p, then
-    one of kind b under q, for each pair of kinds (a, b) that follow each other in the model) occurs.
-
-    Note: [one step for every link] A layer's figures depend on its own policy and the next layer's, not on
-    where it stands (given the gradients of the layers above, which ``_Site.above`` takes off) nor on the
-    layers before it (given what they share is kept before it: ``_lead_picks``). So the links are measured in
-    one model whose layers walk an Euler path through the graph of transitions (Hierholzer): about one layer per
-    transition instead of a short model of four layers each. Where the graph is unbalanced or falls apart,
-    transitions no link needs are added (a layer each). tests/test_profile.py holds the result to short models
-    of each transition alone.
-    """
-    adj: dict[tuple[int, str], list[tuple[int, str]]] = {}
-    surplus: dict[tuple[int, str], int] = {}  # edges out minus edges in
-    for a, b in pairs:
-        for p in ok[a]:
-            for q in ok[b]:
-                adj.setdefault((a, p), []).append((b, q))
-                adj.setdefault((b, q), [])
-                surplus[a, p] = surplus.get((a, p), 0) + 1
-                surplus[b, q] = surplus.get((b, q), 0) - 1
-    needs_out = [v for v in adj for _ in range(-surplus.get(v, 0))]
-    needs_in = [v for v in adj for _ in range(surplus.get(v, 0))]
-    for u, v in zip(needs_out, needs_in):
-        adj[u].append(v)
-    for v in adj:
-        adj[v].reverse()  # popped from the end: in the order added
-    chain: list[tuple[int, str]] = []
-    for v in list(adj):
-        if adj[v]:
-            chain += _circuit(v, adj)
-    return chain
-
-
-def _circuit(start: tuple[int, str], adj: dict[tuple[int, str], list[tuple[int, str]]]) -> list[tuple[int, str]]:
-    """Hierholzer's walk from ``start`` over every edge of its (balanced) component, consuming them."""
-    stack, path = [start], []
-    while stack:
-        v = stack[-1]
-        if adj[v]:
-            stack.append(adj[v].pop())
-        else:
-            path.append(stack.pop())
-    return path[::-1]
-
-
-def _chain_sites(
-    rec: StepRecord,
-    chain: Sequence[tuple[int, str]],
-    first: int,
-    pairs: set[tuple[int, int]],
-    shared: dict[str, int],
-) -> dict[tuple[Any, ...], _Site]:
-    """Every transition of ``chain`` (its layers from ``first`` on, then a copy of the model's last layer) as a
-    ``("pair", a, b, p, q)`` site; the first occurrence of each.
-
-    Note: [what the layers share] Tensors the model makes before its first layer (position ids, masks) live
-    through the backward as long as a layer below keeps them (a checkpoint's inputs). In a short model the
-    layers below a measured one run its policy, so a layer's backward is measured with what its policy keeps
-    of them; the chain's leading layers keep all of it. ``shared[p]``, measured in an anchor whose leading
-    layers run ``p``, puts the short model's amount back."""
-    out: dict[tuple[Any, ...], _Site] = {}
-    left = [g + a for g, a in zip(rec.layer_grads, rec.layer_left)]
-    for i in range(len(chain) - 1):
-        (a, p), (b, q) = chain[i], chain[i + 1]
-        key = ("pair", a, b, p, q)
-        x = first + i
-        if (a, b) in pairs and key not in out:
-            here = rec.phase_shared.get(Phase("backward", "layer", x), 0)
-            out[key] = _Site(rec, x, sum(left[x + 2 :]) + here - shared[p])
-    return out
+def _copy(built: BuiltModel) -> BuiltModel:
+    return BuiltModel(copy.deepcopy(built.model), built.loss_fn, built.vocab, built.class_name, built.notes)
 
 
 def _refused(whole: BuiltModel, layers: nn.ModuleList, rep: int) -> dict[str, str]:
@@ -351,7 +399,7 @@ def _kind(
     members: tuple[int, ...],
     layer: nn.Module,
     k: int,
-    records: dict[tuple[Any, ...], _Site],
+    records: dict[tuple[Any, ...], Site],
     refused: dict[str, str],
 ) -> LayerKind:
     """Kind ``k`` from the sites where a layer of it is measured at a generic position with the next layer under
@@ -399,31 +447,31 @@ def _kind(
     )
 
 
-def _layer(site: _Site, stage: str) -> Phase:
+def _layer(site: Site, stage: str) -> Phase:
     return Phase(stage, "layer", site.x)
 
 
-def _held(site: _Site) -> int:
+def _held(site: Site) -> int:
     """Growth of allocated bytes over the layer's forward: from its start to the next layer's (or the head's)."""
     rec, x = site.rec, site.x
     after = rec.layer_starts[x + 1] if x + 1 < len(rec.layer_starts) else _peak(rec, Phase("forward", "head"))
     return after - rec.layer_starts[x]
 
 
-def _rise(site: _Site, stage: str, part: str) -> int:
+def _rise(site: Site, stage: str, part: str) -> int:
     """The peak of a phase (the layer's own, or the head's) above the memory at the layer's start, less the
     gradients of the layers beyond the next one in a backward phase."""
     phase = _layer(site, stage) if part == "layer" else Phase(stage, part)
     return _peak(site.rec, phase) - site.rec.layer_starts[site.x] - (site.above if stage == "backward" else 0)
 
 
-def _phase_delta(site: _Site, ref: _Site, stage: str, part: str = "layer") -> int:
+def _phase_delta(site: Site, ref: Site, stage: str, part: str = "layer") -> int:
     """A phase's rise (``_rise``) against the all-``none`` reference's."""
     return _rise(site, stage, part) - _rise(ref, stage, part)
 
 
 def _link(
-    records: dict[tuple[Any, ...], _Site], tag: tuple[Any, ...], first: Sequence[str], then: Sequence[str]
+    records: dict[tuple[Any, ...], Site], tag: tuple[Any, ...], first: Sequence[str], then: Sequence[str]
 ) -> dict[str, dict[str, tuple[int, int, int]]]:
     """Per (a layer's policy, the next one's): what it holds, its backward phase's and its forward phase's
     deltas, against both running ``none``."""
@@ -441,7 +489,7 @@ def _link(
     return out
 
 
-def _last(records: dict[tuple[Any, ...], _Site], policies: Sequence[str]) -> dict[str, tuple[int, int, int]]:
+def _last(records: dict[tuple[Any, ...], Site], policies: Sequence[str]) -> dict[str, tuple[int, int, int]]:
     """For the last layer, per policy: its backward phase's delta and the head's forward and backward deltas,
     against ``none``."""
     ref = records["last", "none"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -326,11 +326,12 @@ def step_built(
     foreach: bool | None = None,
     step: bool = True,
     owners: bool = False,
+    flop_layers: Collection[int] | None = None,
 ) -> tuple[StepRecord, BuiltModel, int]:
     """One fake step of a model built on the meta device (made fake here, in place), and its parameter count.
 
     ``foreach``: AdamW's implementation (None: PyTorch's default for the device); ``step``: run its step;
-    ``owners``: record ``StepRecord.layer_left`` and ``phase_shared``."""
+    ``owners``: record ``StepRecord.layer_left`` and ``phase_shared``; ``flop_layers``: as ``run_step``'s."""
     stack, mode = _prepare(built, wl, pol, device=device)
     model = built.model
     n_params = sum(p.numel() for p in model.parameters())  # each parameter once, tied ones too
@@ -348,6 +349,7 @@ def step_built(
             flops=flops,
             step=step,
             owners=owners,
+            flop_layers=flop_layers,
         )
     return record, built, n_params
 

@@ -12,8 +12,7 @@ The logits stay alive until the backward ends, as in a training loop that keeps 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +111,7 @@ def run_step(
     flops: bool = False,
     step: bool = True,
     owners: bool = False,
+    flop_layers: Collection[int] | None = None,
 ) -> StepRecord:
     """Track one training step of ``model`` on ``batch`` (token ids, targets); the optimizer must be primed.
 
@@ -120,6 +120,7 @@ def run_step(
     gradients set to ``None`` afterwards. ``flops``: also count every op's FLOPs by phase (``PhaseFlops``).
     ``step``: run the optimizer step (without it the record has no optimizer phase and its ``states`` are
     those after the backward). ``owners``: record ``layer_left`` and ``phase_shared``.
+    ``flop_layers``: count the ops of these layers only (and all outside the layers); None: all.
     """
     layers = list(layers)
     if keep_grads:
@@ -134,9 +135,10 @@ def run_step(
     deltas: dict[int, int] = {}
     starts: dict[int, int] = {}
     handles = _delta_hooks(tracker, layers, deltas, starts)
-    counter = PhaseFlops(tracker) if flops else None
+    counter = PhaseFlops(flop_layers) if flops else None
+    tracker.counter = counter
     try:
-        with tracker, counter or contextlib.nullcontext():
+        with tracker:
             tracker.set_stage("forward")
             with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
                 kept, loss = loss_fn(model, *batch)

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -37,6 +39,7 @@ __all__ = ["Phase", "SavedRecord", "StepTracker", "component_of", "python_saver"
 
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module"})
 _STATE_KINDS = frozenset({"Parameter", "Buffer"})
+_DEVICE = torch.ops.prim.device.default
 
 
 @dataclass(frozen=True, order=True)
@@ -116,6 +119,8 @@ class StepTracker(MemTracker):
         self.host_peak = 0
         """The most host-memory bytes alive at once."""
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.counter: Any = None
+        """Handed every op after it ran (``PhaseFlops.count``), when set."""
         self._owners: WeakIdKeyDictionary | None = None
         self._shared: dict[int, int] = {}  # id of a shared storage's winfo -> its bytes
         self.shared_bytes = 0
@@ -200,6 +205,24 @@ class StepTracker(MemTracker):
             self.phase_peaks[phase] = (total, _merged(self._curr_mem_snap))
             if self._owners is not None:
                 self.phase_shared[phase] = self.shared_bytes
+
+    # --- dispatch ------------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """MemTracker's, and each op handed to ``counter`` (a ``PhaseFlops``) when one is set.
+
+        Note: [device queries] Every ``.device`` of a fake tensor that C++ asks (the autograd engine does, for
+        each gradient) is an op, ``prim.device``: most of the ops of a fake backward. It allocates nothing;
+        MemTracker's work for it comes down to noting the peak, done here directly."""
+        if func is _DEVICE and not any(t == DTensor for t in types):
+            out = func(*args, **(kwargs or {}))
+            if active_fake_mode() is self._fake_mode_on_entry:
+                self._update_peak_stats(None)
+            return out
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.counter is not None and out is not NotImplemented:
+            self.counter.count(self.phase(), func, args, kwargs or {}, out)
+        return out
 
     # --- host memory ---------------------------------------------------------------------------------
 
