@@ -18,7 +18,12 @@ from recompute.cli import main
 from recompute.core.policy import Policy
 from recompute.core.profile import Profile, plan_profile, smallest_peak
 from recompute.models.source import build_source, resolve_source
-from recompute.trace import cached_profile, profile, trace
+from recompute.trace import cached_profile, cached_profiles, profile, profiles, trace, with_loss
+from recompute.trace._build import fake_kernels
+from recompute.trace._chain import leads
+from recompute.trace._profile import _Shape, _short_model
+from recompute.trace._run import step_built
+from recompute.trace._tracker import Phase
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_zoo import WL, ZOO, real_saved_per_layer
@@ -108,6 +113,50 @@ def test_composed_peak_is_held_to_whole_traces(profiled: tuple[str, Path, Profil
         assert abs(composed.peak - traced.peak) <= bound, layers
 
 
+def test_the_chain_equals_short_models_of_single_transitions(profiled: tuple[str, Path, Profile]) -> None:
+    """Links from the chained step against a short model per transition (the first layer of each kind under
+    the policy, the measured layer, the next one, a copy of the last layer), byte for byte, for a sample of
+    transitions between each pair of kinds."""
+    kind, path, prof = profiled
+    source = resolve_source(str(path))
+    with fake_kernels():
+        shape = _Shape.of(source, WL)
+    rng = random.Random(kind)
+    for a, b in shape.pairs:
+        first, then = shape.ok[a], shape.ok[b]
+        sample = {("none", "none")} | {(rng.choice(first), rng.choice(then)) for _ in range(3)}
+        short = {pq: _short_step(shape, a, b, *pq) for pq in sorted(sample)}
+        ref = short["none", "none"]
+        for (p, q), (held, fwd, bwd) in short.items():
+            expected = (held - ref[0], bwd - ref[2], fwd - ref[1])
+            assert prof.links[f"{a}>{b}"][p][q] == expected, (a, b, p, q)
+
+
+def _short_step(shape: _Shape, a: int, b: int, p: str, q: str) -> tuple[int, int, int]:
+    """What the layer (of kind a, under p) holds, and its forward's and backward's peaks above its start, in a
+    short model of it followed by one of kind b under q."""
+    n, x = len(shape.layers), len(shape.reps)
+    picks = [*shape.reps, shape.reps[a], shape.reps[b], n - 1]
+    with fake_kernels():
+        built = _short_model(shape.whole, shape.layers, picks)
+        policy = Policy(layers=(*leads(p, shape.ok), p, q, "none"))
+        rec = step_built(built, WL, policy, device="cpu", step=False)[0]
+    start = rec.layer_starts[x]
+    peak = {stage: rec.phase_peaks[Phase(stage, "layer", x)][0] - start for stage in ("forward", "backward")}
+    return rec.layer_starts[x + 1] - start, peak["forward"], peak["backward"]
+
+
+@pytest.mark.parametrize("profiled", ["llama", "qwen3_moe"], indirect=True)
+def test_one_pass_profiles_every_loss_mode(profiled: tuple[str, Path, Profile]) -> None:
+    """``profiles`` measures the links once, under its first loss mode: the full loss's profile from a pass
+    led by the chunked one is the one ``profile`` measures alone (the chunked one's is, by the same steps)."""
+    _, path, prof = profiled
+    both = profiles(resolve_source(str(path)), WL, ("chunked", "full"))
+    assert list(both) == ["chunked", "full"] and both["full"] == prof
+    assert both["chunked"].workload["loss"] == "chunked" and both["chunked"].links == prof.links
+    assert both["chunked"].head_backward != prof.head_backward  # the full loss keeps the logits
+
+
 def test_the_plan_fits_its_budget_by_the_trace(profiled: tuple[str, Path, Profile]) -> None:
     _, path, prof = profiled
     none, smallest = prof.compose(["none"] * prof.n_layers).peak, prof.compose(["block"] * prof.n_layers).peak
@@ -162,8 +211,8 @@ def test_the_plan_of_a_profiled_model_chooses_the_loss_mode(
     path = config("llama", tmp_path, vocab_size=4096)  # a wide vocabulary: the logits weigh
     args = ["--model", str(path), "--seq-len", "64", "--micro-batch", "4", "--dtype", "fp32", "--device", "cpu"]
     wl = dataclasses.replace(WL, seq_len=64, micro_batch=4)
-    full, _ = cached_profile(str(path), wl)
-    chunked, _ = cached_profile(str(path), dataclasses.replace(wl, loss="chunked"))
+    (full, _), (chunked, _) = cached_profiles(str(path), wl).values()  # one pass, both cached
+    assert cached_profile(str(path), with_loss(wl, "chunked")) == (chunked, True)
     assert smallest_peak(chunked) < smallest_peak(full)
     between = str((smallest_peak(chunked) + smallest_peak(full)) / 2)
 
