@@ -57,9 +57,10 @@ from recompute.core.spec import ModelSpec
 from recompute.core.timing import work_list
 from recompute.core.workload import LOSSES, Workload
 from recompute.models.source import BuiltModel, ModelSource
-from recompute.runtime import TORCH_DTYPES, resolve_device
+from recompute.runtime import TORCH_DTYPES
 from recompute.trace._build import build_meta, fake_kernels
 from recompute.trace._chain import Node, Site, chain, chain_positions, chain_sites, kind_keys, lead_picks, leads
+from recompute.trace._cuda import trace_device
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
@@ -150,7 +151,7 @@ def profiles(
     workloads = {loss: with_loss(wl, loss) for loss in dict.fromkeys(losses)}
     for w in workloads.values():
         _check_traceable(source, w)
-    device = resolve_device(wl.device)
+    device = trace_device(wl.device)
     start = time.perf_counter()
     with fake_kernels():
         shape = _Shape.of(source, wl)

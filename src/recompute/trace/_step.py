@@ -112,6 +112,7 @@ def run_step(
     step: bool = True,
     owners: bool = False,
     flop_layers: Collection[int] | None = None,
+    cuda: bool = False,
 ) -> StepRecord:
     """Track one training step of ``model`` on ``batch`` (token ids, targets); the optimizer must be primed.
 
@@ -120,7 +121,8 @@ def run_step(
     gradients set to ``None`` afterwards. ``flops``: also count every op's FLOPs by phase (``PhaseFlops``).
     ``step``: run the optimizer step (without it the record has no optimizer phase and its ``states`` are
     those after the backward). ``owners``: record ``layer_left`` and ``phase_shared``.
-    ``flop_layers``: count the ops of these layers only (and all outside the layers); None: all.
+    ``flop_layers``: count the ops of these layers only (and all outside the layers); None: all. ``cuda``:
+    count as CUDA does a step traced on fake CPU tensors under CUDA's rules (``StepTracker(cuda=True)``).
     """
     layers = list(layers)
     if keep_grads:
@@ -128,7 +130,7 @@ def run_step(
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
     had = {id(p) for p in model.parameters() if p.grad is not None}
-    tracker = StepTracker(layers)
+    tracker = StepTracker(layers, cuda=cuda)
     if owners:
         tracker.track_owners()
     tracker.track_external(model, optimizer, *batch)
@@ -185,13 +187,14 @@ def record_saved(
     layers: Iterable[nn.Module],
     *,
     loss_fn: LossFn = lm_loss,
+    cuda: bool = False,
 ) -> tuple[SavedRecord, ...]:
     """What the forward alone saves for the backward, by layer and component (no backward, no ops).
 
     The bytes are the same as ``run_step``'s (the forward decides what is saved); the saving op stays ``?``
-    since it is named by the backward node that reads the tensor.
+    since it is named by the backward node that reads the tensor. ``cuda``: as ``run_step``'s.
     """
-    tracker = StepTracker(layers)
+    tracker = StepTracker(layers, cuda=cuda)
     tracker.track_external(model, *batch)
     with tracker:
         tracker.set_stage("forward")

@@ -28,18 +28,20 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from recompute.offload import copying_to_host
+from recompute.trace._cuda import BLOCK, fp32_statistics
 
 __all__ = ["Phase", "SavedRecord", "StepTracker", "component_of", "python_saver", "storages"]
 
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module"})
 _STATE_KINDS = frozenset({"Parameter", "Buffer"})
 _DEVICE = torch.ops.prim.device.default
+_LAYER_NORM = torch.ops.aten.native_layer_norm.default
 
 
 @dataclass(frozen=True, order=True)
@@ -104,8 +106,11 @@ class StepTracker(MemTracker):
     ``unpack`` as saved-tensor hooks around the forward (``_step.run_step`` does both).
     """
 
-    def __init__(self, layers: Iterable[nn.Module]) -> None:
+    def __init__(self, layers: Iterable[nn.Module], *, cuda: bool = False) -> None:
         super().__init__()
+        self.cuda = cuda
+        """CUDA's rules on fake CPU tensors (``recompute.trace._cuda``): 512-byte blocks, fp32 LayerNorm
+        statistics."""
         self.stage = "setup"
         self.layers = list(layers)
         self.phase_peaks: dict[Phase, tuple[int, dict[str, int]]] = {}
@@ -219,7 +224,8 @@ class StepTracker(MemTracker):
             if active_fake_mode() is self._fake_mode_on_entry:
                 self._update_peak_stats(None)
             return out
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        run = fp32_statistics(func) if self.cuda and func is _LAYER_NORM else func
+        out = super().__torch_dispatch__(run, types, args, kwargs)
         if self.counter is not None and out is not NotImplemented:
             self.counter.count(self.phase(), func, args, kwargs or {}, out)
         return out
@@ -230,10 +236,28 @@ class StepTracker(MemTracker):
         if copying_to_host():
             self._track_host(t)
             return
-        new = [st for st in storages(t) if st not in self._WINFO] if self._owners is not None else []
+        new = [st for st in storages(t) if st not in self._WINFO] if self._owners is not None or self.cuda else []
         super()._track(reftype, t)
-        if new:
+        if self.cuda:
+            self._blocks(new)
+        if new and self._owners is not None:
             self._own(new)
+
+    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: Any, update_existing: bool = False) -> Any:
+        new = [st for st in storages(t) if st not in self._WINFO] if self.cuda else []
+        out = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+        self._blocks(new)
+        return out
+
+    def _blocks(self, new: list[torch.UntypedStorage]) -> None:
+        """Round storages just tracked up to CUDA's 512-byte blocks (MemTracker does for CUDA tensors)."""
+        for st in new:
+            info = self._WINFO.get(st)
+            if info is None or info[0].mem_consumed % BLOCK == 0:
+                continue
+            winfo, old = info[0], info[0].mem_consumed
+            winfo.mem_consumed = -(-old // BLOCK) * BLOCK
+            self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
 
     def _track_host(self, t: torch.Tensor) -> None:
         for st in storages(t):
