@@ -42,7 +42,7 @@ from torch import Tensor
 
 from recompute.core.errors import ConfigError
 
-__all__ = ["BLOCK", "cuda_rules", "fp32_statistics", "sdpa_backend", "stands_in", "trace_device"]
+__all__ = ["BLOCK", "cuda_rules", "fake_device_note", "fp32_statistics", "sdpa_backend", "stands_in", "trace_device"]
 
 aten = torch.ops.aten
 
@@ -60,6 +60,16 @@ def trace_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"device must be cpu or cuda, got {device!r}", fields=("device",))
     return "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
+
+
+def fake_device_note(device: str) -> str:
+    """How a step on ``device`` is traced, in words (``on fake cuda tensors``)."""
+    if stands_in(device, trace_device(device)):
+        return (
+            "on fake CPU tensors under CUDA's rules (no CUDA here: its dropout, attention and norm kernels, "
+            "foreach AdamW, 512-byte blocks)"
+        )
+    return f"on fake {device} tensors"
 
 
 def stands_in(device: str, tensors: str) -> bool:

@@ -60,7 +60,7 @@ from recompute.models.source import BuiltModel, ModelSource
 from recompute.runtime import TORCH_DTYPES
 from recompute.trace._build import build_meta, fake_kernels
 from recompute.trace._chain import Node, Site, chain, chain_positions, chain_sites, kind_keys, lead_picks, leads
-from recompute.trace._cuda import trace_device
+from recompute.trace._cuda import fake_device_note, trace_device
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
@@ -531,7 +531,7 @@ def _assemble(
     st = base.states
     key = profile_key(source, wl) or f"factory {source.origin}"
     notes = [
-        f"profiled {whole.class_name} built from {source.origin} on fake {wl.device} tensors: exact sizes, "
+        f"profiled {whole.class_name} built from {source.origin} {fake_device_note(wl.device)}: exact sizes, "
         "nothing allocated",
         *whole.notes,
         f"{len(kinds)} kind{'s' if len(kinds) != 1 else ''} of layer: "

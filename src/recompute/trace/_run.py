@@ -29,7 +29,7 @@ from recompute.models.source import BuiltModel, ModelSource, build_source, resol
 from recompute.parallel import parallelize
 from recompute.runtime import TORCH_DTYPES, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
-from recompute.trace._cuda import cuda_rules, stands_in, trace_device
+from recompute.trace._cuda import cuda_rules, fake_device_note, stands_in, trace_device
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
 from recompute.trace._scale import scale_record
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
@@ -452,7 +452,7 @@ def _workload_dict(wl: Workload) -> dict[str, Any]:
 
 def _notes(source: ModelSource, built: BuiltModel, wl: Workload, counts: tuple[int, ...], n: int) -> tuple[str, ...]:
     notes = [
-        f"traced {built.class_name} built from {source.origin} on fake {wl.device} tensors: "
+        f"traced {built.class_name} built from {source.origin} {fake_device_note(wl.device)}: "
         "exact sizes, nothing allocated",
         *built.notes,
         "steady-state step: AdamW state exists, gradients "
