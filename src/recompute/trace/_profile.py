@@ -476,12 +476,14 @@ def _link(
 ) -> dict[str, dict[str, tuple[int, int, int]]]:
     """Per (a layer's policy, the next one's): what it holds, its backward phase's and its forward phase's
     deltas, against both running ``none``."""
-    ref = records[(*tag, "none", "none")]
+    ref_key: tuple[Any, ...] = (*tag, "none", "none")
+    ref = records[ref_key]
     out: dict[str, dict[str, tuple[int, int, int]]] = {}
     for p in first:
         out[p] = {}
         for q in then:
-            site = records[(*tag, p, q)]
+            key: tuple[Any, ...] = (*tag, p, q)
+            site = records[key]
             out[p][q] = (
                 _held(site) - _held(ref),
                 _phase_delta(site, ref, "backward"),
