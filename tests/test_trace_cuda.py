@@ -82,23 +82,25 @@ def test_cuda_rules_change_what_is_saved_as_on_cuda() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "mask", "head", "causal_lengths", "backend"),
+    ("dtype", "mask", "head", "lengths", "kv_heads", "backend"),
     [
-        (torch.bfloat16, False, 128, (64, 64), "flash"),
-        (torch.float16, False, 256, (64, 64), "flash"),
-        (torch.bfloat16, True, 128, (64, 64), "efficient"),
-        (torch.bfloat16, False, 128, (32, 64), "efficient"),
-        (torch.float32, False, 68, (64, 64), "efficient"),
-        (torch.bfloat16, False, 260, (64, 64), "math"),
-        (torch.float32, False, 66, (64, 64), "math"),
+        (torch.bfloat16, False, 128, (64, 64), 2, "flash"),
+        (torch.float16, False, 256, (64, 64), 2, "flash"),
+        (torch.bfloat16, False, 128, (64, 64), 1, "flash"),  # grouped-query attention
+        (torch.bfloat16, True, 128, (64, 64), 2, "efficient"),
+        (torch.bfloat16, False, 128, (32, 64), 2, "efficient"),  # causal with fewer queries than keys
+        (torch.float32, False, 68, (64, 64), 2, "efficient"),
+        (torch.bfloat16, True, 128, (64, 64), 1, "math"),
+        (torch.bfloat16, False, 260, (64, 64), 2, "math"),
+        (torch.float32, False, 66, (64, 64), 2, "math"),
     ],
 )
 def test_sdpa_takes_the_backend_cuda_selects(
-    dtype: torch.dtype, mask: bool, head: int, causal_lengths: tuple[int, int], backend: str
+    dtype: torch.dtype, mask: bool, head: int, lengths: tuple[int, int], kv_heads: int, backend: str
 ) -> None:
-    q = torch.empty(1, 2, causal_lengths[0], head, dtype=dtype, device="meta")
-    k = torch.empty(1, 2, causal_lengths[1], head, dtype=dtype, device="meta")
-    m = torch.empty(causal_lengths[0], causal_lengths[1], dtype=torch.bool, device="meta") if mask else None
+    q = torch.empty(1, 2, lengths[0], head, dtype=dtype, device="meta")
+    k = torch.empty(1, kv_heads, lengths[1], head, dtype=dtype, device="meta")
+    m = torch.empty(*lengths, dtype=torch.bool, device="meta") if mask else None
     assert sdpa_backend(q, k, k, m, is_causal=not mask) == backend
 
 

@@ -23,10 +23,11 @@ CUDA does differently, and where this module sets it (``cuda_rules``, ``StepTrac
 Note: [SDPA's backend on CUDA] ``sdpa_backend`` follows PyTorch's ``select_sdp_backend``
 (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) for an sm80-sm90 GPU in the default order: FlashAttention
 for fp16/bf16 without a mask, with equal head dims of at most 256 and the causal flag only with equal lengths;
-else memory-efficient attention for fp16/bf16/fp32 with head dims divisible by 8 (16-bit) or 4 (fp32); else
-the math path. Not modelled: cuDNN attention, which recent PyTorch tries first on sm90/sm100 with cuDNN newer
-than 9.15 where the head dim, the layout and the dropout probability (a multiple of 1/16) allow; it keeps the
-same tensors as FlashAttention (the output, an fp32 log-sum-exp per row, the RNG state), and takes masks.
+else memory-efficient attention for fp16/bf16/fp32 with head dims divisible by 8 (16-bit) or 4 (fp32) and as
+many key/value heads as query heads (its backward here takes no grouped-query attention); else the math path.
+Not modelled: cuDNN attention, which recent PyTorch tries first on sm90/sm100 with cuDNN newer than 9.15 where
+the head dim, the layout and the dropout probability (a multiple of 1/16) allow; it keeps the same tensors as
+FlashAttention (the output, an fp32 log-sum-exp per row, the RNG state), and takes masks.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def sdpa_backend(
     if half and attn_mask is None and dq == dk == dv and dq <= 256 and causal_ok:
         return "flash"
     align = 8 if half else 4
+    heads = query.size(-3) == key.size(-3) == value.size(-3)  # this PyTorch's efficient kernel takes no GQA
     if query.dtype in (torch.float16, torch.bfloat16, torch.float32) and dq == dk and dq % align == dv % align == 0:
-        return "efficient"
+        return "efficient" if heads else "math"
     return "math"
 
 
