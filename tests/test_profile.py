@@ -4,10 +4,12 @@ peak against whole traces, layer kinds told apart, the cache, and plan/estimate 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from recompute.checkpointing import apply
 from recompute.cli import main
 from recompute.core.policy import Policy
-from recompute.core.profile import Profile, plan_profile, smallest_peak
+from recompute.core.profile import Profile, cache_path, plan_profile, smallest_peak
 from recompute.models.source import build_source, resolve_source
 from recompute.trace import cached_profile, cached_profiles, profile, profiles, trace, with_loss
 from recompute.trace._build import fake_kernels
@@ -49,10 +51,16 @@ def config(kind: str, folder: Path, **extra: object) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
-def profiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Profile]:
-    path = config(request.param, tmp_path_factory.mktemp(request.param))
-    return request.param, path, profile(resolve_source(str(path)), WL)
+@functools.cache
+def measured(kind: str) -> tuple[str, Path, Profile]:
+    """Each kind's config and profile, measured once per session (tests of any order share them)."""
+    path = config(kind, Path(tempfile.mkdtemp(prefix=f"profile-{kind}-")))
+    return kind, path, profile(resolve_source(str(path)), WL)
+
+
+@pytest.fixture(params=list(KINDS))
+def profiled(request: pytest.FixtureRequest) -> tuple[str, Path, Profile]:
+    return measured(request.param)
 
 
 def test_layer_kinds_are_told_apart(profiled: tuple[str, Path, Profile]) -> None:
@@ -124,7 +132,7 @@ def test_the_chain_equals_short_models_of_single_transitions(profiled: tuple[str
     rng = random.Random(kind)
     for a, b in shape.pairs:
         first, then = shape.ok[a], shape.ok[b]
-        sample = {("none", "none")} | {(rng.choice(first), rng.choice(then)) for _ in range(3)}
+        sample = {("none", "none")} | {(rng.choice(first), rng.choice(then)) for _ in range(2)}
         short = {pq: _short_step(shape, a, b, *pq) for pq in sorted(sample)}
         ref = short["none", "none"]
         for (p, q), (held, fwd, bwd) in short.items():
@@ -146,11 +154,11 @@ def _short_step(shape: _Shape, a: int, b: int, p: str, q: str) -> tuple[int, int
     return rec.layer_starts[x + 1] - start, peak["forward"], peak["backward"]
 
 
-@pytest.mark.parametrize("profiled", ["llama", "qwen3_moe"], indirect=True)
-def test_one_pass_profiles_every_loss_mode(profiled: tuple[str, Path, Profile]) -> None:
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_one_pass_profiles_every_loss_mode(kind: str) -> None:
     """``profiles`` measures the links once, under its first loss mode: the full loss's profile from a pass
     led by the chunked one is the one ``profile`` measures alone (the chunked one's is, by the same steps)."""
-    _, path, prof = profiled
+    _, path, prof = measured(kind)
     both = profiles(resolve_source(str(path)), WL, ("chunked", "full"))
     assert list(both) == ["chunked", "full"] and both["full"] == prof
     assert both["chunked"].workload["loss"] == "chunked" and both["chunked"].links == prof.links
@@ -189,8 +197,11 @@ assert code == 0 and "torch" not in sys.modules, code
 
 
 def test_cli_profile_plan_and_estimate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The CLI's profile (from the cache: the same config and workload as ``measured``'s), estimate and plan."""
     monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
     path = config("qwen3_moe", tmp_path)
+    _, _, prof = measured("qwen3_moe")
+    prof.save(cache_path(prof.key))
     args = ["--model", str(path), "--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
     assert main(["profile", *args, "-o", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
