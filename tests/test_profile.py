@@ -4,12 +4,14 @@ peak against whole traces, layer kinds told apart, the cache, and plan/estimate 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,13 +19,19 @@ import torch
 
 from recompute.checkpointing import apply
 from recompute.cli import main
+from recompute.core import store
 from recompute.core.plan import plan
 from recompute.core.policy import Policy
 from recompute.core.profile import Profile
 from recompute.core.search import search, smallest_peak
 from recompute.models.identity import config_identity, model_identity
 from recompute.models.source import build_source, resolve_source
-from recompute.trace import cached_profile, profile, trace
+from recompute.trace import cached_profile, cached_profiles, profile, profiles, trace, with_loss
+from recompute.trace._build import fake_kernels
+from recompute.trace._chain import leads
+from recompute.trace._profile import _Shape, _short_model
+from recompute.trace._run import step_built
+from recompute.trace._tracker import Phase
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_zoo import WL, ZOO, real_saved_per_layer
@@ -49,10 +57,16 @@ def config(kind: str, folder: Path, **extra: object) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
-def profiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Profile]:
-    path = config(request.param, tmp_path_factory.mktemp(request.param))
-    return request.param, path, profile(resolve_source(str(path)), WL)
+@functools.cache
+def measured(kind: str) -> tuple[str, Path, Profile]:
+    """Each kind's config and profile, measured once per session (tests of any order share them)."""
+    path = config(kind, Path(tempfile.mkdtemp(prefix=f"profile-{kind}-")))
+    return kind, path, profile(resolve_source(str(path)), WL)
+
+
+@pytest.fixture(params=list(KINDS))
+def profiled(request: pytest.FixtureRequest) -> tuple[str, Path, Profile]:
+    return measured(request.param)
 
 
 def test_layer_kinds_are_told_apart(profiled: tuple[str, Path, Profile]) -> None:
@@ -114,6 +128,50 @@ def test_composed_peak_is_held_to_whole_traces(profiled: tuple[str, Path, Profil
         assert abs(composed.peak - traced.peak) <= bound, layers
 
 
+def test_the_chain_equals_short_models_of_single_transitions(profiled: tuple[str, Path, Profile]) -> None:
+    """Links from the chained step against a short model per transition (the first layer of each kind under
+    the policy, the measured layer, the next one, a copy of the last layer), byte for byte, for a sample of
+    transitions between each pair of kinds."""
+    kind, path, prof = profiled
+    source = resolve_source(str(path))
+    with fake_kernels():
+        shape = _Shape.of(source, WL)
+    rng = random.Random(kind)
+    for a, b in shape.pairs:
+        first, then = shape.ok[a], shape.ok[b]
+        sample = {("none", "none")} | {(rng.choice(first), rng.choice(then)) for _ in range(2)}
+        short = {pq: _short_step(shape, a, b, *pq) for pq in sorted(sample)}
+        ref = short["none", "none"]
+        for (p, q), (held, fwd, bwd) in short.items():
+            expected = (held - ref[0], bwd - ref[2], fwd - ref[1])
+            assert prof.links[f"{a}>{b}"][p][q] == expected, (a, b, p, q)
+
+
+def _short_step(shape: _Shape, a: int, b: int, p: str, q: str) -> tuple[int, int, int]:
+    """What the layer (of kind a, under p) holds, and its forward's and backward's peaks above its start, in a
+    short model of it followed by one of kind b under q."""
+    n, x = len(shape.layers), len(shape.reps)
+    picks = [*shape.reps, shape.reps[a], shape.reps[b], n - 1]
+    with fake_kernels():
+        built = _short_model(shape.whole, shape.layers, picks)
+        policy = Policy(layers=(*leads(p, shape.ok), p, q, "none"))
+        rec = step_built(built, WL, policy, device="cpu", step=False)[0]
+    start = rec.layer_starts[x]
+    peak = {stage: rec.phase_peaks[Phase(stage, "layer", x)][0] - start for stage in ("forward", "backward")}
+    return rec.layer_starts[x + 1] - start, peak["forward"], peak["backward"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_one_pass_profiles_every_loss_mode(kind: str) -> None:
+    """``profiles`` measures the links once, under its first loss mode: the full loss's profile from a pass
+    led by the chunked one is the one ``profile`` measures alone (the chunked one's is, by the same steps)."""
+    _, path, prof = measured(kind)
+    both = profiles(resolve_source(str(path)), WL, ("chunked", "full"))
+    assert list(both) == ["chunked", "full"] and both["full"] == prof
+    assert both["chunked"].workload["loss"] == "chunked" and both["chunked"].links == prof.links
+    assert both["chunked"].head_backward != prof.head_backward  # the full loss keeps the logits
+
+
 def test_the_plan_fits_its_budget_by_the_trace(profiled: tuple[str, Path, Profile]) -> None:
     _, path, prof = profiled
     table = prof.cost_table()
@@ -150,9 +208,8 @@ def test_a_profile_is_cached_and_plans_without_torch(tmp_path: Path, monkeypatch
     monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
     path = config("llama", tmp_path)
     args = ["--model", str(path), "--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
-    first, hit = cached_profile(str(path), WL)
-    assert not hit and cached_profile(str(path), WL) == (first, True)
-    cached_profile(str(path), dataclasses.replace(WL, loss="chunked"))  # the plan weighs the chunked loss too
+    (first, hit), (_, hit_chunked) = cached_profiles(str(path), WL).values()  # the plan weighs the chunked loss too
+    assert not hit and not hit_chunked and cached_profile(str(path), WL) == (first, True)
     out = tmp_path / "plan.json"
     code = f"""
 import sys
@@ -172,8 +229,11 @@ assert code == 0 and "torch" not in sys.modules, code
 
 
 def test_cli_profile_plan_and_estimate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The CLI's profile (from the cache: the same config and workload as ``measured``'s), estimate and plan."""
     monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
     path = config("qwen3_moe", tmp_path)
+    _, _, prof = measured("qwen3_moe")
+    store.save("profiles", prof.key, prof.to_dict())
     args = ["--model", str(path), "--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
     assert main(["profile", *args, "-o", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
@@ -193,8 +253,8 @@ def test_the_plan_of_a_profiled_model_chooses_the_loss_mode(
     path = config("llama", tmp_path, vocab_size=4096)  # a wide vocabulary: the logits weigh
     args = ["--model", str(path), "--seq-len", "64", "--micro-batch", "4", "--dtype", "fp32", "--device", "cpu"]
     wl = dataclasses.replace(WL, seq_len=64, micro_batch=4)
-    full, _ = cached_profile(str(path), wl)
-    chunked, _ = cached_profile(str(path), dataclasses.replace(wl, loss="chunked"))
+    (full, _), (chunked, _) = cached_profiles(str(path), wl).values()  # one pass, both cached
+    assert cached_profile(str(path), with_loss(wl, "chunked")) == (chunked, True)
     low_chunked, low_full = smallest_peak(chunked.cost_table()), smallest_peak(full.cost_table())
     assert low_chunked < low_full
     between = str((low_chunked + low_full) / 2)

@@ -174,12 +174,6 @@ def test_bad_input_is_one_line_and_exit_code_2(
     assert message in err and err.count("\n") == 1 and err.startswith("recompute trace: error:")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_cuda_without_cuda_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["trace", "--model", "gpt2", "--seq-len", "64", "--device", "cuda"]) == 2
-    assert "needs a CUDA build" in capsys.readouterr().err
-
-
 def test_a_model_that_cannot_be_built_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

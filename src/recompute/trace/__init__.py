@@ -13,7 +13,7 @@ Example:
 """
 
 from recompute.models.source import ModelSource, resolve_source
-from recompute.trace._profile import cached_profile, profile, profile_key
+from recompute.trace._profile import cached_profile, cached_profiles, profile, profile_key, profiles, with_loss
 from recompute.trace._ranks import saved_bytes_per_layer
 from recompute.trace._render import render_trace
 from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
@@ -26,9 +26,11 @@ __all__ = [
     "PartTrace",
     "TraceResult",
     "cached_profile",
+    "cached_profiles",
     "cached_works",
     "profile",
     "profile_key",
+    "profiles",
     "render_trace",
     "resolve_source",
     "saved_bytes_per_layer",
@@ -37,4 +39,5 @@ __all__ = [
     "trace",
     "trace_layer",
     "trace_module",
+    "with_loss",
 ]

@@ -7,7 +7,8 @@ again); the phase the ``StepTracker`` knows (forward or backward of layer j, of 
 layer's replay is part of its backward phase, so a policy's recompute FLOPs in layer j are its backward FLOPs
 there minus ``none``'s. And it decomposes every op it has no formula for, which changes what the step
 allocates (90 KiB more in a tiny Llama's layer backward); this mode only counts, so the bytes measured in the
-same step stay those of the real one.
+same step stay those of the real one. It is not a dispatch mode of its own: ``StepTracker`` hands it every op
+it dispatches (one Python mode fewer on every op of a fake step).
 
 PyTorch's formula table has no entry for two ops a CPU step runs; they are added here with the same
 conventions (2 FLOPs per multiply-add; attention counted as if no mask, as PyTorch counts SDPA):
@@ -29,18 +30,18 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Collection
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from recompute.core.comms import comm_name
-from recompute.trace._tracker import Phase, StepTracker
+from recompute.trace._tracker import Phase
 
 __all__ = ["PhaseFlops", "op_name", "span", "tensors_of"]
 
@@ -136,33 +137,33 @@ def _dtype(tensors: list[torch.Tensor]) -> str:
     return str((floating if floating is not None else tensors[0]).dtype).removeprefix("torch.") if tensors else "-"
 
 
-class PhaseFlops(TorchDispatchMode):
+class PhaseFlops:
     """FLOPs by phase of the step and by op (``by_phase[Phase][op name]``), and every kernel's work signature
-    by phase (``work[Phase][(op, dtype, flops, bytes)]`` = how many times it ran)."""
+    by phase (``work[Phase][(op, dtype, flops, bytes)]`` = how many times it ran).
 
-    def __init__(self, tracker: StepTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
+    ``layers``: count only the phases of these layers (and every phase outside the layers); None: all."""
+
+    def __init__(self, layers: Collection[int] | None = None) -> None:
+        self.layers = None if layers is None else frozenset(layers)
         self.by_phase: dict[Phase, Counter[str]] = {}
         self.work: dict[Phase, Counter[tuple[str, str, int, int]]] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        args, kwargs, out = _local((args, kwargs, result))  # Note: [DTensor ops are local kernels]
+    def count(self, phase: Phase, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """File one op that ran in ``phase`` (``StepTracker`` calls this after every op)."""
+        if self.layers is not None and phase.part == "layer" and phase.layer not in self.layers:
+            return
+        args, kwargs, out = _local((args, kwargs, out))  # Note: [DTensor ops are local kernels]
         name = op_name(func, kwargs)
-        formula = _FORMULAS.get(func._overloadpacket)
-        flops = _flops(formula, args, kwargs, out) if formula is not None else 0
-        phase = self.tracker.phase()
         kind = _COLLECTIVES.get(name.split(".")[-1]) if "c10d" in name else None
         if kind is not None:
             self._file_comm(phase, kind, args, kwargs, out)
-            return result
+            return
+        formula = _FORMULAS.get(func._overloadpacket)
+        flops = _flops(formula, args, kwargs, out) if formula is not None else 0
         if flops:
             self.by_phase.setdefault(phase, Counter())[name] += flops
         if not func.is_view and name not in _NO_KERNEL and not name.startswith("prim."):
             self._file(phase, name, flops, args, kwargs, out)
-        return result
 
     def _file_comm(self, phase: Phase, kind: str, args: Any, kwargs: Any, out: Any) -> None:
         inputs, outputs = tensors_of((args, kwargs), out)

@@ -1,17 +1,23 @@
 """``profile(model, workload)``: measure a ``Profile`` (``recompute.core.profile``) on fake tensors of the real class.
 
-Two kinds of step, both traced like ``trace`` (nothing allocated):
+Three kinds of step, all traced like ``trace`` (nothing allocated):
 
 1. the whole model under ``none``: every layer's forward and backward peak, what each keeps, the head's and
    the fixed phases, the model states and the step's FLOPs;
-2. per pair of kinds that follow each other in the model, and per pair of policies (the layer's, the next
-   one's), a short model: a copy of the first layer of each kind under the layer's policy where it applies
-   (so what layers share, such as rotary tables or one attention type's mask, is kept by those, as by the
-   first such layer in the whole model), the measured layer and the one after it (taken from the whole
-   model with their own settings: attention type, dense or MoE MLP), and a copy of the last layer. A
-   layer's backward depends on how the next one hands it the gradient, so its figures are measured per
-   policy of the next layer; the last layer's, per policy, with the head after it. A policy a layer cannot
-   take is recorded with its reason.
+2. the links: for every pair of kinds that follow each other in the model and every pair of policies (the
+   layer's, the next one's), what a layer at a generic position holds for the backward and the peaks of its
+   forward and backward phases. A layer's backward depends on how the next one hands it the gradient, so its
+   figures are measured per policy of the next layer. All of them come from one chained step (``_chain``:
+   a model whose layers walk through every transition, each figure equal to that of a short model of the
+   transition alone); a kind's own figures (what it saves, by component and op; its FLOPs and kernels) from
+   its layers there followed by one under ``none``. Layers are copies of the model's own (with their
+   attention type, dense or MoE MLP);
+3. anchors: per policy, the last layer with the head after it (its backward and the head's phases), the
+   leading layers (the first of each kind) under that policy where they take it, as in the whole model when
+   every layer runs it.
+
+A policy a layer cannot take is recorded with its reason. The loss mode changes the head and the step's
+fixed phases, not the layers: ``profiles`` measures the links once for several loss modes.
 
 What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
 start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
@@ -25,8 +31,10 @@ attention type; they are never assumed alike otherwise.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -40,16 +48,18 @@ from recompute.core.profile import LastFigures, LayerKind, PairFigures, Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import work_list
-from recompute.core.workload import Workload
+from recompute.core.workload import LOSSES, Workload
 from recompute.models.identity import model_identity
 from recompute.models.source import BuiltModel, ModelSource
-from recompute.runtime import TORCH_DTYPES, resolve_device
+from recompute.runtime import TORCH_DTYPES
 from recompute.trace._build import build_meta, fake_kernels
+from recompute.trace._chain import Node, Site, chain, chain_positions, chain_sites, kind_keys, lead_picks, leads
+from recompute.trace._cuda import fake_device_note, trace_device
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
 
-__all__ = ["cached_profile", "profile", "profile_key"]
+__all__ = ["cached_profile", "cached_profiles", "profile", "profile_key", "profiles", "with_loss"]
 
 
 def profiled_policies() -> tuple[str, ...]:
@@ -72,15 +82,40 @@ def cached_profile(
     model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Progress = no_progress
 ) -> tuple[Profile, bool]:
     """The profile of ``model`` at ``wl`` from the cache, or measured now and cached; and whether it was cached."""
+    return cached_profiles(model, wl, (wl.loss,), progress=progress)[wl.loss]
+
+
+def cached_profiles(
+    model: ModelSpec | ModelSource | str,
+    wl: Workload,
+    losses: Sequence[str] = LOSSES,
+    *,
+    progress: Progress = no_progress,
+) -> dict[str, tuple[Profile, bool]]:
+    """``cached_profile`` under each loss mode in ``losses``: those not cached are measured together
+    (``profiles``) and cached, each under its own key (the loss mode is part of it)."""
     source = _source_of(model, False)
-    key = profile_key(source, wl)
-    found = store.load("profiles", key, Profile.from_dict) if key else None
-    if found is not None and found.key == key:
-        return found, True
-    result = profile(source, wl, progress=progress)
-    if key:
-        store.save("profiles", key, result.to_dict())
-    return result, False
+    workloads = {loss: with_loss(wl, loss) for loss in dict.fromkeys(losses)}
+    keys = {loss: profile_key(source, w) for loss, w in workloads.items()}
+    found = {loss: _cached(key) if key else None for loss, key in keys.items()}
+    missing = [loss for loss, hit in found.items() if hit is None]
+    measured = profiles(source, wl, missing, progress=progress) if missing else {}
+    out: dict[str, tuple[Profile, bool]] = {}
+    for loss, hit in found.items():
+        if hit is not None:
+            out[loss] = hit, True
+            continue
+        key = keys[loss]
+        if key:
+            store.save("profiles", key, measured[loss].to_dict())
+        out[loss] = measured[loss], False
+    return out
+
+
+def _cached(key: str) -> Profile | None:
+    """The stored profile of ``key``, or None (missing, unreadable, or stored under another key)."""
+    found = store.load("profiles", key, Profile.from_dict)
+    return found if found is not None and found.key == key else None
 
 
 def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Progress = no_progress) -> Profile:
@@ -89,51 +124,181 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
     Raises:
         ConfigError: as ``trace``; and parallelism (a profile is of one device: use ``--analytic`` estimates).
     """
+    return profiles(model, wl, (wl.loss,), progress=progress)[wl.loss]
+
+
+def profiles(
+    model: ModelSpec | ModelSource | str,
+    wl: Workload,
+    losses: Sequence[str] = LOSSES,
+    *,
+    progress: Progress = no_progress,
+) -> dict[str, Profile]:
+    """``profile`` of ``model`` at ``wl`` under each loss mode in ``losses``, by loss mode, in one pass: the
+    links are measured once, the whole step and the anchors once per loss mode. Each is the ``Profile`` that
+    ``profile(model, with_loss(wl, loss))`` measures.
+
+    Raises:
+        ConfigError: as ``profile``; a loss mode the workload cannot take (the chunked loss in fp16).
+    """
     source = _source_of(model, False)
     require(
         wl.tp == wl.pp == wl.dp == 1,
         "a profile measures one device's step; drop tp, pp and dp (recompute estimate --analytic models them)",
         fields=("tp", "pp", "dp"),
     )
-    _check_traceable(source, wl)
-    device = resolve_device(wl.device)
-    dtype = TORCH_DTYPES[wl.dtype]
+    workloads = {loss: with_loss(wl, loss) for loss in dict.fromkeys(losses)}
+    for w in workloads.values():
+        _check_traceable(source, w)
+    device = trace_device(wl.device)
     start = time.perf_counter()
     with fake_kernels():
-        whole = build_meta(source, attention=wl.attention, dtype=dtype)
+        shape = _Shape.of(source, wl)
+        steps = len(workloads) * (1 + len(shape.anchors)) + (1 if shape.chain else 0)
+        # Every model built on meta before a step makes one of them fake: the chained one once.
+        built = {loss: shape.models(chained=i == 0) for i, loss in enumerate(workloads)}
+        progress("profile", 0, steps)
+        done = 0
+        measured: dict[str, tuple[StepRecord, int, dict[tuple[Any, ...], Site], dict[str, int]]] = {}
+        for loss, w in workloads.items():
+            whole, anchors, _ = built[loss]
+            base, _, n_params = step_built(whole, w, Policy("none"), device=device, flops=True)
+            done += 1
+            progress("profile", done, steps)
+            records, shared = {}, {}
+            for (tag, p, x), short in zip(shape.anchors, anchors):
+                per_layer = (*leads(p, shape.ok)[:x], p)
+                rec = step_built(
+                    short, w, Policy(layers=per_layer), device=device, flops=shape.only_last, step=False, owners=True
+                )[0]
+                records[tag, p] = Site(rec, x)
+                shared[p] = rec.phase_shared.get(Phase("backward", "layer", x), 0)
+                done += 1
+                progress("profile", done, steps)
+            measured[loss] = base, n_params, records, shared
+        links: dict[tuple[Any, ...], Site] = {}
+        if shape.chain:
+            first = next(iter(workloads))
+            chained = built[first][2]
+            assert chained is not None
+            links = _chained(shape, chained, workloads[first], device, measured[first][3])
+            progress("profile", steps, steps)
+    seconds = time.perf_counter() - start
+    return {
+        loss: shape.profile(source, workloads[loss], base, n_params, records | links, seconds)
+        for loss, (base, n_params, records, _) in measured.items()
+    }
+
+
+def with_loss(wl: Workload, loss: str) -> Workload:
+    """``wl`` with loss mode ``loss`` (its chunk kept for the chunked loss).
+
+    Raises:
+        ConfigError: ``loss`` is not a loss mode, or one ``wl`` cannot take (the chunked loss in fp16).
+    """
+    return dataclasses.replace(wl, loss=loss, loss_chunk=wl.loss_chunk if loss == "chunked" else None)
+
+
+def _chained(
+    shape: _Shape, built: BuiltModel, wl: Workload, device: str, shared: dict[str, int]
+) -> dict[tuple[Any, ...], Site]:
+    """The chained step (``_chain``): every link's site, FLOPs and kernels counted where a kind's come from."""
+    per_layer = (*shape.lead_policies, *(p for _, p in shape.chain), "none")
+    positions = chain_positions(shape.chain, len(shape.lead_policies), set(shape.pairs))
+    counted = {positions[key] for key in kind_keys(shape.pairs, shape.ok)}
+    pol = Policy(layers=per_layer)
+    rec = step_built(built, wl, pol, device=device, flops=True, step=False, owners=True, flop_layers=counted)[0]
+    return chain_sites(rec, positions, shared)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a profile measures of a model: its layers by kind, the policies each takes, the transitions between
+    kinds, the chain that walks them and the anchors."""
+
+    whole: BuiltModel
+    """The model on the meta device."""
+    layers: nn.ModuleList
+    kind_of: tuple[int, ...]
+    reps: tuple[int, ...]
+    """The first layer of each kind."""
+    labels: tuple[str, ...]
+    refused: tuple[dict[str, str], ...]
+    ok: tuple[tuple[str, ...], ...]
+    """The policies each kind takes."""
+    pairs: tuple[tuple[int, int], ...]
+    chain: tuple[Node, ...]
+    anchors: tuple[tuple[str, str, int], ...]
+    """(tag, policy, index of the measured layer): ``last`` the last layer with the head after it, per
+    policy; ``alone`` for a policy the chain runs that the last layer cannot take, a layer of a kind that
+    takes it (what the layers share that its leading layers keep, for ``chain_sites``)."""
+    picks: tuple[tuple[int, ...], ...]
+    """The model's layers each anchor's short model copies."""
+
+    @classmethod
+    def of(cls, source: ModelSource, wl: Workload) -> _Shape:
+        whole = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype])
         layers = find_layers(whole.model)
         kind_of, reps, labels = _layer_kinds(whole.model, layers)
         n, lead = len(layers), len(reps)
-        refused = [_refused(whole, layers, r) for r in reps]
-        ok = [[p for p in profiled_policies() if p not in refused[k]] for k in range(lead)]
-        pairs = sorted({(kind_of[i], kind_of[i + 1]) for i in range(n - 1)})
-        runs: list[tuple[tuple[Any, ...], list[int], int, tuple[str, ...]]] = []
+        refused = tuple(_refused(whole, layers, r) for r in reps)
+        ok = tuple(tuple(p for p in profiled_policies() if p not in refused[k]) for k in range(lead))
+        pairs = tuple(sorted({(kind_of[i], kind_of[i + 1]) for i in range(n - 1)}))
+        order = tuple(chain(pairs, ok))
+        x_last = lead if n > 1 else 0
+        anchors = [("last", p, x_last) for p in ok[kind_of[-1]]]
+        picks = [tuple([*reps, n - 1] if n > 1 else [0]) for _ in anchors]
+        for p in dict.fromkeys(p for _, p in order):
+            if p not in ok[kind_of[-1]]:
+                k = next(k for k in range(lead) if p in ok[k])
+                anchors.append(("alone", p, lead))
+                picks.append((*reps, reps[k]))
+        return cls(
+            whole, layers, tuple(kind_of), tuple(reps), tuple(labels), refused, ok, pairs, order, tuple(anchors),
+            tuple(picks),
+        )  # fmt: skip
 
-        def leads(p: str) -> tuple[str, ...]:
-            """The leading layers run the measured layer's policy where they take it: what layers share is
-            then kept by them under that policy, as by the model's first layers when every layer runs it."""
-            return tuple(p if p in ok[k] else "none" for k in range(lead))
+    @property
+    def lead_policies(self) -> tuple[str, ...]:
+        """The policies of the chain's leading layers (``lead_picks``)."""
+        return tuple(p for k in range(len(self.reps)) for p in self.ok[k])
 
-        for a, b in pairs:  # a layer of kind a at a generic position, followed by one of kind b
-            picks = [*reps, reps[a], reps[b], n - 1]
-            runs += [(("pair", a, b, p, q), picks, lead, (*leads(p), p, q, "none")) for p in ok[a] for q in ok[b]]
-        picks = [*reps, n - 1] if n > 1 else [0]  # the last layer, with the head after it
-        x_last = len(picks) - 1
-        runs += [(("last", p), picks, x_last, (*leads(p)[:x_last], p)) for p in ok[kind_of[-1]]]
-        shorts = {tuple(picks): _short_model(whole, layers, picks) for _, picks, _, _ in runs}  # while on meta
-        progress("profile", 0, len(runs) + 1)
-        base, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
-        progress("profile", 1, len(runs) + 1)
-        records: dict[tuple[Any, ...], tuple[StepRecord, int]] = {}
-        for j, (key, picks, x, per_layer) in enumerate(runs):
-            built = _copy(shorts[tuple(picks)])
-            records[key] = step_built(built, wl, Policy(layers=per_layer), device=device, flops=True)[0], x
-            progress("profile", j + 2, len(runs) + 1)
-    members = [tuple(i for i, x in enumerate(kind_of) if x == k) for k in range(lead)]
-    kinds = tuple(_kind(labels[k], members[k], layers[reps[k]], k, records, refused[k]) for k in range(lead))
-    links = {f"{a}>{b}": _link(records, ("pair", a, b), ok[a], ok[b]) for a, b in pairs}
-    last = _last(records, ok[kind_of[-1]])
-    return _assemble(source, whole, wl, base, kinds, tuple(kind_of), links, last, n_params, time.perf_counter() - start)
+    @property
+    def only_last(self) -> bool:
+        """Whether a kind is only the model's last layer (its own figures come from the anchors)."""
+        return any(k not in {a for a, _ in self.pairs} for k in range(len(self.reps)))
+
+    def models(self, *, chained: bool) -> tuple[BuiltModel, list[BuiltModel], BuiltModel | None]:
+        """Meta copies of the whole model, of each anchor's short model and (``chained``) of the chained one."""
+        whole = _copy(self.whole)
+        anchors = [_short_model(self.whole, self.layers, picks) for picks in self.picks]
+        if not (chained and self.chain):
+            return whole, anchors, None
+        picks = [*lead_picks(self.reps, self.ok), *(self.reps[k] for k, _ in self.chain), len(self.layers) - 1]
+        return whole, anchors, _short_model(self.whole, self.layers, picks)
+
+    def profile(
+        self,
+        source: ModelSource,
+        wl: Workload,
+        base: StepRecord,
+        n_params: int,
+        records: dict[tuple[Any, ...], Site],
+        seconds: float,
+    ) -> Profile:
+        lead = len(self.reps)
+        members = [tuple(i for i, x in enumerate(self.kind_of) if x == k) for k in range(lead)]
+        kinds = tuple(
+            _kind(self.labels[k], members[k], self.layers[self.reps[k]], k, records, self.refused[k])
+            for k in range(lead)
+        )
+        links = {f"{a}>{b}": _link(records, ("pair", a, b), self.ok[a], self.ok[b]) for a, b in self.pairs}
+        last = _last(records, self.ok[self.kind_of[-1]])
+        return _assemble(source, self.whole, wl, base, kinds, self.kind_of, links, last, n_params, seconds)
+
+
+def _copy(built: BuiltModel) -> BuiltModel:
+    return BuiltModel(copy.deepcopy(built.model), built.loss_fn, built.vocab, built.class_name, built.notes)
 
 
 def _refused(whole: BuiltModel, layers: nn.ModuleList, rep: int) -> dict[str, str]:
@@ -217,10 +382,6 @@ def _owner(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
     raise ConfigError(f"cannot find the layer list in {type(model).__name__}")
 
 
-def _copy(built: BuiltModel) -> BuiltModel:
-    return BuiltModel(copy.deepcopy(built.model), built.loss_fn, built.vocab, built.class_name, built.notes)
-
-
 def _saved(record: StepRecord, layer: int) -> int:
     return sum(r.nbytes for r in record.saved if r.layer == layer)
 
@@ -238,31 +399,34 @@ def _kind(
     members: tuple[int, ...],
     layer: nn.Module,
     k: int,
-    records: dict[tuple[Any, ...], tuple[StepRecord, int]],
+    records: dict[tuple[Any, ...], Site],
     refused: dict[str, str],
 ) -> LayerKind:
-    """Kind ``k`` from the short models where a layer of it is measured at a generic position with the next
-    layer under ``none`` (or, for a kind only last, the head after it)."""
-    mine = {key[3]: v for key, v in records.items() if key[0] == "pair" and key[1] == k and key[4] == "none"}
-    if not mine:
+    """Kind ``k`` from the sites where a layer of it is measured at a generic position with the next layer under
+    ``none`` (the next of the last kind to follow it), or, for a kind only last, with the head after it."""
+    follow = [key for key in records if key[0] == "pair" and key[1] == k]
+    if follow:
+        b = max(key[2] for key in follow)
+        mine = {key[3]: v for key, v in records.items() if key[:3] == ("pair", k, b) and key[4] == "none"}
+    else:
         mine = {key[1]: v for key, v in records.items() if key[0] == "last"}
-    ref, x = mine["none"]
-    fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
+    ref = mine["none"]
     kept, held, comps, ops, d_f, d_b, b_flops, b_ops = {}, {}, {}, {}, {}, {}, {}, {}
     f_work, b_work = {}, {}
-    for name, (rec, _) in mine.items():
+    for name, site in mine.items():
+        rec, fwd, bwd = site.rec, _layer(site, "forward"), _layer(site, "backward")
         f_work[name] = work_list(rec.work.get(fwd, {}))
         b_work[name] = work_list(rec.work.get(bwd, {}))
-        records_x = [r for r in rec.saved if r.layer == x]
+        records_x = [r for r in rec.saved if r.layer == site.x]
         kept[name] = sum(r.nbytes for r in records_x)
-        held[name] = _held(rec, x)
+        held[name] = _held(site)
         comps[name] = _sum_by(records_x, "component")
         ops[name] = _sum_by(records_x, "op")
-        d_f[name] = _phase_delta(rec, ref, fwd, x)
-        d_b[name] = _phase_delta(rec, ref, bwd, x)
+        d_f[name] = _phase_delta(site, ref, "forward")
+        d_b[name] = _phase_delta(site, ref, "backward")
         b_ops[name] = _flops(rec, bwd)
         b_flops[name] = sum(b_ops[name].values())
-    f_ops = _flops(ref, fwd)
+    f_ops = _flops(ref.rec, _layer(ref, "forward"))
     return LayerKind(
         name=label,
         layers=members,
@@ -283,53 +447,61 @@ def _kind(
     )
 
 
-def _held(rec: StepRecord, x: int) -> int:
-    """Growth of allocated bytes over layer ``x``'s forward: from its start to the next layer's (or the head's)."""
+def _layer(site: Site, stage: str) -> Phase:
+    return Phase(stage, "layer", site.x)
+
+
+def _held(site: Site) -> int:
+    """Growth of allocated bytes over the layer's forward: from its start to the next layer's (or the head's)."""
+    rec, x = site.rec, site.x
     after = rec.layer_starts[x + 1] if x + 1 < len(rec.layer_starts) else _peak(rec, Phase("forward", "head"))
     return after - rec.layer_starts[x]
 
 
-def _phase_delta(rec: StepRecord, ref: StepRecord, phase: Phase, x: int) -> int:
-    """The peak of ``phase`` above the memory at layer ``x``'s start, against the all-``none`` reference."""
-    return (_peak(rec, phase) - rec.layer_starts[x]) - (_peak(ref, phase) - ref.layer_starts[x])
+def _rise(site: Site, stage: str, part: str) -> int:
+    """The peak of a phase (the layer's own, or the head's) above the memory at the layer's start, less the
+    gradients of the layers beyond the next one in a backward phase."""
+    phase = _layer(site, stage) if part == "layer" else Phase(stage, part)
+    return _peak(site.rec, phase) - site.rec.layer_starts[site.x] - (site.above if stage == "backward" else 0)
+
+
+def _phase_delta(site: Site, ref: Site, stage: str, part: str = "layer") -> int:
+    """A phase's rise (``_rise``) against the all-``none`` reference's."""
+    return _rise(site, stage, part) - _rise(ref, stage, part)
 
 
 def _link(
-    records: dict[tuple[Any, ...], tuple[StepRecord, int]],
-    tag: tuple[Any, ...],
-    first: Sequence[str],
-    then: Sequence[str],
+    records: dict[tuple[Any, ...], Site], tag: tuple[Any, ...], first: Sequence[str], then: Sequence[str]
 ) -> dict[str, dict[str, PairFigures]]:
     """Per (a layer's policy, the next one's): what it holds, its backward phase's and its forward phase's
     deltas, against both running ``none``."""
     ref_key: tuple[Any, ...] = (*tag, "none", "none")
-    ref, x = records[ref_key]
-    fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
+    ref = records[ref_key]
     out: dict[str, dict[str, PairFigures]] = {}
     for p in first:
         out[p] = {}
         for q in then:
             key: tuple[Any, ...] = (*tag, p, q)
-            rec, _ = records[key]
+            site = records[key]
             out[p][q] = PairFigures(
-                _held(rec, x) - _held(ref, x),
-                _phase_delta(rec, ref, bwd, x),
-                _phase_delta(rec, ref, fwd, x),
+                _held(site) - _held(ref),
+                _phase_delta(site, ref, "backward"),
+                _phase_delta(site, ref, "forward"),
             )
     return out
 
 
-def _last(records: dict[tuple[Any, ...], tuple[StepRecord, int]], policies: Sequence[str]) -> dict[str, LastFigures]:
+def _last(records: dict[tuple[Any, ...], Site], policies: Sequence[str]) -> dict[str, LastFigures]:
     """For the last layer, per policy: its backward phase's delta and the head's forward and backward deltas,
     against ``none``."""
-    ref, x = records["last", "none"]
+    ref = records["last", "none"]
     out = {}
     for p in policies:
-        rec, _ = records["last", p]
+        site = records["last", p]
         out[p] = LastFigures(
-            _phase_delta(rec, ref, Phase("backward", "layer", x), x),
-            _phase_delta(rec, ref, Phase("forward", "head"), x),
-            _phase_delta(rec, ref, Phase("backward", "head"), x),
+            _phase_delta(site, ref, "backward"),
+            _phase_delta(site, ref, "forward", "head"),
+            _phase_delta(site, ref, "backward", "head"),
         )
     return out
 
@@ -360,7 +532,7 @@ def _assemble(
     st = base.states
     key = profile_key(source, wl) or f"factory {source.origin}"
     notes = [
-        f"profiled {whole.class_name} built from {source.origin} on fake {wl.device} tensors: exact sizes, "
+        f"profiled {whole.class_name} built from {source.origin} {fake_device_note(wl.device)}: exact sizes, "
         "nothing allocated",
         *whole.notes,
         f"{len(kinds)} kind{'s' if len(kinds) != 1 else ''} of layer: "

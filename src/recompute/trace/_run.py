@@ -12,11 +12,10 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -30,8 +29,9 @@ from recompute.core.workload import Workload
 from recompute.models.loss import LossFn, lm_loss
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
-from recompute.runtime import TORCH_DTYPES, random_batch, resolve_device
+from recompute.runtime import TORCH_DTYPES, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
+from recompute.trace._cuda import cuda_rules, fake_device_note, stands_in, trace_device
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
 from recompute.trace._scale import scale_record
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
@@ -61,12 +61,15 @@ def trace(
 
     Raises:
         ConfigError: the sequence is longer than the model's positions, the policy does not fit the model,
-            the model cannot be built, or CUDA is asked for without CUDA.
+            or the model cannot be built.
+
+    A CUDA step on a machine without CUDA is traced on fake CPU tensors under CUDA's rules (its dropout,
+    attention and norm kernels, its 512-byte blocks: ``recompute.trace._cuda``).
     """
     source = _source_of(model, hf)
     _check_traceable(source, wl)
     pol = Policy.parse(policy)
-    device = resolve_device(wl.device)
+    device = trace_device(wl.device)
     n_layers = source.n_layers or _count_layers(source, wl)
     per_layer = pol.per_layer(n_layers)
     start = time.perf_counter()
@@ -106,9 +109,7 @@ def step_work(
     ``layers``: trace this many layers and one more and scale (``scale_work``), as ``trace`` does; identical
     layers only (a preset). With ``wl.tp`` > 1 it is rank 0's step (recompute's GPT/Llama on a fake process
     group), every collective filed with the kernels (``recompute.core.comms``). A CUDA step on a machine
-    without CUDA is traced on the CPU: the same kernels but for the attention kernel's name and the dropout
-    masks' dtype. SDPA's dropout is then traced as part of the fused
-    kernel, as a GPU runs it (the CPU's fused kernels take no dropout and would fall back to the math path).
+    without CUDA is traced on fake CPU tensors under CUDA's rules, with CUDA's kernels (``recompute.trace._cuda``).
 
     Raises:
         ConfigError: as ``trace``.
@@ -176,54 +177,25 @@ def _work_tracer(
     source: ModelSource, wl: Workload
 ) -> Iterator[tuple[Callable[[Policy, int], dict[str, tuple[Any, ...]]], int]]:
     """A function tracing the step's work of the model at ``n`` layers under a policy, and the model's layer
-    count: a CUDA step on a machine without CUDA stands in on the CPU, SDPA's dropout fused as on a GPU; with
-    ``wl.tp`` > 1, rank 0 of a fake process group, its collectives filed with its kernels."""
+    count (a CUDA step without CUDA under CUDA's rules: ``step_built``); with ``wl.tp`` > 1, rank 0 of a fake
+    process group, its collectives filed with its kernels."""
     # One rank of one micro-batch's whole model: the pipeline and data parallelism lay it out (recompute.core.pricing)
     wl = dataclasses.replace(wl, pp=1, interleave=1, n_microbatches=None, dp=1)
-    foreach = wl.device == "cuda"  # AdamW's multi-tensor kernels, PyTorch's default on CUDA
-    stand_in = wl.device == "cuda" and not torch.cuda.is_available()
-    if stand_in:
-        wl = dataclasses.replace(wl, device="cpu")
     _check_traceable(source, wl)
-    device = resolve_device(wl.device)
+    device = trace_device(wl.device)
     n = source.n_layers or _count_layers(source, wl)
 
     def work_of(pol: Policy, k: int) -> dict[str, tuple[Any, ...]]:
-        return _work(source, wl, pol, k, device, foreach)
+        return _work(source, wl, pol, k, device)
 
-    with _fake_group(wl.tp), _fused_dropout() if stand_in else contextlib.nullcontext():
+    with _fake_group(wl.tp):
         yield work_of, n
 
 
-@contextlib.contextmanager
-def _fused_dropout() -> Iterator[None]:
-    """SDPA without its dropout argument while tracing: a GPU's fused attention kernels apply dropout inside, the
-    CPU's take none (the step would fall back to the math path: s^2 probabilities and a separate dropout).
-
-    The function is swapped on ``torch.nn.functional`` (models look it up at call time), so a checkpoint's
-    replay in the backward sees it too."""
-    sdpa = F.scaled_dot_product_attention
-
-    def without_dropout(*args: Any, **kwargs: Any) -> Any:
-        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
-            args = (*args[:4], 0.0, *args[5:])
-        else:
-            kwargs["dropout_p"] = 0.0
-        return sdpa(*args, **kwargs)
-
-    F.scaled_dot_product_attention = without_dropout
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = sdpa
-
-
-def _work(
-    source: ModelSource, wl: Workload, pol: Policy, n: int, device: str, foreach: bool
-) -> dict[str, tuple[Any, ...]]:
+def _work(source: ModelSource, wl: Workload, pol: Policy, n: int, device: str) -> dict[str, tuple[Any, ...]]:
     with fake_kernels():
         built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
-        record, _, _ = step_built(built, wl, pol, device=device, flops=True, foreach=foreach)
+        record, _, _ = step_built(built, wl, pol, device=device, flops=True)
     ordered = sorted(record.work.items(), key=lambda kv: kv[0].order())
     return {str(ph): work_list(w) for ph, w in ordered}
 
@@ -321,19 +293,47 @@ def _step(source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
 
 
 def step_built(
-    built: BuiltModel, wl: Workload, pol: Policy, *, device: str, flops: bool = False, foreach: bool | None = None
+    built: BuiltModel,
+    wl: Workload,
+    pol: Policy,
+    *,
+    device: str,
+    flops: bool = False,
+    foreach: bool | None = None,
+    step: bool = True,
+    owners: bool = False,
+    flop_layers: Collection[int] | None = None,
 ) -> tuple[StepRecord, BuiltModel, int]:
     """One fake step of a model built on the meta device (made fake here, in place), and its parameter count.
 
-    ``foreach``: AdamW's implementation (None: PyTorch's default for the device)."""
-    stack, mode = _prepare(built, wl, pol, device=device)
-    model = built.model
-    n_params = sum(p.numel() for p in model.parameters())  # each parameter once, tied ones too
-    with mode:
-        optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach)
-        prime_optimizer(model, optimizer)
-        batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device)
-        record = run_step(model, batch, optimizer, stack, loss_fn=built.loss_fn, keep_grads=wl.keep_grads, flops=flops)
+    ``device``: where the fake tensors live (``trace_device``); a CUDA workload on CPU tensors runs under CUDA's
+    rules (``recompute.trace._cuda``). ``foreach``: AdamW's implementation (None: PyTorch's default for the
+    workload's device); ``step``: run its step; ``owners``: record ``StepRecord.layer_left`` and
+    ``phase_shared``; ``flop_layers``: as ``run_step``'s."""
+    cuda = stands_in(wl.device, device)
+    if foreach is None and cuda:
+        foreach = True  # AdamW's multi-tensor kernels: PyTorch's default on CUDA
+    with cuda_rules() if cuda else contextlib.nullcontext():
+        stack, mode = _prepare(built, wl, pol, device=device)
+        model = built.model
+        n_params = sum(p.numel() for p in model.parameters())  # each parameter once, tied ones too
+        with mode:
+            optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach)
+            prime_optimizer(model, optimizer)
+            batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device)
+            record = run_step(
+                model,
+                batch,
+                optimizer,
+                stack,
+                loss_fn=built.loss_fn,
+                keep_grads=wl.keep_grads,
+                flops=flops,
+                step=step,
+                owners=owners,
+                flop_layers=flop_layers,
+                cuda=cuda,
+            )
     return record, built, n_params
 
 
@@ -407,8 +407,9 @@ def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *,
     _check_traceable(source, wl)
     pol = Policy.parse(policy)
     require(pol.is_uniform, f"trace_layer needs one policy for every layer, got {pol.describe()}")
-    device = resolve_device(wl.device)
-    with _fake_group(wl.tp):
+    device = trace_device(wl.device)
+    cuda = stands_in(wl.device, device)
+    with _fake_group(wl.tp), cuda_rules() if cuda else contextlib.nullcontext():
         built, stack, mode = _fake_model(source, wl, pol, 2, device=device)
         with mode:
             saved = record_saved(
@@ -416,6 +417,7 @@ def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *,
                 random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device),
                 stack,
                 loss_fn=built.loss_fn,
+                cuda=cuda,
             )
     return part_trace("layer 1", [r for r in saved if r.layer == 1])
 
@@ -462,7 +464,7 @@ def _workload_dict(wl: Workload) -> dict[str, Any]:
 
 def _notes(source: ModelSource, built: BuiltModel, wl: Workload, counts: tuple[int, ...], n: int) -> tuple[str, ...]:
     notes = [
-        f"traced {built.class_name} built from {source.origin} on fake {wl.device} tensors: "
+        f"traced {built.class_name} built from {source.origin} {fake_device_note(wl.device)}: "
         "exact sizes, nothing allocated",
         *built.notes,
         "steady-state step: AdamW state exists, gradients "

@@ -12,8 +12,7 @@ The logits stay alive until the backward ends, as in a training loop that keeps 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +47,15 @@ class StepRecord:
     """Every kernel of each phase by work signature (op, dtype, FLOPs, bytes): how many ran (``flops=True``)."""
     host_peak: int = 0
     """The most host-memory bytes alive at once (``offload`` layers' copies; in no device figure)."""
+    layer_grads: tuple[int, ...] = ()
+    """Bytes of gradients the backward allocated for each layer's parameters (none with ``keep_grads``: they
+    exist before the step)."""
+    layer_left: tuple[int, ...] = ()
+    """Bytes each layer's forward allocated that are still alive when the backward ends (``owners=True``),
+    such as a key/value cache's entries."""
+    phase_shared: dict[Phase, int] = field(default_factory=dict)
+    """Bytes alive at each phase's peak of what the forward allocated before the first layer, which the layers
+    share (position ids, masks, rotary tables; ``owners=True``)."""
 
     @property
     def peak(self) -> tuple[int, Phase]:
@@ -101,34 +109,49 @@ def run_step(
     loss_fn: LossFn = lm_loss,
     keep_grads: bool = False,
     flops: bool = False,
+    step: bool = True,
+    owners: bool = False,
+    flop_layers: Collection[int] | None = None,
+    cuda: bool = False,
 ) -> StepRecord:
     """Track one training step of ``model`` on ``batch`` (token ids, targets); the optimizer must be primed.
 
     ``keep_grads``: the gradients exist (as zeros) from the start, as with ``zero_grad(set_to_none=False)``
     or the persistent gradient buffers of DDP and Megatron; otherwise they start as ``None``. Leaves the
     gradients set to ``None`` afterwards. ``flops``: also count every op's FLOPs by phase (``PhaseFlops``).
+    ``step``: run the optimizer step (without it the record has no optimizer phase and its ``states`` are
+    those after the backward). ``owners``: record ``layer_left`` and ``phase_shared``.
+    ``flop_layers``: count the ops of these layers only (and all outside the layers); None: all. ``cuda``:
+    count as CUDA does a step traced on fake CPU tensors under CUDA's rules (``StepTracker(cuda=True)``).
     """
     layers = list(layers)
     if keep_grads:
         for p in model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-    tracker = StepTracker(layers)
+    had = {id(p) for p in model.parameters() if p.grad is not None}
+    tracker = StepTracker(layers, cuda=cuda)
+    if owners:
+        tracker.track_owners()
     tracker.track_external(model, optimizer, *batch)
     deltas: dict[int, int] = {}
     starts: dict[int, int] = {}
     handles = _delta_hooks(tracker, layers, deltas, starts)
-    counter = PhaseFlops(tracker) if flops else None
+    counter = PhaseFlops(flop_layers) if flops else None
+    tracker.counter = counter
     try:
-        with tracker, counter or contextlib.nullcontext():
+        with tracker:
             tracker.set_stage("forward")
             with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
                 kept, loss = loss_fn(model, *batch)
             tracker.set_stage("backward")
             loss.backward()
+            left = tracker.left_by_layer()
             del kept, loss
-            tracker.set_stage("optimizer")
-            optimizer.step()
+            grads = _new_grads(layers, had) if not keep_grads else (0,) * len(layers)
+            if step:
+                tracker.set_stage("optimizer")
+                optimizer.step()
             states = _merged_now(tracker)
     finally:
         for h in handles:
@@ -144,6 +167,17 @@ def run_step(
         flops={ph: dict(c) for ph, c in counter.by_phase.items()} if counter else {},
         work={ph: dict(c) for ph, c in counter.work.items()} if counter else {},
         host_peak=tracker.host_peak,
+        layer_grads=grads,
+        layer_left=left if owners else (),
+        phase_shared=dict(tracker.phase_shared),
+    )
+
+
+def _new_grads(layers: Sequence[nn.Module], had: set[int]) -> tuple[int, ...]:
+    """Bytes of the gradients each layer's parameters got in the backward (that did not exist before it)."""
+    return tuple(
+        sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None and id(p) not in had)
+        for layer in layers
     )
 
 
@@ -153,13 +187,14 @@ def record_saved(
     layers: Iterable[nn.Module],
     *,
     loss_fn: LossFn = lm_loss,
+    cuda: bool = False,
 ) -> tuple[SavedRecord, ...]:
     """What the forward alone saves for the backward, by layer and component (no backward, no ops).
 
     The bytes are the same as ``run_step``'s (the forward decides what is saved); the saving op stays ``?``
-    since it is named by the backward node that reads the tensor.
+    since it is named by the backward node that reads the tensor. ``cuda``: as ``run_step``'s.
     """
-    tracker = StepTracker(layers)
+    tracker = StepTracker(layers, cuda=cuda)
     tracker.track_external(model, *batch)
     with tracker:
         tracker.set_stage("forward")

@@ -27,16 +27,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch._guards import active_fake_mode
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from recompute.offload import copying_to_host
+from recompute.trace._cuda import BLOCK, fp32_statistics
 
 __all__ = ["Phase", "SavedRecord", "StepTracker", "component_of", "python_saver", "storages"]
 
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module"})
 _STATE_KINDS = frozenset({"Parameter", "Buffer"})
+_DEVICE = torch.ops.prim.device.default
+_LAYER_NORM = torch.ops.aten.native_layer_norm.default
 
 
 @dataclass(frozen=True, order=True)
@@ -101,8 +106,11 @@ class StepTracker(MemTracker):
     ``unpack`` as saved-tensor hooks around the forward (``_step.run_step`` does both).
     """
 
-    def __init__(self, layers: Iterable[nn.Module]) -> None:
+    def __init__(self, layers: Iterable[nn.Module], *, cuda: bool = False) -> None:
         super().__init__()
+        self.cuda = cuda
+        """CUDA's rules on fake CPU tensors (``recompute.trace._cuda``): 512-byte blocks, fp32 LayerNorm
+        statistics."""
         self.stage = "setup"
         self.layers = list(layers)
         self.phase_peaks: dict[Phase, tuple[int, dict[str, int]]] = {}
@@ -116,6 +124,45 @@ class StepTracker(MemTracker):
         self.host_peak = 0
         """The most host-memory bytes alive at once."""
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.counter: Any = None
+        """Handed every op after it ran (``PhaseFlops.count``), when set."""
+        self._owners: WeakIdKeyDictionary | None = None
+        self._shared: dict[int, int] = {}  # id of a shared storage's winfo -> its bytes
+        self.shared_bytes = 0
+        """Bytes alive now of what the forward allocated before the first layer (``track_owners``)."""
+        self.phase_shared: dict[Phase, int] = {}
+        """``shared_bytes`` at each phase's peak (``track_owners``)."""
+
+    def track_owners(self) -> None:
+        """Also note which layer's forward allocated each storage (``left_by_layer``), and follow what the
+        forward allocated before the first layer, which the layers share (``shared_bytes``, ``phase_shared``)."""
+        self._owners = WeakIdKeyDictionary()
+
+    def left_by_layer(self) -> tuple[int, ...]:
+        """Bytes alive now that each layer's forward allocated (after ``track_owners``; zeros without it)."""
+        out = [0] * len(self.layers)
+        for st, j in (self._owners or {}).items():
+            info = self._WINFO.get(st)
+            if j >= 0 and info is not None:
+                out[j] += info[0].mem_consumed
+        return tuple(out)
+
+    def _own(self, new: list[torch.UntypedStorage]) -> None:
+        """Note the owner of storages just allocated: the layer running the forward, or -1 before the first."""
+        phase = self.phase()
+        if phase.stage != "forward" or phase.part not in ("layer", "embedding"):
+            return
+        owner = phase.layer if phase.part == "layer" else -1
+        for st in new:
+            self._owners[st] = owner  # type: ignore[index]
+            info = self._WINFO.get(st)
+            if owner == -1 and info is not None:
+                self._shared[id(info[0])] = info[0].mem_consumed
+                self.shared_bytes += info[0].mem_consumed
+
+    def _delete_callback(self, winfo: Any, w_st: Any) -> None:
+        self.shared_bytes -= self._shared.pop(id(winfo), 0)
+        super()._delete_callback(winfo, w_st)
 
     # --- phases ---------------------------------------------------------------------------------------
 
@@ -161,14 +208,56 @@ class StepTracker(MemTracker):
         best = self.phase_peaks.get(phase)
         if best is None or total > best[0]:
             self.phase_peaks[phase] = (total, _merged(self._curr_mem_snap))
+            if self._owners is not None:
+                self.phase_shared[phase] = self.shared_bytes
+
+    # --- dispatch ------------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """MemTracker's, and each op handed to ``counter`` (a ``PhaseFlops``) when one is set.
+
+        Note: [device queries] Every ``.device`` of a fake tensor that C++ asks (the autograd engine does, for
+        each gradient) is an op, ``prim.device``: most of the ops of a fake backward. It allocates nothing;
+        MemTracker's work for it comes down to noting the peak, done here directly."""
+        if func is _DEVICE and not any(t == DTensor for t in types):
+            out = func(*args, **(kwargs or {}))
+            if active_fake_mode() is self._fake_mode_on_entry:
+                self._update_peak_stats(None)
+            return out
+        run = fp32_statistics(func) if self.cuda and func is _LAYER_NORM else func
+        out = super().__torch_dispatch__(run, types, args, kwargs)
+        if self.counter is not None and out is not NotImplemented:
+            self.counter.count(self.phase(), func, args, kwargs or {}, out)
+        return out
 
     # --- host memory ---------------------------------------------------------------------------------
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         if copying_to_host():
             self._track_host(t)
-        else:
-            super()._track(reftype, t)
+            return
+        new = [st for st in storages(t) if st not in self._WINFO] if self._owners is not None or self.cuda else []
+        super()._track(reftype, t)
+        if self.cuda:
+            self._blocks(new)
+        if new and self._owners is not None:
+            self._own(new)
+
+    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: Any, update_existing: bool = False) -> Any:
+        new = [st for st in storages(t) if st not in self._WINFO] if self.cuda else []
+        out = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+        self._blocks(new)
+        return out
+
+    def _blocks(self, new: list[torch.UntypedStorage]) -> None:
+        """Round storages just tracked up to CUDA's 512-byte blocks (MemTracker does for CUDA tensors)."""
+        for st in new:
+            info = self._WINFO.get(st)
+            if info is None or info[0].mem_consumed % BLOCK == 0:
+                continue
+            winfo, old = info[0], info[0].mem_consumed
+            winfo.mem_consumed = -(-old // BLOCK) * BLOCK
+            self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
 
     def _track_host(self, t: torch.Tensor) -> None:
         for st in storages(t):

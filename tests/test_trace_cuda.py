@@ -1,0 +1,125 @@
+"""A CUDA step traced without CUDA (fake CPU tensors under CUDA's rules, ``recompute.trace._cuda``), held to the
+analytic model's CUDA terms: 1-byte dropout masks, FlashAttention's fp32 log-sum-exp, the fused RMSNorm, fp32
+LayerNorm statistics; and what it finds beyond them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recompute import ModelSpec, Workload
+from recompute.check_formulas import COMPARED, analytic_components
+from recompute.cli import main
+from recompute.core.analytic import estimate, layer_activations
+from recompute.core.policy import POLICIES
+from recompute.trace import trace, trace_layer
+from recompute.trace._cuda import BLOCK, cuda_rules, sdpa_backend
+
+CONFIGS = list(itertools.product(["gpt2", "llama3.1-8b"], [0.0, 0.1], ["flash", "eager"]))
+
+
+def cuda(name: str, dropout: float, attention: str, **wl: object) -> tuple[ModelSpec, Workload]:
+    spec = ModelSpec.from_name(name, dropout=dropout)
+    return spec, Workload(**{"seq_len": 256, "micro_batch": 2, "dtype": "bf16", "attention": attention, **wl})
+
+
+@pytest.mark.parametrize(("name", "dropout", "attention"), CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
+def test_a_cuda_layer_saves_what_the_analytic_model_counts(name: str, dropout: float, attention: str) -> None:
+    """Every component of a layer, every policy, byte for byte; beyond the formulas only FlashAttention's RNG state
+    (a (2,) and a () uint64 tensor, one 512-byte block each), kept wherever the flash kernel's output is."""
+    spec, wl = cuda(name, dropout, attention, device="cuda")
+    for policy in POLICIES:
+        traced = trace_layer(spec, wl, policy).components
+        analytic = analytic_components(layer_activations(spec, wl), policy)
+        rng_state = 2 * BLOCK if attention == "flash" and policy in ("none", "mlp") else 0
+        assert {c: traced.get(c, 0) for c in COMPARED} == {**analytic, "attention": analytic["attention"] + rng_state}
+
+
+@pytest.mark.parametrize(
+    ("name", "attention", "seq_len"), [("gpt2", "flash", 256), ("gpt2", "eager", 256), ("llama3.1-8b", "flash", 8192)]
+)
+@pytest.mark.parametrize("policy", ["none", "block"])
+def test_the_cuda_step_peak_matches_the_estimate(name: str, attention: str, seq_len: int, policy: str) -> None:
+    """With the gradients kept and the loss's logits larger than AdamW's temporaries (below) the peak is at the
+    loss, on both sides (the CPU comparison's tolerance: 1e-4; the rest is the small tensors' 512-byte blocks
+    and the flash RNG state)."""
+    spec, wl = cuda(name, 0.1, attention, device="cuda", precision="bf16", keep_grads=True, seq_len=seq_len)
+    predicted, traced = estimate(spec, wl, policy), trace(spec, wl, policy, layers=2)
+    assert traced.peak_phase == "backward (head and loss)" and predicted.peak_phase == "loss"
+    assert predicted.peak == pytest.approx(traced.peak, rel=1e-4)
+
+
+def test_the_estimate_leaves_out_cuda_foreach_adamw() -> None:
+    """A finding: CUDA's default AdamW is the foreach one, whose ``_foreach_sqrt`` holds one moment of every
+    parameter at once; the estimate counts single-tensor AdamW's two temporaries of the largest parameter."""
+    spec, wl = cuda("llama3.1-8b", 0.0, "flash", device="cuda", precision="bf16")
+    predicted, traced = estimate(spec, wl, "block"), trace(spec, wl, "block", layers=2)
+    assert traced.peak_phase == "optimizer step" == predicted.peak_phase
+    moment = 2  # bf16 moments
+    largest = spec.vocab * spec.hidden
+    missing = moment * (traced.parameter_count - 2 * largest)
+    assert abs(traced.peak - predicted.peak - missing) < 2**20  # small tensors' 512-byte blocks
+
+
+def test_cuda_rules_change_what_is_saved_as_on_cuda() -> None:
+    """Dropout keeps a bool mask, LayerNorm fp32 statistics, RMSNorm its input and an fp32 rstd, and the rules go
+    when the trace ends: the CPU's step is traced as before."""
+    cpu = Workload(seq_len=64, micro_batch=2, dtype="bf16", attention="eager", device="cpu")
+    on_gpu = dataclasses.replace(cpu, device="cuda")
+    for name in ("gpt2", "llama3.1-8b"):
+        spec = ModelSpec.from_name(name, dropout=0.1)
+        before = trace(spec, cpu, "none", layers=1)
+        saved = {w.device: trace_layer(spec, w, "none").total for w in (cpu, on_gpu)}
+        formulas = {w.device: layer_activations(spec, w).total for w in (cpu, on_gpu)}
+        assert saved["cpu"] - saved["cuda"] == formulas["cpu"] - formulas["cuda"] > 0
+        assert trace(spec, cpu, "none", layers=1) == before
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mask", "head", "lengths", "kv_heads", "backend"),
+    [
+        (torch.bfloat16, False, 128, (64, 64), 2, "flash"),
+        (torch.float16, False, 256, (64, 64), 2, "flash"),
+        (torch.bfloat16, False, 128, (64, 64), 1, "flash"),  # grouped-query attention
+        (torch.bfloat16, True, 128, (64, 64), 2, "efficient"),
+        (torch.bfloat16, False, 128, (32, 64), 2, "efficient"),  # causal with fewer queries than keys
+        (torch.float32, False, 68, (64, 64), 2, "efficient"),
+        (torch.bfloat16, True, 128, (64, 64), 1, "math"),
+        (torch.bfloat16, False, 260, (64, 64), 2, "math"),
+        (torch.float32, False, 66, (64, 64), 2, "math"),
+    ],
+)
+def test_sdpa_takes_the_backend_cuda_selects(
+    dtype: torch.dtype, mask: bool, head: int, lengths: tuple[int, int], kv_heads: int, backend: str
+) -> None:
+    q = torch.empty(1, 2, lengths[0], head, dtype=dtype, device="meta")
+    k = torch.empty(1, kv_heads, lengths[1], head, dtype=dtype, device="meta")
+    m = torch.empty(*lengths, dtype=torch.bool, device="meta") if mask else None
+    assert sdpa_backend(q, k, k, m, is_causal=not mask) == backend
+
+
+def test_cuda_rules_are_scoped() -> None:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with cuda_rules():
+        assert torch.nn.functional.scaled_dot_product_attention is not sdpa
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    x = torch.randn(4, 8, requires_grad=True)
+    assert type(torch.nn.functional.rms_norm(x, (8,)).grad_fn).__name__ != "FusedRmsNormBackward0"
+
+
+def test_trace_and_profile_run_for_cuda_on_any_machine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "--model", "gpt2", "--seq-len", "64", "--dtype", "bf16", "--device", "cuda"]) == 0
+    assert "CUDA" in capsys.readouterr().out
+    config = tmp_path / "config.json"
+    shape = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    config.write_text(json.dumps({"model_type": "llama", **shape, **heads}))
+    args = ["--model", str(config), "--seq-len", "32", "--dtype", "bf16", "--device", "cuda", "--json"]
+    assert main(["profile", *args]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["device"] == "cuda"
