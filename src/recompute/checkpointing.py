@@ -15,7 +15,10 @@ replay, and the router is not run a second time. ``mlp`` wraps the whole MoE blo
 
 Hugging Face attention modules have no ``core``: for ``core_attn`` the selected modules get a private copy of
 their config whose ``_attn_implementation`` names a function registered with transformers'
-``AttentionInterface``; it checkpoints the implementation the model was using (eager, sdpa, ...).
+``AttentionInterface``; it checkpoints the implementation the model was using (eager, sdpa, ...). A class that
+does not look its function up there, or tests the name itself (Falcon runs its own eager code unless the name is
+``"sdpa"``), would compute something else under the new name: ``core_attn`` is refused for it
+(``recompute.models.hf_attention``).
 
 Offloading (``Policy(offload=True)``) moves what each checkpoint keeps (its inputs) to CPU memory with
 ``save_on_cpu``; with a save-list, the op outputs that selective checkpointing keeps stay where they are (its
@@ -50,6 +53,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from recompute.chunked_loss import check_loss, chunked_replacements, loss_parts
 from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
+from recompute.models.hf_attention import swap_changes
 from recompute.offload import Offloader
 
 __all__ = ["REGIONS", "applied_policy", "apply", "find_layers"]
@@ -440,6 +444,9 @@ def _hf_core_target(attn: nn.Module) -> str:
             f"core_attn needs the attention module to have a core(q, k, v) method or a Hugging Face config; "
             f"{type(attn).__name__} has neither; use the 'attn' policy instead"
         )
+    why = swap_changes(attn, config._attn_implementation, _HF_IMPL)
+    if why is not None:
+        raise ConfigError(f"core_attn cannot apply to {type(attn).__name__}: {why}; use the 'attn' policy instead")
     _hf_attention_function(attn, config._attn_implementation)  # fails now, not in the forward
     from transformers import AttentionInterface
 

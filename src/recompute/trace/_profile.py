@@ -18,8 +18,8 @@ start of its forward to the start of the next one's: that counts what it saves, 
 reference, and its input freed when nothing keeps it. Saved-tensor bytes alone would not add up: a storage
 two layers need is counted once, by whichever saves it first.
 
-Layers are of one kind when they have the same class, the same parameters (names and shapes) and the same
-attention type; they are never assumed alike otherwise.
+Layers are of one kind when they have the same class, parameters, attention type and settings
+(``_kinds.layer_kinds``); they are never assumed alike otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 from recompute.checkpointing import apply, find_layers
 from recompute.core import policy as policies
 from recompute.core.errors import ConfigError, first_line, require
-from recompute.core.policy import POLICIES, Policy
+from recompute.core.policy import OFFLOAD_POLICIES, POLICIES, Policy
 from recompute.core.profile import (
     PROFILED_WORKLOAD,
     LayerKind,
@@ -51,6 +51,7 @@ from recompute.core.workload import Workload
 from recompute.models.source import BuiltModel, ModelSource
 from recompute.runtime import TORCH_DTYPES, resolve_device
 from recompute.trace._build import build_meta, fake_kernels
+from recompute.trace._kinds import layer_kinds, ranges, short_model
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
@@ -109,7 +110,8 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
     with fake_kernels():
         whole = build_meta(source, attention=wl.attention, dtype=dtype)
         layers = find_layers(whole.model)
-        kind_of, reps, labels = _layer_kinds(whole.model, layers)
+        found = layer_kinds(whole.model, layers)
+        kind_of, reps, labels = list(found.kind_of), list(found.reps), found.labels
         n, lead = len(layers), len(reps)
         refused = [_refused(whole, layers, r) for r in reps]
         ok = [[p for p in profiled_policies() if p not in refused[k]] for k in range(lead)]
@@ -127,7 +129,7 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
         picks = [*reps, n - 1] if n > 1 else [0]  # the last layer, with the head after it
         x_last = len(picks) - 1
         runs += [(("last", p), picks, x_last, (*leads(p)[:x_last], p)) for p in ok[kind_of[-1]]]
-        shorts = {tuple(picks): _short_model(whole, layers, picks) for _, picks, _, _ in runs}  # while on meta
+        shorts = {tuple(picks): short_model(whole, layers, picks) for _, picks, _, _ in runs}  # while on meta
         progress("profile", 0, len(runs) + 1)
         base, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
         progress("profile", 1, len(runs) + 1)
@@ -136,8 +138,10 @@ def profile(model: ModelSpec | ModelSource | str, wl: Workload, *, progress: Pro
             built = _copy(shorts[tuple(picks)])
             records[key] = step_built(built, wl, Policy(layers=per_layer), device=device, flops=True)[0], x
             progress("profile", j + 2, len(runs) + 1)
-    members = [tuple(i for i, x in enumerate(kind_of) if x == k) for k in range(lead)]
-    kinds = tuple(_kind(labels[k], members[k], layers[reps[k]], k, records, refused[k]) for k in range(lead))
+    for k in range(lead):
+        refused[k].update(_replaying_nothing(records, k, ok[k]))
+        ok[k] = [p for p in ok[k] if p not in refused[k]]
+    kinds = tuple(_kind(labels[k], found.members(k), layers[reps[k]], k, records, refused[k]) for k in range(lead))
     links = {f"{a}>{b}": _link(records, ("pair", a, b), ok[a], ok[b]) for a, b in pairs}
     last = _last(records, ok[kind_of[-1]])
     return _assemble(source, whole, wl, base, kinds, tuple(kind_of), links, last, n_params, time.perf_counter() - start)
@@ -148,80 +152,35 @@ def _refused(whole: BuiltModel, layers: nn.ModuleList, rep: int) -> dict[str, st
     out = {}
     for name in profiled_policies():
         try:
-            apply(_short_model(whole, layers, [rep]).model, name)
+            apply(short_model(whole, layers, [rep]).model, name)
         except ConfigError as e:
             out[name] = first_line(e)
     return out
 
 
-def _layer_kinds(model: nn.Module, layers: nn.ModuleList) -> tuple[list[int], list[int], list[str]]:
-    """Each layer's kind (index), the first layer of each kind, and each kind in words."""
-    types = _layer_types(model, len(layers))
-    signatures: dict[Any, int] = {}
-    kind_of: list[int] = []
-    reps: list[int] = []
-    labels: list[str] = []
-    for i, layer in enumerate(layers):
-        params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
-        attention = types[i] if types else getattr(layer, "attention_type", None)
-        sig = (type(layer).__name__, params, str(attention))
-        if sig not in signatures:
-            signatures[sig] = len(reps)
-            reps.append(i)
-            labels.append(_label(layer, attention))
-        kind_of.append(signatures[sig])
-    return kind_of, reps, labels
+def _replaying_nothing(
+    records: dict[tuple[Any, ...], tuple[StepRecord, int]], k: int, names: Sequence[str]
+) -> dict[str, str]:
+    """The recomputing policies a layer of kind ``k`` was measured not to replay: its backward has no more FLOPs
+    than under ``none`` (the policy did not reach what it wraps). Pricing them would price a replay that does not
+    happen (Falcon's core_attn before ``apply`` refused it: 0 recompute FLOPs, its own eager attention run)."""
+    mine = _measured(records, k)
+    ref, x = mine["none"]
+    backward = Phase("backward", "layer", x)
+    plain = sum(_flops(ref, backward).values())
+    return {
+        name: "measured replaying nothing: the layer's backward has no more FLOPs than under none"
+        for name in names
+        if name not in ("none", *OFFLOAD_POLICIES)
+        and name in mine
+        and sum(_flops(mine[name][0], backward).values()) <= plain
+    }
 
 
-def _layer_types(model: nn.Module, n: int) -> list[str] | None:
-    types = getattr(getattr(model, "config", None), "layer_types", None)
-    return list(types)[:n] if isinstance(types, (list, tuple)) and len(types) >= n else None
-
-
-def _label(layer: nn.Module, attention: Any) -> str:
-    mlp = next(
-        (type(m).__name__ for name, m in layer.named_children() if any(k in name for k in ("mlp", "moe", "ffn"))),
-        None,
-    )
-    parts = [type(layer).__name__]
-    if attention:
-        parts.append(str(attention))
-    if mlp:
-        parts.append(mlp)
-    return ", ".join(parts)
-
-
-def _short_model(whole: BuiltModel, layers: nn.ModuleList, picks: Sequence[int]) -> BuiltModel:
-    """A meta copy of the model whose layers are copies of ``layers[i]`` for each ``i`` in ``picks``, in order."""
-    model = whole.model
-    parent, attr = _owner(model, layers)
-    path = next(name for name, m in model.named_modules() if m is parent)
-    setattr(parent, attr, nn.ModuleList())  # deepcopy the rest of the model without the whole layer list
-    try:
-        short = copy.deepcopy(model)
-    finally:
-        setattr(parent, attr, layers)
-    copies = nn.ModuleList(copy.deepcopy(layers[i]) for i in picks)
-    for position, layer in enumerate(copies):
-        for m in layer.modules():
-            if isinstance(getattr(m, "layer_idx", None), int):
-                m.__dict__["layer_idx"] = position  # transformers' KV cache is indexed by it during the forward
-    setattr(short.get_submodule(path), attr, copies)
-    config = getattr(short, "config", None)
-    if config is not None and hasattr(config, "num_hidden_layers"):
-        types = _layer_types(model, len(layers))
-        config.num_hidden_layers = len(picks)
-        if types:
-            config.layer_types = [types[i] for i in picks]
-    return BuiltModel(short, whole.loss_fn, whole.vocab, whole.class_name, whole.notes)
-
-
-def _owner(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
-    for module in model.modules():
-        for name, child in module.named_children():
-            if child is target:
-                return module, name
-    raise ConfigError(f"cannot find the layer list in {type(model).__name__}")
+def _measured(records: dict[tuple[Any, ...], tuple[StepRecord, int]], k: int) -> dict[str, tuple[StepRecord, int]]:
+    """Kind ``k``'s measured layer by its policy, with the next layer under ``none`` (or the head after it)."""
+    mine = {key[3]: v for key, v in records.items() if key[0] == "pair" and key[1] == k and key[4] == "none"}
+    return mine or {key[1]: v for key, v in records.items() if key[0] == "last"}
 
 
 def _copy(built: BuiltModel) -> BuiltModel:
@@ -250,9 +209,7 @@ def _kind(
 ) -> LayerKind:
     """Kind ``k`` from the short models where a layer of it is measured at a generic position with the next
     layer under ``none`` (or, for a kind only last, the head after it)."""
-    mine = {key[3]: v for key, v in records.items() if key[0] == "pair" and key[1] == k and key[4] == "none"}
-    if not mine:
-        mine = {key[1]: v for key, v in records.items() if key[0] == "last"}
+    mine = {name: v for name, v in _measured(records, k).items() if name not in refused}
     ref, x = mine["none"]
     fwd, bwd = Phase("forward", "layer", x), Phase("backward", "layer", x)
     kept, held, comps, ops, d_f, d_b, b_flops, b_ops = {}, {}, {}, {}, {}, {}, {}, {}
@@ -373,7 +330,7 @@ def _assemble(
         "nothing allocated",
         *whole.notes,
         f"{len(kinds)} kind{'s' if len(kinds) != 1 else ''} of layer: "
-        + "; ".join(f"{k.name} ({_ranges(k.layers)})" for k in kinds),
+        + "; ".join(f"{k.name} ({ranges(k.layers)})" for k in kinds),
     ]
     for k in kinds:
         for name, why in k.refused.items():
@@ -412,14 +369,3 @@ def _assemble(
         versions=library_versions(),
         seconds=seconds,
     )
-
-
-def _ranges(layers: Sequence[int]) -> str:
-    """``0-3, 5, 7-9``."""
-    out: list[str] = []
-    for i in layers:
-        if out and out[-1].split("-")[-1] == str(i - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return "layers " + ", ".join(out)
