@@ -19,9 +19,12 @@ from torch import Tensor, nn
 from recompute import Workload
 from recompute.checkpointing import apply, find_layers
 from recompute.cli import main
+from recompute.core.analytic import layer_activations
 from recompute.core.errors import ConfigError
 from recompute.core.policy import ALL_POLICIES
+from recompute.core.spec import spec_from_config
 from recompute.models.source import ModelSource, build_source, resolve_source
+from recompute.runtime import TORCH_DTYPES
 from recompute.trace import trace
 from recompute.verification import verify
 
@@ -95,6 +98,58 @@ def real_saved_per_layer(model: nn.Module, idx: Tensor, targets: Tensor) -> list
     for layer, nbytes in first.values():
         out[layer] += nbytes
     return out
+
+
+def saved_storages(model: nn.Module, idx: Tensor, targets: Tensor) -> tuple[list[int], list[int]]:
+    """Per layer, the bytes of the distinct storages its saved tensors keep alive (each storage once across the
+    step, by its first saver; no weights), and the bytes of those tensors themselves (views counted as views)."""
+    layers = find_layers(model)
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    current: list[int | None] = [None]
+    storages: dict[int, tuple[int, int]] = {}
+    views: list[int] = [0] * len(layers)
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)) for i, layer in enumerate(layers)
+    ]
+    handles += [layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)) for layer in layers]
+
+    def pack(t: Tensor) -> Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if current[0] is not None and ptr not in weights and ptr not in storages:
+            storages[ptr] = (current[0], t.untyped_storage().nbytes())
+            views[current[0]] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=idx, labels=targets).loss.backward()
+    for h in handles:
+        h.remove()
+    out = [0] * len(layers)
+    for layer, nbytes in storages.values():
+        out[layer] += nbytes
+    return out, views
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("fused", ["phi3", "gpt_neox", "gpt2"])
+def test_saved_views_count_their_whole_storage(fused: str, batch: int, tmp_path: Path) -> None:
+    """Phi-3's SDPA saves v as a view of the fused Q/K/V output (q and k are rotary copies), its SiLU and product
+    views of the fused gate/up output; GPT-2's eager bmm at b = 1 saves k^T as a view of c_attn's output. Each
+    keeps its whole storage alive: the trace and the analytic model count storages, once each, as the real step
+    keeps them (counted here from the saved tensors), where the views' own bytes fall short (transformers 5.24
+    GPT-NeoX saves no such view: checked exact all the same)."""
+    source = resolve_source(str(config_json(fused, tmp_path)))
+    for attention, dtype in (("flash", "fp32"), ("eager", "fp32"), ("flash", "bf16")):
+        wl = Workload(seq_len=32, micro_batch=batch, dtype=dtype, attention=attention, device="cpu")
+        torch.manual_seed(0)
+        model = build_source(source, attention=attention, dtype=TORCH_DTYPES[dtype]).model.train()
+        idx, targets = torch.randint(128, (2, batch, 32))
+        kept, views = saved_storages(model, idx, targets)
+        assert [p.total for p in trace(source, wl, "none").layers] == kept, (attention, dtype)
+        spec = spec_from_config({"model_type": fused, **ZOO[fused]})
+        assert [layer_activations(spec, wl, i).stored("none") for i in range(2)] == kept, (attention, dtype)
+        if fused == "phi3" or (fused, batch, attention) == ("gpt2", 1, "eager"):  # measured: views fall short here
+            assert all(v < k for v, k in zip(views, kept)), "no view keeps more than itself: the test proves nothing"
 
 
 def test_trace_equals_a_real_step(kind: str, tmp_path: Path) -> None:
