@@ -418,6 +418,7 @@ def classes_main(only: list[str] | None, *, table_only: bool) -> None:
     if table_only:
         print(render_classes(json.loads(path.read_text())))
         return
+    torch.set_num_threads(1)  # tiny models: one thread is ten times faster than two on a loaded machine
     start = time.perf_counter()
     rows = []
     for model_type in only or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):

@@ -26,7 +26,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layers",
         type=int,
-        help="trace K and K+1 layers and scale to all of them (exact for identical layers; much faster)",
+        help="trace K and K+1 layers and scale to all of them, run by run where the layers differ (dense-first MoE); "
+        "exact; much faster",
     )
     p.add_argument("--json", action="store_true", help="print the trace as JSON")
 
