@@ -34,6 +34,8 @@ import argparse
 import copy
 import json
 import platform
+import subprocess
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -147,8 +149,11 @@ def main() -> None:
     parser.add_argument("--classes", action="store_true", help="check every causal-LM class transformers ships")
     parser.add_argument("--only", help="with --classes: these model_types only (comma-separated)")
     parser.add_argument("--table", action="store_true", help="with --classes: print the docs table of the results")
+    parser.add_argument("--check", metavar="TYPE", help=argparse.SUPPRESS)  # one class, in a child process
     args = parser.parse_args()
-    if args.classes:
+    if args.check:
+        check_main(args.check)
+    elif args.classes:
         classes_main(args.only.split(",") if args.only else None, table_only=args.table)
     else:
         published_main(args.no_profile)
@@ -236,6 +241,7 @@ CLASS_WIDTHS: dict[str, int] = {
     **dict.fromkeys(("linear_num_value_heads", "linear_num_heads", "mamba_n_heads", "swa_num_attention_heads"), 4),
     "vocab_size": 256,
     "q_lora_rank": 32,
+    "moe_k": 2,
 }
 """A few layers of h = 64 with 4 heads of 16, 96-wide MLPs, 4 experts of 32 (top 2): what every default config's
 sizes become, key by key, where the config has the key."""
@@ -435,13 +441,10 @@ def classes_main(only: list[str] | None, *, table_only: bool) -> None:
     if table_only:
         print(render_classes(json.loads(path.read_text())))
         return
-    torch.set_num_threads(1)  # tiny models: one thread is ten times faster than two on a loaded machine
     start = time.perf_counter()
     rows = []
     for model_type in only or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        t0 = time.perf_counter()
-        row = check_class(model_type)
-        row["seconds"] = round(time.perf_counter() - t0, 1)
+        row = check_in_child(model_type)
         rows.append(row)
         print(
             f"{model_type:<26} {row['status']:<12} {'; '.join(row.get('off', [])) or row.get('why', '')}"[:200],
@@ -449,6 +452,33 @@ def classes_main(only: list[str] | None, *, table_only: bool) -> None:
         )
     command = "python benchmarks/hf_fidelity.py --classes" + (f" --only {','.join(only)}" if only else "")
     write(path, command, start, rows)
+
+
+def check_in_child(model_type: str, timeout: float = 900.0) -> dict[str, Any]:
+    """``check_class`` in a process of its own: a class whose step crashes the interpreter (a ``topk`` past its
+    dimension corrupts the heap) or hangs costs its own row only."""
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, "--check", model_type], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        done = None
+    seconds = round(time.perf_counter() - start, 1)
+    lines = done.stdout.strip().splitlines() if done is not None else []
+    if done is not None and done.returncode == 0 and lines:
+        return {**json.loads(lines[-1]), "seconds": seconds}
+    row = {"model_type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], "status": "not checked"}
+    if done is None:
+        return {**row, "why": f"the check ran past {timeout:.0f} s", "seconds": seconds}
+    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    return {**row, "why": f"the check crashed (exit {done.returncode}): {last[:200]}", "seconds": seconds}
+
+
+def check_main(model_type: str) -> None:
+    """``--check TYPE``: one class's row, as one JSON line (what ``check_in_child`` runs)."""
+    torch.set_num_threads(1)  # tiny models: one thread is several times faster than two on a loaded machine
+    print(json.dumps(check_class(model_type)))
 
 
 def render_classes(data: dict[str, Any]) -> str:
