@@ -18,7 +18,6 @@ flags (``self.reorder_and_upcast_attn``) and the names assigned from them; a tes
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import textwrap
 from collections.abc import Iterator
@@ -36,8 +35,7 @@ _REQUESTED = "is_flash_attention_requested"
 def swap_changes(module: nn.Module, impl: str | None, ours: str) -> str | None:
     """None if setting ``module``'s ``_attn_implementation`` from ``impl`` to ``ours`` (a function registered in
     transformers' ``AttentionInterface``) changes only the attention function it calls; else why not, in words."""
-    cls = type(module)
-    functions = _methods(cls)
+    functions = _methods(type(module))
     if not functions:
         return "its source cannot be read to check how it dispatches its attention"
     if not any(_names_interface(f) for f in functions):
@@ -55,9 +53,17 @@ def swap_changes(module: nn.Module, impl: str | None, ours: str) -> str | None:
     return None
 
 
-@functools.cache
-def _methods(cls: type) -> tuple[ast.FunctionDef, ...]:
+def _methods(cls: Any) -> tuple[ast.FunctionDef, ...]:
     """The methods the class and its bases define, but for torch's own (parsed once per class)."""
+    if cls not in _PARSED:
+        _PARSED[cls] = _parse(cls)
+    return _PARSED[cls]
+
+
+_PARSED: dict[Any, tuple[ast.FunctionDef, ...]] = {}
+
+
+def _parse(cls: type) -> tuple[ast.FunctionDef, ...]:
     out: list[ast.FunctionDef] = []
     for klass in cls.__mro__:
         if klass.__module__.startswith(("torch.", "builtins")) or klass is object:
@@ -87,9 +93,10 @@ def _changed_test(fn: ast.FunctionDef, module: nn.Module, impl: str | None, ours
     parents = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
     assigned: dict[str, ast.expr] = {}
     for node in ast.walk(fn):
-        one = isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-        if one and any(_is_test(n) for n in ast.walk(node.value)):
-            assigned[node.targets[0].id] = node.value  # type: ignore[union-attr, attr-defined]
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        if any(_is_test(n) for n in ast.walk(node.value)):
+            assigned[node.targets[0].id] = node.value
     for node in ast.walk(fn):
         named = isinstance(node, ast.Name) and node.id in assigned and isinstance(node.ctx, ast.Load)
         if not (_is_test(node) or named):
