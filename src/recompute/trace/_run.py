@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from recompute.checkpointing import applied_policy, apply, find_layers
-from recompute.core.errors import ConfigError, positive_int, require
+from recompute.core.errors import ConfigError, first_line, positive_int, require
 from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
@@ -415,7 +415,18 @@ def step_built(
         optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach)
         prime_optimizer(model, optimizer)
         batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device)
-        record = run_step(model, batch, optimizer, stack, loss_fn=built.loss_fn, keep_grads=wl.keep_grads, flops=flops)
+        try:
+            record = run_step(
+                model, batch, optimizer, stack, loss_fn=built.loss_fn, keep_grads=wl.keep_grads, flops=flops
+            )
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            # Note: [values decide sizes] a forward that reads a tensor's values (``.item()``, ``nonzero``) to size
+            # what it allocates cannot run on fake tensors; no figure is given for a step not traced as it runs.
+            raise ConfigError(
+                f"{built.class_name}'s step reads tensor values to decide its sizes ({type(e).__name__}: "
+                f"{first_line(e)}), which a trace on fake tensors cannot follow; measure it with "
+                "`recompute bench` (real steps) instead"
+            ) from e
     return record, built, n_params
 
 
