@@ -181,7 +181,18 @@ def test_moe_flops_count_only_the_routed_experts() -> None:
 
 
 REFUSED = {
-    "latent attention": ({"model_type": "deepseek_v3", "kv_lora_rank": 512}, "not modelled"),
+    "latent attention": (
+        {"model_type": "deepseek_v3", "kv_lora_rank": 512},
+        "its config has low-rank latent attention",
+    ),
+    "deepseek-v3": (
+        {"model_type": "deepseek_v3", "kv_lora_rank": 512, "n_shared_experts": 1, "first_k_dense_replace": 3},
+        "dense-first layers, low-rank latent attention and shared experts, which no formula here models",
+    ),
+    "gpt-oss": (
+        {"model_type": "gpt_oss", "num_local_experts": 32, "layer_types": ["sliding_attention", "full_attention"]},
+        "its config has mixture-of-experts layers and sliding-window layers",
+    ),
     "unknown type": ({"model_type": "falcon"}, "model_type 'falcon' is not modelled"),
     "sliding layers": ({"model_type": "qwen2", "use_sliding_window": True}, "sliding-window layers"),
     "attention dropout": ({"model_type": "llama", "attention_dropout": 0.1}, "dropout inside attention"),

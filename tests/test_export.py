@@ -335,7 +335,7 @@ def test_lightning_class_sets_wrap_what_recompute_wraps() -> None:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from recompute.checkpointing import _sub_block
-    from recompute.trace._profile import _label
+    from recompute.trace._kinds import _label
 
     n = 4
     model = _tiny_hf_llama(n)

@@ -29,7 +29,8 @@ from recompute.models.source import build_source, resolve_source
 from recompute.trace import cached_profile, cached_profiles, profile, profiles, trace, with_loss
 from recompute.trace._build import fake_kernels
 from recompute.trace._chain import leads
-from recompute.trace._profile import _Shape, _short_model
+from recompute.trace._kinds import short_model as _short_model
+from recompute.trace._profile import _Shape
 from recompute.trace._run import step_built
 from recompute.trace._tracker import Phase
 

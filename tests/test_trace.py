@@ -11,7 +11,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.checkpointing import apply
 from recompute.cli import main
-from recompute.core.analytic import n_params
+from recompute.core.analytic import layer_activations, n_params
 from recompute.core.errors import ConfigError
 from recompute.models import build_model
 from recompute.models.loss import lm_loss
@@ -266,3 +266,24 @@ def test_trace_prices_the_model_states_of_the_precision(precision: str, dp: int)
     assert t.phases["forward: the layers"] - plain.phases["forward: the layers"] == pytest.approx(moved, abs=4)
     assert (precision == "bf16") == (t.peak == plain.peak)
     assert (precision == "bf16") == (not any("priced for" in n for n in t.notes))
+
+
+def test_a_view_of_the_fused_qkv_keeps_its_storage() -> None:
+    """recompute's GPT in fp32 with dropout on the CPU: SDPA's math path at b = 1 saves v as a view of c_attn's
+    output, which keeps the whole (b, s, 3h) storage alive beside its copies of q and k: 2esbh more per layer
+    than at b = 2, per sequence (docs/validation.md listed it as a limit of the formula). Real step, trace and
+    analytic model agree at both batch sizes."""
+    spec = GPT
+    assert spec.dropout > 0  # the math path: no fused CPU kernel takes dropout
+    totals = []
+    for batch in (1, 2):
+        wl = Workload(micro_batch=batch, seq_len=S, dtype="fp32", device="cpu", attention="flash")
+        torch.manual_seed(0)
+        real = trace_module(
+            build_model(spec, attention="flash").train(), tuple(torch.randint(spec.vocab, (2, batch, S)))
+        )
+        fake = trace(spec, wl, "none")
+        assert [p.total for p in fake.layers] == [p.total for p in real.layers]
+        assert all(p.total == layer_activations(spec, wl).stored("none") for p in fake.layers)
+        totals.append(fake.layers[1].total)
+    assert 2 * totals[0] - totals[1] == 2 * 4 * S * 2 * spec.hidden  # q and k's parts of the fused output, at b = 1

@@ -9,6 +9,7 @@ the trace's tracker), and ``verify`` must find gradients bit-equal under whole-l
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,12 @@ from recompute import Workload
 from recompute.check_gradients import verify
 from recompute.checkpointing import apply, find_layers
 from recompute.cli import main
+from recompute.core.analytic import layer_activations
 from recompute.core.errors import ConfigError
 from recompute.core.policy import ALL_POLICIES
+from recompute.core.spec import spec_from_config
 from recompute.models.source import ModelSource, build_source, resolve_source
+from recompute.runtime import TORCH_DTYPES
 from recompute.trace import trace
 
 transformers = pytest.importorskip("transformers")
@@ -69,32 +73,101 @@ def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def real_saved_per_layer(model: nn.Module, idx: Tensor, targets: Tensor) -> list[int]:
-    """Bytes each layer saves for the backward in a real step: every storage once, by its first saver; no weights."""
+def saved_storages(model: nn.Module, idx: Tensor, targets: Tensor) -> tuple[list[int], list[int]]:
+    """Per layer, the bytes of the distinct storages that the tensors autograd saved still keep alive when the
+    backward starts (a view keeps its whole storage; what a dropped branch saved is freed by then), each by the
+    layer that saved it first, no weights; and the bytes of those first tensors themselves (views as views)."""
     layers = find_layers(model)
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     current: list[int | None] = [None]
-    first: dict[int, tuple[int, int]] = {}
-    handles = []
-    for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    saved: list[tuple[int, weakref.ref[Tensor]]] = []
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)) for i, layer in enumerate(layers)
+    ]
+    handles += [layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)) for layer in layers]
 
     def pack(t: Tensor) -> Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if current[0] is not None and ptr not in weights and ptr not in first:
-            first[ptr] = (current[0], t.untyped_storage().nbytes())
+        if current[0] is not None:
+            saved.append((current[0], weakref.ref(t)))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(input_ids=idx, labels=targets).loss
+    storages: dict[int, tuple[int, int]] = {}
+    views = [0] * len(layers)
+    for layer, ref in saved:
+        t = ref()
+        if t is not None and t.untyped_storage().data_ptr() not in weights | storages.keys():
+            storages[t.untyped_storage().data_ptr()] = (layer, t.untyped_storage().nbytes())
+            views[layer] += t.numel() * t.element_size()
     loss.backward()
     for h in handles:
         h.remove()
-    out = [0] * len(layers)
-    for layer, nbytes in first.values():
-        out[layer] += nbytes
-    return out
+    kept = [0] * len(layers)
+    for layer, nbytes in storages.values():
+        kept[layer] += nbytes
+    return kept, views
+
+
+def real_saved_per_layer(model: nn.Module, idx: Tensor, targets: Tensor) -> list[int]:
+    """Bytes each layer saves for the backward in a real step (``saved_storages``)."""
+    return saved_storages(model, idx, targets)[0]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("fused", ["phi3", "gpt_neox", "gpt2"])
+def test_saved_views_count_their_whole_storage(fused: str, batch: int, tmp_path: Path) -> None:
+    """Phi-3's SDPA saves v as a view of the fused Q/K/V output (q and k are rotary copies), its SiLU and product
+    views of the fused gate/up output; GPT-2's eager bmm at b = 1 saves k^T as a view of c_attn's output. Each
+    keeps its whole storage alive: the trace and the analytic model count storages, once each, as the real step
+    keeps them (counted here from the saved tensors), where the views' own bytes fall short (transformers 5.24
+    GPT-NeoX saves no such view: checked exact all the same)."""
+    source = resolve_source(str(config_json(fused, tmp_path)))
+    for attention, dtype in (("flash", "fp32"), ("eager", "fp32"), ("flash", "bf16")):
+        wl = Workload(seq_len=32, micro_batch=batch, dtype=dtype, attention=attention, device="cpu")
+        torch.manual_seed(0)
+        model = build_source(source, attention=attention, dtype=TORCH_DTYPES[dtype]).model.train()
+        idx, targets = torch.randint(128, (2, batch, 32))
+        kept, views = saved_storages(model, idx, targets)
+        assert [p.total for p in trace(source, wl, "none").layers] == kept, (attention, dtype)
+        spec = spec_from_config({"model_type": fused, **ZOO[fused]})
+        assert [layer_activations(spec, wl, i).stored("none") for i in range(2)] == kept, (attention, dtype)
+        if fused == "phi3" or (fused, batch, attention) == ("gpt2", 1, "eager"):  # measured: views fall short here
+            assert all(v < k for v, k in zip(views, kept)), "no view keeps more than itself: the test proves nothing"
+
+
+DEEPSEEK = {
+    **SIZE, "model_type": "deepseek_v3", "num_key_value_heads": 4, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16,
+}  # fmt: skip
+"""DeepSeek-V3's shape, small: a dense layer, then MoE layers whose router picks expert groups."""
+
+
+def test_a_dropped_branch_is_not_kept(tmp_path: Path) -> None:
+    """DeepSeek-V3's router ranks expert groups with ``topk`` of scores it then drops: what autograd saved for
+    that branch is freed with it during the forward. The trace keeps only what lives until the backward, as the
+    real step does (the trace used to count those storages too: 896 B per MoE layer here)."""
+    (tmp_path / "deepseek.json").write_text(json.dumps(DEEPSEEK))
+    source = resolve_source(str(tmp_path / "deepseek.json"))
+    torch.manual_seed(0)
+    model = build_source(source).model.train()
+    idx, targets = torch.randint(128, (2, 2, 32))
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    every: dict[int, torch.UntypedStorage] = {}  # held here: nothing saved is freed, no address reused
+
+    def pack(t: Tensor) -> Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            every.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=idx, labels=targets)
+    kept, _ = saved_storages(model, idx, targets)
+    result = trace(source, WL, "none")
+    assert [p.total for p in result.layers] == kept
+    assert sum(st.nbytes() for st in every.values()) > result.activations  # some saved storages died in the forward
 
 
 def test_trace_equals_a_real_step(kind: str, tmp_path: Path) -> None:

@@ -15,7 +15,10 @@ replay, and the router is not run a second time. ``mlp`` wraps the whole MoE blo
 
 Hugging Face attention modules have no ``core``: for ``core_attn`` the selected modules get a private copy of
 their config whose ``_attn_implementation`` names a function registered with transformers'
-``AttentionInterface``; it checkpoints the implementation the model was using (eager, sdpa, ...).
+``AttentionInterface``; it checkpoints the implementation the model was using (eager, sdpa, ...). A class that
+does not look its function up there, or tests the name itself (Falcon runs its own eager code unless the name is
+``"sdpa"``), would compute something else under the new name: ``core_attn`` is refused for it
+(``recompute.models.hf_attention``).
 
 Offloading (``Policy(offload=True)``) moves what each checkpoint keeps (its inputs) to CPU memory with
 ``save_on_cpu``; with a save-list, the op outputs that selective checkpointing keeps stay where they are (its
@@ -60,6 +63,7 @@ from recompute.core.errors import ConfigError
 from recompute.core.identity import require_same_model
 from recompute.core.plan_file import Plan, plan_loss, read_plan
 from recompute.core.policy import ALL_POLICIES, Policy
+from recompute.models.hf_attention import swap_changes
 from recompute.models.identity import model_identity
 from recompute.offload import Offloader
 
@@ -517,6 +521,9 @@ def _hf_core_target(attn: nn.Module) -> str:
             f"core_attn needs the attention module to have a core(q, k, v) method or a Hugging Face config; "
             f"{type(attn).__name__} has neither; use the 'attn' policy instead"
         )
+    why = swap_changes(attn, config._attn_implementation, _HF_IMPL)
+    if why is not None:
+        raise ConfigError(f"core_attn cannot apply to {type(attn).__name__}: {why}; use the 'attn' policy instead")
     _hf_attention_function(attn, config._attn_implementation)  # fails now, not in the forward
     from transformers import AttentionInterface
 

@@ -28,7 +28,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--scale-from",
         type=int,
         metavar="K",
-        help="trace K and K+1 layers and scale to all of them (exact for identical layers; much faster)",
+        help="trace K and K+1 layers and scale to all of them, run by run where the layers differ (dense-first MoE); "
+        "exact; much faster",
     )
     p.add_argument("--layers", dest="renamed_layers", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the trace as JSON")

@@ -68,7 +68,7 @@ _NOT_MODELLED = {
     "n_routed_experts": "DeepSeek-style routed experts",
     "shared_expert_intermediate_size": "shared experts",
     "n_shared_experts": "shared experts",
-    "first_k_dense_replace": "DeepSeek-style dense layers",
+    "first_k_dense_replace": "dense-first layers",
     "output_router_logits": "the router auxiliary loss",
     "router_jitter_noise": "router jitter",
     "final_logit_softcapping": None,  # outside the layers: the per-layer figures do not change
@@ -84,6 +84,31 @@ _NOT_MODELLED = {
 it is switched on (truthy) and differs from what the family's class does anyway."""
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "moe_intermediate_size", "num_experts_per_tok")
+
+_FEATURES: dict[str, str] = {
+    **{key: what for key, what in _NOT_MODELLED.items() if what},
+    **dict.fromkeys(("num_local_experts", "num_experts", "moe_num_experts"), "mixture-of-experts layers"),
+    **dict.fromkeys(("mlp_only_layers", "moe_layer_freq"), "dense layers among the MoE layers"),
+    **dict.fromkeys(("moe_num_shared_experts", "num_shared_experts"), "shared experts"),
+    **dict.fromkeys(("index_topk", "index_n_heads"), "a sparse-attention indexer"),
+    **dict.fromkeys(("mamba_d_state", "ssm_state_size", "mamba_n_heads"), "state-space (Mamba) layers"),
+    **dict.fromkeys(("linear_num_key_heads", "linear_conv_kernel_dim"), "linear-attention layers"),
+    **dict.fromkeys(("no_rope_layers", "no_rope_layer_interval"), "layers without rotary embeddings"),
+    "sliding_window_pattern": "sliding-window layers",
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "parallel_attn": "attention and MLP in parallel",
+    "multi_query": "multi-query attention",
+    "new_decoder_architecture": "Falcon's new decoder layout",
+}
+"""What a config of a ``model_type`` without a row switches on, named in its refusal (what the analytic model
+would have to model; ``--analytic`` says which, not only the type)."""
+
+_LAYER_TYPES = {
+    "sliding_attention": "sliding-window layers",
+    "linear_attention": "linear-attention layers",
+    "chunked_attention": "chunked-attention layers",
+}
+"""``layer_types`` entries other than full attention, in words."""
 
 _FAMILY_ALLOWS = {"gpt_neox": {"attention_bias"}}
 """Keys of ``_NOT_MODELLED`` a family's fields cover (GPT-NeoX: biases everywhere, ``bias``)."""
@@ -118,8 +143,12 @@ def check_covered(raw: dict[str, Any]) -> str:
     if kind is None:
         raise ConfigError("the config has no model_type; pass a transformers config.json of a decoder-only causal LM")
     if kind not in FAMILIES:
+        types = set(raw.get("layer_types") or ()) - {"full_attention"}
+        kinds = {_LAYER_TYPES.get(t, f"{t} layers") for t in types}
+        features = sorted({what for key, what in _FEATURES.items() if raw.get(key)} | kinds)
+        has = f" (its config has {_listed(features)}, which no formula here models)" if features else ""
         raise ConfigError(
-            f"model_type {kind!r} is not modelled by recompute's analytic model, which covers "
+            f"model_type {kind!r} is not modelled by recompute's analytic model{has}; it covers "
             f"{', '.join(FAMILIES)}; refusing rather than estimating it as another architecture: {MEASURE_INSTEAD}"
         )
     allowed = _FAMILY_ALLOWS.get(kind, set())
@@ -128,8 +157,13 @@ def check_covered(raw: dict[str, Any]) -> str:
         | _pattern_problems(kind, raw)
     )
     if beyond:
-        raise _refuse(kind, ", ".join(beyond))
+        raise _refuse(kind, _listed(beyond))
     return str(kind)
+
+
+def _listed(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
 def _pattern_problems(kind: str, raw: dict[str, Any]) -> set[str]:

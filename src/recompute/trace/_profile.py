@@ -55,6 +55,7 @@ from recompute.runtime import TORCH_DTYPES
 from recompute.trace._build import build_meta, fake_kernels
 from recompute.trace._chain import Node, Site, chain, chain_positions, chain_sites, kind_keys, lead_picks, leads
 from recompute.trace._cuda import fake_device_note, trace_device
+from recompute.trace._kinds import layer_kinds, ranges, short_model
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
@@ -239,7 +240,8 @@ class _Shape:
     def of(cls, source: ModelSource, wl: Workload) -> _Shape:
         whole = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype])
         layers = find_layers(whole.model)
-        kind_of, reps, labels = _layer_kinds(whole.model, layers)
+        found = layer_kinds(whole.model, layers)
+        kind_of, reps, labels = list(found.kind_of), list(found.reps), found.labels
         n, lead = len(layers), len(reps)
         refused = tuple(_refused(whole, layers, r) for r in reps)
         ok = tuple(tuple(p for p in profiled_policies() if p not in refused[k]) for k in range(lead))
@@ -271,11 +273,11 @@ class _Shape:
     def models(self, *, chained: bool) -> tuple[BuiltModel, list[BuiltModel], BuiltModel | None]:
         """Meta copies of the whole model, of each anchor's short model and (``chained``) of the chained one."""
         whole = _copy(self.whole)
-        anchors = [_short_model(self.whole, self.layers, picks) for picks in self.picks]
+        anchors = [short_model(self.whole, self.layers, picks) for picks in self.picks]
         if not (chained and self.chain):
             return whole, anchors, None
         picks = [*lead_picks(self.reps, self.ok), *(self.reps[k] for k, _ in self.chain), len(self.layers) - 1]
-        return whole, anchors, _short_model(self.whole, self.layers, picks)
+        return whole, anchors, short_model(self.whole, self.layers, picks)
 
     def profile(
         self,
@@ -306,80 +308,10 @@ def _refused(whole: BuiltModel, layers: nn.ModuleList, rep: int) -> dict[str, st
     out = {}
     for name in profiled_policies():
         try:
-            apply(_short_model(whole, layers, [rep]).model, name)
+            apply(short_model(whole, layers, [rep]).model, name)
         except ConfigError as e:
             out[name] = first_line(e)
     return out
-
-
-def _layer_kinds(model: nn.Module, layers: nn.ModuleList) -> tuple[list[int], list[int], list[str]]:
-    """Each layer's kind (index), the first layer of each kind, and each kind in words."""
-    types = _layer_types(model, len(layers))
-    signatures: dict[Any, int] = {}
-    kind_of: list[int] = []
-    reps: list[int] = []
-    labels: list[str] = []
-    for i, layer in enumerate(layers):
-        params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
-        attention = types[i] if types else getattr(layer, "attention_type", None)
-        sig = (type(layer).__name__, params, str(attention))
-        if sig not in signatures:
-            signatures[sig] = len(reps)
-            reps.append(i)
-            labels.append(_label(layer, attention))
-        kind_of.append(signatures[sig])
-    return kind_of, reps, labels
-
-
-def _layer_types(model: nn.Module, n: int) -> list[str] | None:
-    types = getattr(getattr(model, "config", None), "layer_types", None)
-    return list(types)[:n] if isinstance(types, (list, tuple)) and len(types) >= n else None
-
-
-def _label(layer: nn.Module, attention: Any) -> str:
-    mlp = next(
-        (type(m).__name__ for name, m in layer.named_children() if any(k in name for k in ("mlp", "moe", "ffn"))),
-        None,
-    )
-    parts = [type(layer).__name__]
-    if attention:
-        parts.append(str(attention))
-    if mlp:
-        parts.append(mlp)
-    return ", ".join(parts)
-
-
-def _short_model(whole: BuiltModel, layers: nn.ModuleList, picks: Sequence[int]) -> BuiltModel:
-    """A meta copy of the model whose layers are copies of ``layers[i]`` for each ``i`` in ``picks``, in order."""
-    model = whole.model
-    parent, attr = _owner(model, layers)
-    path = next(name for name, m in model.named_modules() if m is parent)
-    setattr(parent, attr, nn.ModuleList())  # deepcopy the rest of the model without the whole layer list
-    try:
-        short = copy.deepcopy(model)
-    finally:
-        setattr(parent, attr, layers)
-    copies = nn.ModuleList(copy.deepcopy(layers[i]) for i in picks)
-    for position, layer in enumerate(copies):
-        for m in layer.modules():
-            if isinstance(getattr(m, "layer_idx", None), int):
-                m.__dict__["layer_idx"] = position  # transformers' KV cache is indexed by it during the forward
-    setattr(short.get_submodule(path), attr, copies)
-    config = getattr(short, "config", None)
-    if config is not None and hasattr(config, "num_hidden_layers"):
-        types = _layer_types(model, len(layers))
-        config.num_hidden_layers = len(picks)
-        if types:
-            config.layer_types = [types[i] for i in picks]
-    return BuiltModel(short, whole.loss_fn, whole.vocab, whole.class_name, whole.notes)
-
-
-def _owner(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
-    for module in model.modules():
-        for name, child in module.named_children():
-            if child is target:
-                return module, name
-    raise ConfigError(f"cannot find the layer list in {type(model).__name__}")
 
 
 def _saved(record: StepRecord, layer: int) -> int:
@@ -536,7 +468,7 @@ def _assemble(
         "nothing allocated",
         *whole.notes,
         f"{len(kinds)} kind{'s' if len(kinds) != 1 else ''} of layer: "
-        + "; ".join(f"{k.name} ({_ranges(k.layers)})" for k in kinds),
+        + "; ".join(f"{k.name} ({ranges(k.layers)})" for k in kinds),
     ]
     for k in kinds:
         for name, why in k.refused.items():
@@ -576,14 +508,3 @@ def _assemble(
         seconds=seconds,
         model_hash=model_identity(whole.model, name=source.name).hash,
     )
-
-
-def _ranges(layers: Sequence[int]) -> str:
-    """``0-3, 5, 7-9``."""
-    out: list[str] = []
-    for i in layers:
-        if out and out[-1].split("-")[-1] == str(i - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return "layers " + ", ".join(out)

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from recompute.checkpointing import applied_policy, apply, find_layers
-from recompute.core.errors import ConfigError, positive_int, require
+from recompute.core.errors import ConfigError, first_line, positive_int, require
 from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
@@ -32,8 +34,9 @@ from recompute.parallel import parallelize
 from recompute.runtime import TORCH_DTYPES, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
 from recompute.trace._cuda import cuda_rules, fake_device_note, stands_in, trace_device
+from recompute.trace._kinds import Kinds, Run, layer_kinds, runs_of, short_model
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
-from recompute.trace._scale import scale_record
+from recompute.trace._scale import cut_counts, grown, scale_runs, scaled_runs
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
 
 __all__ = ["step_work", "step_works", "trace", "trace_layer", "trace_module"]
@@ -55,13 +58,15 @@ def trace(
             the class the source names is what runs.
         wl: batch, sequence, dtype (parameters, gradients and AdamW state all in it), attention and device.
         policy: a policy name, a ``Policy``, or a plan file path.
-        layers: trace this many layers (and one more) and scale to all of them (the layers are identical; the
-            result says so). ``None`` traces every layer. Not for a factory (it builds what it builds).
+        layers: trace this many layers (and one more) and scale to all of them, run by run of alike layers where
+            the layers differ (``_scale.py``; the result says so). ``None`` traces every layer. Not for a factory
+            (it builds what it builds).
         hf: with a ``ModelSpec``, trace the ``transformers`` implementation of it instead of recompute's.
 
     Raises:
         ConfigError: the sequence is longer than the model's positions, the policy does not fit the model,
-            or the model cannot be built.
+            the model cannot be built, or ``layers`` of a model whose layers differ in runs too short to
+            scale.
 
     A CUDA step on a machine without CUDA is traced on fake CPU tensors under CUDA's rules (its dropout,
     attention and norm kernels, its 512-byte blocks: ``recompute.trace._cuda``).
@@ -73,15 +78,15 @@ def trace(
     n_layers = source.n_layers or _count_layers(source, wl)
     per_layer = pol.per_layer(n_layers)
     start = time.perf_counter()
+    kinds = None
     if layers is None or layers >= n_layers - 1:
         counts: tuple[int, ...] = (n_layers,)
         record, built, n_params = _trace_layers(source, wl, pol, n_layers, device=device)
     else:
         _check_scalable(source, pol, layers)
-        counts = (layers, layers + 1)
-        (small, built, p_small), (big, _, p_big) = (_trace_layers(source, wl, pol, n, device=device) for n in counts)
-        record = scale_record(small, big, n_layers)
-        n_params = p_small + (p_big - p_small) * (n_layers - layers)
+        cut = _cut(source, wl, layers, n_layers)
+        kinds = cut.kinds
+        record, built, n_params, counts = _scaled(cut, source, wl, pol, layers, device=device)
     return from_record(
         record,
         model=source.name,
@@ -89,7 +94,7 @@ def trace(
         per_layer=per_layer,
         workload=_workload_dict(wl),
         traced=counts,
-        notes=_notes(source, built, wl, counts, n_layers),
+        notes=_notes(source, built, wl, counts, n_layers, kinds, layers or 0),
         seconds=time.perf_counter() - start,
         parameter_count=n_params,
     )
@@ -120,6 +125,12 @@ def step_work(
         tokens = wl.micro_batch * wl.seq_len
         if layers is not None and layers < n - 1:
             _check_scalable(source, pol, layers)
+            kinds = _cut(source, wl, layers, n).kinds
+            require(
+                kinds is None,
+                f"the step's work scales a trace of {layers} and {layers + 1} identical layers, but {source.name}'s "
+                f"layers differ ({kinds.describe() if kinds else ''}); trace every layer instead (no layer count)",
+            )
             small, big = (work_of(pol, k) for k in (layers, layers + 1))
             return scale_work(StepWork(small, tokens), StepWork(big, tokens), layers, n)
         return StepWork(work_of(pol, n), tokens)
@@ -259,12 +270,6 @@ def _check_scalable(source: ModelSource, pol: Policy, layers: int) -> None:
         f"{scaling} misses offload's largest backward (layer 1's: it holds layer 0's copies too); "
         "trace at least 2 layers, or every layer (no layer count)",
     )
-    kinds = set(getattr(source.config, "layer_types", None) or ())
-    require(
-        len(kinds) <= 1,
-        f"{scaling} needs identical layers, but {source.name}'s differ ({', '.join(sorted(kinds))}); "
-        "trace every layer instead (no layer count)",
-    )
 
 
 def _count_layers(source: ModelSource, wl: Workload) -> int:
@@ -274,9 +279,16 @@ def _count_layers(source: ModelSource, wl: Workload) -> int:
 
 
 def _trace_layers(
-    source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
+    source: ModelSource,
+    wl: Workload,
+    pol: Policy,
+    n: int,
+    *,
+    device: str,
+    build: Callable[[], BuiltModel] | None = None,
 ) -> tuple[StepRecord, BuiltModel, int]:
-    """One fake step of ``source`` cut to ``n`` layers (of rank 0, with ``wl.tp`` > 1), and its parameter count."""
+    """One fake step of ``source`` cut to ``n`` layers (of rank 0, with ``wl.tp`` > 1), and its parameter count;
+    ``build`` makes the model instead (a short model of some of its layers)."""
     with _fake_group(wl.tp), fake_kernels():
         if wl.tp > 1:
             # Note: [DTensor's first call] the first time DTensor meets an op and its shardings it works out
@@ -284,7 +296,81 @@ def _trace_layers(
             # in the head's backward of Llama 3.1 8B at t = 8). A one-layer step per policy fills that cache.
             for name in dict.fromkeys(pol.per_layer(n)):
                 _step(source, wl, Policy(name), 1, device=device)
+        if build is not None:
+            return step_built(build(), wl, pol, device=device)
         return _step(source, wl, pol, n, device=device)
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """How a scaled trace cuts the model: its runs of alike layers, and a builder of it with fewer layers per run."""
+
+    runs: tuple[Run, ...]
+    build: Callable[[tuple[int, ...]], BuiltModel]
+    """The model with ``counts[i]`` layers of run ``i``, on the meta device."""
+    kinds: Kinds | None = None
+    """The kinds of layer, where they differ (None: every layer alike)."""
+
+
+def _cut(source: ModelSource, wl: Workload, k: int, n: int) -> _Cut:
+    """The runs of alike layers of ``source`` (a config's built whole on the meta device and compared layer by
+    layer, ``_kinds.layer_kinds``; a preset's layers are alike by construction).
+
+    Raises:
+        ConfigError: the layers differ and no run is longer than ``k + 1``, or so many runs are (Gemma 3's five
+            sliding-window layers per global one) that scaling would trace over twice the model's layers.
+    """
+    dtype = TORCH_DTYPES[wl.dtype]
+
+    def rebuilt(counts: tuple[int, ...]) -> BuiltModel:
+        return build_meta(source, attention=wl.attention, dtype=dtype, n_layers=sum(counts))
+
+    alike = _Cut((Run(0, 0, n),), rebuilt)
+    if source.config is None:
+        return alike
+    whole = build_meta(source, attention=wl.attention, dtype=dtype)
+    layers = find_layers(whole.model)
+    kinds = layer_kinds(whole.model, layers)
+    if len(kinds.reps) == 1:
+        return alike
+    runs = runs_of(kinds.kind_of)
+    long = scaled_runs(runs, k)
+    scaling = (
+        f"scaling a trace of {k} and {k + 1} layers scales runs of alike layers, but {source.name}'s layers differ"
+    )
+    require(
+        bool(long),
+        f"{scaling} and no run is longer than {k + 1} ({kinds.describe()}); trace every layer instead (no layer count)",
+    )
+    total = sum(cut_counts(runs, k)) * (len(long) + 1) + len(long)
+    require(
+        total <= 2 * n,
+        f"{scaling} in {len(runs)} runs ({kinds.describe()}): scaling would trace {total} layers, more than twice "
+        f"the model's {n}; trace every layer instead (no layer count)",
+    )
+
+    def picked(counts: tuple[int, ...]) -> BuiltModel:
+        picks = [run.start + j for run, c in zip(runs, counts) for j in range(c)]
+        return short_model(whole, layers, picks)
+
+    return _Cut(runs, picked, kinds)
+
+
+def _scaled(
+    cut: _Cut, source: ModelSource, wl: Workload, pol: Policy, k: int, *, device: str
+) -> tuple[StepRecord, BuiltModel, int, tuple[int, ...]]:
+    """The whole model's record from traces of it cut (``_scale.scale_runs``), a model built, its parameter
+    count and the layer counts traced."""
+    long = scaled_runs(cut.runs, k)
+    shapes = [cut_counts(cut.runs, k), *(cut_counts(cut.runs, k, i) for i in long)]
+    traced = [
+        _trace_layers(source, wl, pol, sum(counts), device=device, build=functools.partial(cut.build, counts))
+        for counts in shapes
+    ]
+    (base, built, p_base), bigs = traced[0], dict(zip(long, traced[1:]))
+    record = scale_runs(base, {i: big[0] for i, big in bigs.items()}, cut.runs, k)
+    n_params = grown(p_base, {i: big[2] for i, big in bigs.items()}, cut.runs, k)
+    return record, built, n_params, tuple(sum(counts) for counts in shapes)
 
 
 def _step(source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str) -> tuple[StepRecord, BuiltModel, int]:
@@ -321,19 +407,28 @@ def step_built(
             optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach)
             prime_optimizer(model, optimizer)
             batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device)
-            record = run_step(
-                model,
-                batch,
-                optimizer,
-                stack,
-                loss_fn=built.loss_fn,
-                keep_grads=wl.keep_grads,
-                flops=flops,
-                step=step,
-                owners=owners,
-                flop_layers=flop_layers,
-                cuda=cuda,
-            )
+            try:
+                record = run_step(
+                    model,
+                    batch,
+                    optimizer,
+                    stack,
+                    loss_fn=built.loss_fn,
+                    keep_grads=wl.keep_grads,
+                    flops=flops,
+                    step=step,
+                    owners=owners,
+                    flop_layers=flop_layers,
+                    cuda=cuda,
+                )
+            except (DataDependentOutputException, DynamicOutputShapeException) as e:
+                # Note: [values decide sizes] a forward that reads a tensor's values (``.item()``, ``nonzero``)
+                # to size what it allocates cannot run on fake tensors; no figure for a step not traced as it runs.
+                raise ConfigError(
+                    f"{built.class_name}'s step reads tensor values to decide its sizes ({type(e).__name__}: "
+                    f"{first_line(e)}), which a trace on fake tensors cannot follow; measure it with "
+                    "`recompute bench` (real steps) instead"
+                ) from e
     return record, built, n_params
 
 
@@ -462,7 +557,15 @@ def _workload_dict(wl: Workload) -> dict[str, Any]:
     return {k: getattr(wl, k) for k in (*keys, *states)}
 
 
-def _notes(source: ModelSource, built: BuiltModel, wl: Workload, counts: tuple[int, ...], n: int) -> tuple[str, ...]:
+def _notes(
+    source: ModelSource,
+    built: BuiltModel,
+    wl: Workload,
+    counts: tuple[int, ...],
+    n: int,
+    kinds: Kinds | None = None,
+    k: int = 0,
+) -> tuple[str, ...]:
     notes = [
         f"traced {built.class_name} built from {source.origin} {fake_device_note(wl.device)}: "
         "exact sizes, nothing allocated",
@@ -476,9 +579,15 @@ def _notes(source: ModelSource, built: BuiltModel, wl: Workload, counts: tuple[i
             f"one rank of {wl.tp}-way tensor parallelism{' with sequence parallelism' if wl.sp else ''} "
             "(recompute.parallel on a fake process group): every figure is per rank"
         )
-    if len(counts) == 2:
+    if len(counts) == 2 and kinds is None:
         notes.append(
             f"layers are identical: traced {counts[0]} and {counts[1]} layers and scaled every figure to "
             f"{n} (exact for identical layers)"
+        )
+    elif kinds is not None:
+        notes.append(
+            f"layers differ ({kinds.describe()}): traced {', '.join(map(str, counts[:-1]))} and {counts[-1]} "
+            f"layers, every run of more than {k + 1} alike layers cut to {k} (and one run at a time to {k + 1}), "
+            f"and scaled every figure to {n} (exact: every figure is affine in each run's length)"
         )
     return tuple(notes)

@@ -1,94 +1,154 @@
-"""Scale a trace of K identical layers up to L: two traces (K and K + 1 layers) give every figure exactly.
+"""Scale traces of a few layers up to the whole model: every run of alike layers longer than K + 1 is traced at K
+and at K + 1 layers, and every figure follows exactly.
 
-Note: [why two traces are exact] With identical layers, every byte count of a phase is affine in the layer
-count L: the parameters, gradients and optimizer state grow by one layer's worth per layer, and so does the
-activation memory held while the step passes a given layer. Within the forward or the backward, the memory
-seen at layer j is affine in j as well (layers below hold their activations, layers above their gradients),
-so the largest value over the layers is at the first or the last layer. Tracing K and K + 1 layers therefore
-gives, for the first layer, the last layer and every phase outside the layers, f(L) = f(K) + (L - K) * (f(K + 1)
-- f(K)). Under ``offload`` a layer's backward also holds the layer below's prefetched copies, which layer 0
-has none of: the largest layer phase can be layer 1's, so with K >= 2 layer 1 is a third category (``trace``
-asks for K >= 2 under offload). Per-layer saved tensors are copied from the last traced layer (layer 0 can
-differ: it is the first to save tensors the layers share, such as rotary tables). tests/test_trace_scale.py
-(and test_offload.py, for offload) check the result equals a full trace byte for byte.
+Note: [why two traces are exact] With alike layers, every byte count of a phase is affine in the layer count L:
+the parameters, gradients and optimizer state grow by one layer's worth per layer, and so does the activation
+memory held while the step passes a given layer. Within the forward or the backward, the memory seen at layer j
+is affine in j as well (layers below hold their activations, layers above their gradients), so the largest value
+over the layers is at the first or the last layer. Tracing K and K + 1 layers therefore gives, for the first
+layer, the last layer and every phase outside the layers, f(L) = f(K) + (L - K) * (f(K + 1) - f(K)). Under
+``offload`` a layer's backward also holds the layer below's prefetched copies, which layer 0 has none of: the
+largest layer phase can be layer 1's, so with K >= 2 layer 1 is a third category (``trace`` asks for K >= 2
+under offload). Per-layer saved tensors are copied from the last traced layer (layer 0 can differ: it is the
+first to save tensors the layers share, such as rotary tables). tests/test_trace_scale.py (and test_offload.py,
+for offload) check the result equals a full trace byte for byte.
+
+Note: [runs of alike layers] Where the layers differ (DeepSeek-V3: three dense layers, then MoE layers), the model
+is a sequence of runs of alike layers (``_kinds.runs_of``). Every figure is a sum over the layers, so it is
+affine in each run's length with the others fixed, and jointly so (no layer's bytes depend on another run's
+length): one trace with every long run cut to K layers and, per long run, one with that run at K + 1 give
+f = f(base) + sum over long runs of (length - K) * (f(run at K + 1) - f(base)). The categories above are taken
+per run (its first, second and last layer); a run of at most K + 1 layers is traced whole, layer by layer.
+tests/test_trace_scale.py holds a dense-first MoE model's scaled trace to its full trace.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 
+from recompute.trace._kinds import Run
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase, SavedRecord
 
-__all__ = ["scale_record"]
+__all__ = ["cut_counts", "grown", "scale_runs", "scaled_runs"]
+
+_Key = tuple[str, str, int, str, int]
+"""(stage, part, run, category, offset): a phase of the step, its layer's run and place in that run."""
 
 
-def _key(phase: Phase, n: int, second: bool) -> list[tuple[str, str, str]]:
-    """Categories of a phase: a layer phase is ``first``, ``second`` (with ``second``) and/or ``last`` (a middle
-    layer has none)."""
+def scaled_runs(runs: Sequence[Run], k: int) -> tuple[int, ...]:
+    """The runs (indices) longer than ``k + 1`` layers: those traced at ``k`` and ``k + 1`` layers."""
+    return tuple(i for i, run in enumerate(runs) if run.length > k + 1)
+
+
+def cut_counts(runs: Sequence[Run], k: int, grown: int | None = None) -> tuple[int, ...]:
+    """Layers traced of each run: ``k`` of a long run (``k + 1`` of run ``grown``), every layer of a short one."""
+    return tuple(run.length if run.length <= k + 1 else k + (1 if i == grown else 0) for i, run in enumerate(runs))
+
+
+def _keys(phase: Phase, runs: Sequence[Run], counts: Sequence[int], k: int) -> list[_Key]:
+    """Categories of a phase of a trace with ``counts`` layers per run (see the module notes)."""
     if phase.part != "layer":
-        return [(phase.stage, phase.part, "")]
+        return [(phase.stage, phase.part, -1, "", 0)]
+    i, start = 0, 0
+    while phase.layer >= start + counts[i]:
+        start += counts[i]
+        i += 1
+    c, offset = counts[i], phase.layer - start
+    if runs[i].length <= k + 1:
+        return [(phase.stage, "layer", i, "at", offset)]
     keys = []
-    if phase.layer == 0:
-        keys.append((phase.stage, "layer", "first"))
-    if phase.layer == 1 and second:
-        keys.append((phase.stage, "layer", "second"))
-    if phase.layer == n - 1:
-        keys.append((phase.stage, "layer", "last"))
+    if offset == 0:
+        keys.append((phase.stage, "layer", i, "first", 0))
+    if offset == 1 and k >= 2:  # layer 1 of the run is in both traces
+        keys.append((phase.stage, "layer", i, "second", 0))
+    if offset == c - 1:
+        keys.append((phase.stage, "layer", i, "last", 0))
     return keys
 
 
-def _by_category(record: StepRecord, second: bool) -> dict[tuple[str, str, str], tuple[int, dict[str, int]]]:
-    out: dict[tuple[str, str, str], tuple[int, dict[str, int]]] = {}
+def _by_category(
+    record: StepRecord, runs: Sequence[Run], counts: Sequence[int], k: int
+) -> dict[_Key, tuple[int, dict[str, int]]]:
+    out: dict[_Key, tuple[int, dict[str, int]]] = {}
     for phase, value in record.phase_peaks.items():
-        for key in _key(phase, record.n_layers, second):
+        for key in _keys(phase, runs, counts, k):
             out[key] = value
     return out
 
 
-def _affine(a: int, b: int, k: int, n: int) -> int:
-    """f(n) from f(k) = a and f(k + 1) = b."""
-    return a + (n - k) * (b - a)
-
-
-def _affine_dict(a: dict[str, int], b: dict[str, int], k: int, n: int) -> dict[str, int]:
-    keys = list(b) + [key for key in a if key not in b]
-    return {key: _affine(a.get(key, 0), b.get(key, 0), k, n) for key in keys}
-
-
-def _phase(key: tuple[str, str, str], n: int) -> Phase:
-    stage, part, which = key
+def _phase(key: _Key, runs: Sequence[Run]) -> Phase:
+    stage, part, i, which, offset = key
     if part != "layer":
         return Phase(stage, part)
-    return Phase(stage, "layer", {"first": 0, "second": 1}.get(which, n - 1))
+    run = runs[i]
+    index = {"at": offset, "first": 0, "second": 1, "last": run.length - 1}[which]
+    return Phase(stage, "layer", run.start + index)
 
 
-def scale_record(small: StepRecord, big: StepRecord, n_layers: int) -> StepRecord:
-    """The record of an ``n_layers`` model from traces of K (``small``) and K + 1 (``big``) identical layers."""
-    k = small.n_layers
-    if big.n_layers != k + 1 or n_layers < big.n_layers:
-        raise ValueError(f"need traces of K and K + 1 <= {n_layers} layers, got {k} and {big.n_layers}")
-    second = k >= 2  # layer 1 is in both traces
-    cat_small, cat_big = _by_category(small, second), _by_category(big, second)
+def grown(base: int, bigs: Mapping[int, int], runs: Sequence[Run], k: int) -> int:
+    """f(base) + sum over the long runs of (length - k) * (f(run at k + 1) - f(base))."""
+    return base + sum((runs[i].length - k) * (big - base) for i, big in bigs.items())
+
+
+def grown_dict(base: dict[str, int], bigs: Mapping[int, dict[str, int]], runs: Sequence[Run], k: int) -> dict[str, int]:
+    keys = list(dict.fromkeys([*base, *(key for big in bigs.values() for key in big)]))
+    return {key: grown(base.get(key, 0), {i: big.get(key, 0) for i, big in bigs.items()}, runs, k) for key in keys}
+
+
+def scale_runs(base: StepRecord, bigs: Mapping[int, StepRecord], runs: Sequence[Run], k: int) -> StepRecord:
+    """The record of the whole model from ``base`` (every run cut as ``cut_counts(runs, k)``) and, for each long
+    run ``i``, ``bigs[i]`` (the same with run ``i`` at ``k + 1`` layers)."""
+    if sorted(bigs) != list(scaled_runs(runs, k)):
+        raise ValueError(f"need one trace per run longer than {k + 1} layers, got {sorted(bigs)}")
+    counts = cut_counts(runs, k)
+    cat_base = _by_category(base, runs, counts, k)
+    cat_bigs = {i: _by_category(big, runs, cut_counts(runs, k, i), k) for i, big in bigs.items()}
     phase_peaks = {}
-    for key, (value_big, snap_big) in cat_big.items():
-        value_small, snap_small = cat_small[key]
-        value = _affine(value_small, value_big, k, n_layers)
-        phase_peaks[_phase(key, n_layers)] = (value, _affine_dict(snap_small, snap_big, k, n_layers))
+    for key, (value, snap) in cat_base.items():
+        values = {i: cat[key][0] for i, cat in cat_bigs.items()}
+        snaps = {i: cat[key][1] for i, cat in cat_bigs.items()}
+        phase_peaks[_phase(key, runs)] = (grown(value, values, runs, k), grown_dict(snap, snaps, runs, k))
     return StepRecord(
-        n_layers=n_layers,
+        n_layers=sum(run.length for run in runs),
         phase_peaks=phase_peaks,
-        saved=_scaled_saved(big.saved, k, n_layers),
-        states=_affine_dict(small.states, big.states, k, n_layers),
-        layer_deltas=big.layer_deltas + (big.layer_deltas[-1],) * (n_layers - k - 1),
-        host_peak=_affine(small.host_peak, big.host_peak, k, n_layers),
+        saved=_scaled_saved(base, bigs, runs, k),
+        states=grown_dict(base.states, {i: big.states for i, big in bigs.items()}, runs, k),
+        layer_deltas=_scaled_deltas(base, bigs, runs, k),
+        host_peak=grown(base.host_peak, {i: big.host_peak for i, big in bigs.items()}, runs, k),
     )
 
 
-def _scaled_saved(saved: tuple[SavedRecord, ...], last: int, n_layers: int) -> tuple[SavedRecord, ...]:
-    """Saved records of layers 0..last, then copies of layer ``last``'s for the layers up to ``n_layers``."""
-    template = [r for r in saved if r.layer == last]
-    layers = [r for r in saved if r.layer >= 0]
-    copies = [dataclasses.replace(r, layer=j) for j in range(last + 1, n_layers) for r in template]
-    outer = [r for r in saved if r.layer < 0]
-    return tuple(layers + copies + outer)
+def _run_layers(counts: Sequence[int], i: int) -> tuple[int, int]:
+    """(first index, count) of run ``i``'s layers in a trace with ``counts`` layers per run."""
+    return sum(counts[:i]), counts[i]
+
+
+def _scaled_saved(
+    base: StepRecord, bigs: Mapping[int, StepRecord], runs: Sequence[Run], k: int
+) -> tuple[SavedRecord, ...]:
+    """Saved records of every layer: a short run's from ``base``; a long run's first ``k + 1`` from its trace at
+    ``k + 1`` layers, then copies of its last traced layer's. The records outside the layers from ``base``."""
+    out: list[SavedRecord] = []
+    for i, run in enumerate(runs):
+        record, counts = (bigs[i], cut_counts(runs, k, i)) if i in bigs else (base, cut_counts(runs, k))
+        first, count = _run_layers(counts, i)
+        by_offset: list[list[SavedRecord]] = [[] for _ in range(count)]
+        for r in record.saved:
+            if first <= r.layer < first + count:
+                by_offset[r.layer - first].append(r)
+        for offset in range(run.length):
+            template = by_offset[min(offset, count - 1)]
+            out += [dataclasses.replace(r, layer=run.start + offset) for r in template]
+    return tuple(out + [r for r in base.saved if r.layer < 0])
+
+
+def _scaled_deltas(base: StepRecord, bigs: Mapping[int, StepRecord], runs: Sequence[Run], k: int) -> tuple[int, ...]:
+    out: list[int] = []
+    for i, run in enumerate(runs):
+        record, counts = (bigs[i], cut_counts(runs, k, i)) if i in bigs else (base, cut_counts(runs, k))
+        first, count = _run_layers(counts, i)
+        deltas = record.layer_deltas[first : first + count]
+        out += [deltas[min(offset, count - 1)] for offset in range(run.length)]
+    return tuple(out)

@@ -230,6 +230,14 @@ class StepTracker(MemTracker):
             self.counter.count(self.phase(), func, args, kwargs or {}, out)
         return out
 
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        """MemTracker's, but for frozen parameters (``requires_grad=False``, such as a router's correction bias):
+        they never get a gradient, and a gradient hook cannot be registered on them."""
+        for p in module.parameters():
+            if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
     # --- host memory ---------------------------------------------------------------------------------
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
@@ -288,7 +296,18 @@ class StepTracker(MemTracker):
         record.host = st in self._host
         self._saved_by_storage[st] = record
         self.saved.append(record)
+        weakref.finalize(st, self._saved_freed, record)
         return _Packed(t, record)
+
+    def _saved_freed(self, record: SavedRecord) -> None:
+        """A saved storage freed during the forward was not kept for the backward: its record is dropped.
+
+        Note: [dropped branches] autograd saves for every op that records, but a branch whose output the loss
+        does not use (DeepSeek-V3's router picks its groups by ``topk`` of scores it then discards) is freed with
+        its graph during the forward: 896 B per MoE layer of a small DeepSeek-V3 (issue 28).
+        """
+        if self.stage == "forward":
+            self._drop(record)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the backward node that first reads a record's tensor names its saver.
@@ -345,6 +364,16 @@ def storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
                 yield from storages(inner)
     else:
         yield t.untyped_storage()
+
+
+class _NoHook:
+    """A hook handle for a hook never registered (``StepTracker._track_module_params_and_buffers``)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 @dataclass

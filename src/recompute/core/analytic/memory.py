@@ -191,6 +191,11 @@ def layer_activations(spec: ModelSpec, wl: Workload, layer: int | None = None) -
         # keeps fp32 copies of q, k, v (not q, k, v themselves) and the fp32 softmax, mask and dropout output.
         # ``scores`` is what the core keeps beyond its inputs, so core_attn (which keeps q, k, v) still drops it.
         scores = (3 * 4 * a * s * s * b + 4 * sb * 3 * spec.q_dim) / t - qkv
+        if e == 4 and b == 1 and spec.n_kv_heads == spec.n_heads:
+            # Note: [a view keeps its storage] in fp32 nothing is upcast, and at b = 1 the math path's v is a
+            # view of the fused c_attn output (nothing repeats it), so the whole output stays alive: its q and k
+            # parts beside the copies the path makes of them. Dropped with the core, like the rest of scores.
+            scores += e * sb * (spec.q_dim + spec.kv_dim) / t
         attn_grad = 2 * 4 * a * s * s * b / t
     else:
         scores = 4 * a * s * b / t  # fp32 log-sum-exp per row: (b, a, s)

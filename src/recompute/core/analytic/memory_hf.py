@@ -60,7 +60,11 @@ def _attention(spec: ModelSpec, wl: Workload) -> dict[str, float]:
     m = 0 if spec.dropout == 0 else (1 if wl.device == "cuda" else e)
     ass = a * s * s * b / t
     if _eager(spec, wl) and spec.mlp == "gelu_new":  # GPT-2's eager attention: softmax in e, dropout after it
-        return {"qkv": e * T * (qd + 2 * kd) / t, "scores": (e + (m + e if m else 0)) * ass, "attn_out": e * T * qd / t}
+        # At b = 1 the bmm's k^T is a view of the fused c_attn output (b*a merge without a copy), which keeps the
+        # whole output alive beside the copies of q and v (as SDPA does at any b); at b > 1 q, k, v are copied.
+        fused = wl.micro_batch == 1
+        qkv = e * T * ((qd + 2 * kd) + ((qd + kd) if fused else 0)) / t
+        return {"qkv": qkv, "scores": (e + (m + e if m else 0)) * ass, "attn_out": e * T * qd / t}
     if _eager(spec, wl):
         softmax = 4 + (e if e != 4 else 0) + (e if spec.attn_softcap else 0)  # fp32 softmax, its cast, tanh
         return {"qkv": 3 * e * T * qd / t, "scores": softmax * ass, "attn_out": e * T * qd / t}
