@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 import transformers
-from recompute.check_gradients import verify
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from recompute import Workload
+from recompute.check_gradients import verify
 from recompute.checkpointing import find_layers
 from recompute.core.analytic import layer_activations, n_params
 from recompute.core.errors import ConfigError, first_line
