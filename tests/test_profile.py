@@ -309,3 +309,30 @@ def test_a_profile_file_is_not_contradicted(tmp_path: Path, monkeypatch: pytest.
         "bf16",
     ]
     assert main(plan_args) == 2 and "--dtype bf16 contradicts --profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("precision", "dp"), [("bf16", 1), ("mixed", 1), ("distributed", 4)])
+def test_profiled_states_follow_the_precision(precision: str, dp: int, tmp_path: Path) -> None:
+    """A profile is measured as plain training in its dtype; asked for another precision (a distributed optimizer
+    over dp ranks), its states equal the analytic model's for the same config and a real optimizer step's bytes
+    on the same parameter shapes, and every phase moves with them: the composed step under ``none`` peaks where
+    the whole step traced in that precision does (issue 28, item 1)."""
+    from recompute.core.analytic import estimate
+    from recompute.core.spec import analytic_model
+    from test_trace import _real_states
+
+    path = config("llama", tmp_path)
+    source = resolve_source(str(path))
+    wl = dataclasses.replace(WL, dtype="bf16", precision=precision, dp=dp)
+    plain = profile(source, dataclasses.replace(wl, precision="bf16", dp=1))
+    priced = plain.restated(precision, dp)
+    with fake_kernels():
+        tensors = len(list(build_source(source, device="meta").model.parameters()))
+    states = priced.parameters + priced.gradients + priced.optimizer - 4 * tensors  # AdamW's fp32 step counters
+    spec = analytic_model(str(path))
+    assert states == pytest.approx(estimate(spec, wl, "none").states.total, abs=4)  # rounded to whole bytes
+    assert states == pytest.approx(_real_states(spec, precision, dp), rel=1e-3)  # the shard rounds up
+    composed = priced.cost_table().compose(["none"] * priced.n_layers).peak
+    assert composed == pytest.approx(trace(source, wl, "none").peak, abs=64)
+    assert (precision == "bf16") == (composed == plain.cost_table().compose(["none"] * plain.n_layers).peak)
+    assert priced.workload_dict()["precision"] == precision

@@ -16,6 +16,7 @@ imports torch until a model has to be built or measured.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,12 +71,14 @@ def profile(model: Any, seq_len: int | Workload | None = None, **workload: Any) 
         model: a preset name, a transformers config (path, folder, dict or ``PretrainedConfig``), a
             ``module:factory`` string or a built ``nn.Module``.
         seq_len: tokens per sequence (default 2048, or the model's context if shorter), or a whole ``Workload``.
-        **workload: any other ``Workload`` field (one device: no tensor or pipeline parallelism).
+        **workload: any other ``Workload`` field (one device: no tensor or pipeline parallelism; ``precision``
+            and ``dp`` price the model states, as for a preset).
     """
     trace = importlib.import_module("recompute.trace")
     source = _source(model)
     wl = _workload(seq_len, workload, source.max_positions)
-    return trace.cached_profile(source, wl)[0]  # type: ignore[no-any-return]
+    measured: Profile = trace.cached_profile(source, dataclasses.replace(wl, dp=1))[0]
+    return measured.restated(wl.precision, wl.dp)  # the states in the precision asked for
 
 
 def plan(

@@ -235,6 +235,7 @@ def _profiled(
                 notes.append(f"the {mode} loss not considered: {first_line(e)}")
     if offload:
         notes.append("offload not considered: a profiled model's offload is not measured yet")
+    profiles = tuple(found.restated(wl.precision, wl.dp) for found in profiles)  # the states asked for
     tables = []
     for found_profile in profiles:
         table = found_profile.cost_table(device)
@@ -260,7 +261,8 @@ def profiles_of(
         "a profile measures one device's step; drop tp and pp (recompute estimate --analytic models them)",
         fields=("tp", "pp"),
     )
-    wanted = [with_loss(wl, mode) for mode in dict.fromkeys((wl.loss, *modes))]
+    one = replace(wl, dp=1)  # a data-parallel rank runs the same step; its states are re-priced (Profile.restated)
+    wanted = [with_loss(one, mode) for mode in dict.fromkeys((wl.loss, *modes))]
     if isinstance(model, str) and is_path(model):
         identity = store.config_identity(hf_config_dict(model))
         found = [store.load("profiles", store.step_key(identity, w.to_dict()), Profile.from_dict) for w in wanted]

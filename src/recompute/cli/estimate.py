@@ -100,8 +100,9 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
         prof = Profile.load(args.profile)
         measured_workload(args, prof)
     else:
+        asked = workload_from(args, max_positions(args.model))
         with progress_bar("profile", enabled=not args.json) as progress:
-            prof = profiles_of(args.model, workload_from(args, max_positions(args.model)), progress=progress)[0]
+            prof = profiles_of(args.model, asked, progress=progress)[0].restated(asked.precision, asked.dp)
     wl = build_workload(**prof.workload_dict())
     timed = None if args.no_time else device
     table = prof.cost_table(timed)

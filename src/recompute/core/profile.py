@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -34,6 +34,7 @@ from recompute.core.costs import CostTable, KindCosts, LinkCost, TopCost
 from recompute.core.errors import ConfigError, require
 from recompute.core.files import atomic_write, read_json_file
 from recompute.core.profile_schema import check_profile_dict
+from recompute.core.states import Restate
 from recompute.core.timing import Device, Op, StepWork, replayed, work_seconds
 from recompute.core.workload import Workload
 
@@ -173,6 +174,9 @@ class Profile:
     notes: tuple[str, ...] = ()
     versions: dict[str, str] = field(default_factory=dict)
     seconds: float = field(default=0.0, compare=False)
+    phase_states: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """(gradient bytes, optimizer temporaries) at the peak of each phase of the step under ``none``, by the
+    phase's name: what ``restated`` re-prices when the states are asked for in another precision."""
     model_hash: str = ""
     """The hash of the model's architecture (``recompute.core.identity``); empty in profiles stored before it."""
 
@@ -257,6 +261,47 @@ class Profile:
             model_hash=self.model_hash,
         )
 
+    def restated(self, precision: str | None, dp: int = 1) -> Profile:
+        """This profile with its model states priced for ``precision`` over ``dp`` data-parallel ranks (the
+        distributed optimizer shards over them): the step was measured as plain training in its dtype, and
+        every phase that holds the states moves with them (``recompute.core.states``). The activations, and
+        so every policy's deltas, do not change.
+
+        Raises:
+            ConfigError: another precision asked of a profile stored before it recorded its phases' gradients.
+        """
+        restate = Restate.of(self.parameters, str(self.workload.get("dtype", "fp32")), precision, dp)
+        workload = {**self.workload, "precision": restate.wanted, "dp": dp}
+        if restate.identity and dp == 1:
+            return replace(self, workload=workload)
+        require(
+            bool(self.phase_states),
+            f"this profile predates the states it needs to be priced in {restate.wanted} precision; make it "
+            "again with recompute profile (or plan without --profile: the cache re-measures it)",
+            fields=("precision",),
+        )
+
+        def moved(name: str, value: int) -> int:
+            grads, temps = self.phase_states.get(name, (0, 0))
+            return round(restate.phase(value, {"Gradient": grads, "Temp": temps}, optimizer=name == "optimizer step"))
+
+        states = restate.states(
+            {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}
+        )
+        return replace(
+            self,
+            workload=workload,
+            base_forward=tuple(moved(f"forward of layer {i}", v) for i, v in enumerate(self.base_forward)),
+            base_backward=tuple(moved(f"backward of layer {i}", v) for i, v in enumerate(self.base_backward)),
+            head_forward=moved("forward (head and loss)", self.head_forward),
+            head_backward=moved("backward (head and loss)", self.head_backward),
+            fixed={name: moved(name, v) for name, v in self.fixed.items()},
+            parameters=round(states["parameters"]),
+            gradients=round(states["gradients"]),
+            optimizer=round(states["optimizer"]),
+            notes=(*self.notes, restate.note()),
+        )
+
     def workload_dict(self) -> dict[str, Any]:
         """The profiled workload as a whole ``Workload.to_dict`` (one device, its own loss mode)."""
         return Workload(**self.workload).to_dict()
@@ -281,6 +326,7 @@ class Profile:
             for k in body["kinds"]
         )
         body["outer_work"] = _works(body["outer_work"])
+        body["phase_states"] = {k: (int(v[0]), int(v[1])) for k, v in (body.get("phase_states") or {}).items()}
         for key in ("layer_kind", "base_kept", "base_forward", "base_backward", "notes"):
             body[key] = tuple(body[key])
         body["links"] = {

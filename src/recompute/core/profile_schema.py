@@ -24,7 +24,9 @@ _TOP = {
     "other": int, "parameter_count": int, "embedding_kept": int, "head_kept": int, "step_flops": int,
 }  # fmt: skip
 """Every key a profile must have, with its JSON type."""
-_TOP_OPTIONAL = {"outer_work": dict, "tokens": int, "notes": list, "versions": dict, "seconds": float}
+_TOP_OPTIONAL = {
+    "outer_work": dict, "tokens": int, "notes": list, "versions": dict, "seconds": float, "phase_states": dict,
+}  # fmt: skip
 _KIND = {
     "name": str, "layers": list, "parameters": int, "kept": dict, "held": dict, "components": dict, "ops": dict,
     "forward_delta": dict, "backward_delta": dict, "forward_flops": int, "backward_flops": dict,
@@ -185,3 +187,8 @@ def check_profile_dict(data: Mapping[str, Any]) -> None:
             _int(key, data[key])
     _nested_counts("", {"fixed": data["fixed"]})
     _work("outer_work", data.get("outer_work") or {})
+    for phase, pair in (data.get("phase_states") or {}).items():
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise _bad(f"phase_states[{phase!r}]", "[gradient bytes, temporary bytes]", pair)
+        for value in pair:
+            _int(f"phase_states[{phase!r}]", value)

@@ -28,9 +28,10 @@ marked ``.replay``: a replayed region runs its collectives again.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from types import FrameType
 from typing import Any
 
@@ -43,7 +44,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from recompute.core.comms import comm_name
 from recompute.trace._tracker import Phase
 
-__all__ = ["PhaseFlops", "op_name", "span", "tensors_of"]
+__all__ = ["PhaseFlops", "op_name", "sharding_propagation", "span", "tensors_of"]
 
 aten = torch.ops.aten
 
@@ -152,6 +153,8 @@ class PhaseFlops:
         """File one op that ran in ``phase`` (``StepTracker`` calls this after every op)."""
         if self.layers is not None and phase.part == "layer" and phase.layer not in self.layers:
             return
+        if _PROPAGATING:  # Note: [DTensor's shape propagation runs no kernel]
+            return
         args, kwargs, out = _local((args, kwargs, out))  # Note: [DTensor ops are local kernels]
         name = op_name(func, kwargs)
         kind = _COLLECTIVES.get(name.split(".")[-1]) if "c10d" in name else None
@@ -191,6 +194,38 @@ def _flops(formula: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
         heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
         wide = [(a.shape[0], heads, *a.shape[2:]) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args]
         return int(formula(*wide, **kwargs, out_val=out))
+
+
+_PROPAGATING: list[None] = []
+"""Non-empty while DTensor infers an op's output shape (``sharding_propagation``)."""
+
+
+@contextlib.contextmanager
+def sharding_propagation() -> Iterator[None]:
+    """While tracing a tensor-parallel rank: the ops DTensor runs to infer an op's global output shape are not
+    counted.
+
+    Note: [DTensor's shape propagation runs no kernel] for an op whose output shape it has not cached (a
+    row-parallel matmul's Partial output), DTensor's sharding propagation runs the op on fake tensors of the
+    global shapes, under the trace's own fake mode (``_propagate_tensor_meta_non_cached``); the rank then runs
+    the local kernel. Counting both filed a row-parallel matmul at t + 1 times its local FLOPs.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def quiet(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _PROPAGATING.append(None)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _PROPAGATING.pop()
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = quiet  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 def _local(tree: Any) -> Any:

@@ -489,6 +489,9 @@ def _assemble(
         head_forward=_peak(base, Phase("forward", "head")),
         head_backward=_peak(base, Phase("backward", "head")),
         fixed=fixed,
+        phase_states={
+            str(ph): (parts.get("Gradient", 0), parts.get("Temp", 0)) for ph, (_, parts) in base.phase_peaks.items()
+        },
         parameters=st.get("Parameter", 0),
         gradients=st.get("Gradient", 0),
         optimizer=st.get("Optstate", 0),

@@ -34,6 +34,7 @@ from recompute.parallel import parallelize
 from recompute.runtime import TORCH_DTYPES, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
 from recompute.trace._cuda import cuda_rules, fake_device_note, stands_in, trace_device
+from recompute.trace._flops import sharding_propagation
 from recompute.trace._kinds import Kinds, Run, layer_kinds, runs_of, short_model
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
 from recompute.trace._scale import cut_counts, grown, scale_runs, scaled_runs
@@ -453,7 +454,8 @@ def _fake_group(tp: int) -> Iterator[None]:
     hook = sys.excepthook  # each process group wraps it (a "[rank0]:" prefix): the fake one's is undone
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
-        yield
+        with sharding_propagation():
+            yield
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
