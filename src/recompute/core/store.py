@@ -41,8 +41,9 @@ MEASURED_WORKLOAD = (
 fake process group) or not; precision and data parallelism only change the model states, which are priced from
 the parameter count, and the pipeline lays the step out (``recompute.core.pricing``)."""
 
-KEY_FORMAT = "recompute.profile/2"
-"""Part of every key: a change to what a profile holds changes it, so old files are not read as new."""
+KEY_FORMAT = "recompute.store/3"
+"""Part of every key: a change to what an entry holds changes it, so old files are not read as new (3: a
+profile records each phase's gradient bytes, which pricing its states in another precision needs)."""
 
 
 def root() -> Path:

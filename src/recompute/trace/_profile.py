@@ -43,7 +43,7 @@ from recompute.checkpointing import apply, find_layers
 from recompute.core import policy as policies
 from recompute.core import store
 from recompute.core.errors import ConfigError, first_line, require
-from recompute.core.policy import POLICIES, Policy
+from recompute.core.policy import OFFLOAD_POLICIES, POLICIES, Policy
 from recompute.core.profile import LastFigures, LayerKind, PairFigures, Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
@@ -290,12 +290,17 @@ class _Shape:
     ) -> Profile:
         lead = len(self.reps)
         members = [tuple(i for i, x in enumerate(self.kind_of) if x == k) for k in range(lead)]
+        refused = [dict(r) for r in self.refused]
+        ok = [list(o) for o in self.ok]
+        for k in range(lead):  # what was measured to replay nothing is refused, not priced
+            nothing = _replaying_nothing(_measured(records, k), ok[k])
+            refused[k].update(nothing)
+            ok[k] = [p for p in ok[k] if p not in nothing]
         kinds = tuple(
-            _kind(self.labels[k], members[k], self.layers[self.reps[k]], k, records, self.refused[k])
-            for k in range(lead)
+            _kind(self.labels[k], members[k], self.layers[self.reps[k]], k, records, refused[k]) for k in range(lead)
         )
-        links = {f"{a}>{b}": _link(records, ("pair", a, b), self.ok[a], self.ok[b]) for a, b in self.pairs}
-        last = _last(records, self.ok[self.kind_of[-1]])
+        links = {f"{a}>{b}": _link(records, ("pair", a, b), ok[a], ok[b]) for a, b in self.pairs}
+        last = _last(records, ok[self.kind_of[-1]])
         return _assemble(source, self.whole, wl, base, kinds, self.kind_of, links, last, n_params, seconds)
 
 
@@ -326,6 +331,30 @@ def _flops(record: StepRecord, phase: Phase) -> dict[str, int]:
     return dict(record.flops.get(phase, {}))
 
 
+def _measured(records: dict[tuple[Any, ...], Site], k: int) -> dict[str, Site]:
+    """Kind ``k``'s measured layer by its policy: at a generic position with the next layer under ``none`` (the
+    next of the last kind to follow it), or, for a kind only last, with the head after it."""
+    follow = [key for key in records if key[0] == "pair" and key[1] == k]
+    if follow:
+        b = max(key[2] for key in follow)
+        return {key[3]: v for key, v in records.items() if key[:3] == ("pair", k, b) and key[4] == "none"}
+    return {key[1]: v for key, v in records.items() if key[0] == "last"}
+
+
+def _replaying_nothing(mine: dict[str, Site], names: Sequence[str]) -> dict[str, str]:
+    """The recomputing policies a layer was measured not to replay: its backward has no more FLOPs than under
+    ``none`` (the policy did not reach what it wraps). Pricing them would price a replay that does not happen
+    (Falcon's core_attn before ``apply`` refused it: 0 recompute FLOPs, its own eager attention run)."""
+    plain = sum(_flops(mine["none"].rec, _layer(mine["none"], "backward")).values())
+    return {
+        name: "measured replaying nothing: the layer's backward has no more FLOPs than under none"
+        for name in names
+        if name not in ("none", *OFFLOAD_POLICIES)
+        and name in mine
+        and sum(_flops(mine[name].rec, _layer(mine[name], "backward")).values()) <= plain
+    }
+
+
 def _kind(
     label: str,
     members: tuple[int, ...],
@@ -336,12 +365,7 @@ def _kind(
 ) -> LayerKind:
     """Kind ``k`` from the sites where a layer of it is measured at a generic position with the next layer under
     ``none`` (the next of the last kind to follow it), or, for a kind only last, with the head after it."""
-    follow = [key for key in records if key[0] == "pair" and key[1] == k]
-    if follow:
-        b = max(key[2] for key in follow)
-        mine = {key[3]: v for key, v in records.items() if key[:3] == ("pair", k, b) and key[4] == "none"}
-    else:
-        mine = {key[1]: v for key, v in records.items() if key[0] == "last"}
+    mine = {name: site for name, site in _measured(records, k).items() if name not in refused}
     ref = mine["none"]
     kept, held, comps, ops, d_f, d_b, b_flops, b_ops = {}, {}, {}, {}, {}, {}, {}, {}
     f_work, b_work = {}, {}
