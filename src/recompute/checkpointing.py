@@ -38,6 +38,9 @@ when ``apply`` runs, and a forward pre-hook refuses it when it is switched on la
 gradient_checkpointing=True)``, ``gradient_checkpointing_enable()``), at the first training forward after.
 
 Order with other transforms (torchtitan): ``apply``, then ``torch.compile``, then FSDP.
+
+Over 400 lines because ``apply`` is one public step whose parts only it uses: finding the layers, each policy's
+regions, the wrappers, transformers' own checkpointing refused, offload and the chunked loss switched with it.
 """
 
 from __future__ import annotations

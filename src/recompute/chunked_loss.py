@@ -45,6 +45,9 @@ Under tensor parallelism the chunk is gathered over the ranks' sequence shards (
 
 Order with other transforms: ``parallelize``, then ``apply``, then ``torch.compile`` (not covered for the
 chunked loss) and the optimizer.
+
+Over 400 lines because the loss, its hand-written autograd function and the forward wrapper that keeps the model's
+signature (recompute's and transformers' conventions) must agree on one chunking.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ model's (recomputed FLOPs over the step's model FLOPs; ``recompute estimate``'s 
 config.json or a factory, whose class the formulas do not describe, the predicted peak is the fake-tensor trace
 of that same class (``recompute trace``) and the predicted overhead its FLOPs counted in a forward and
 backward (``FlopCounterMode``) over the first policy's. The result's notes name the class built and say which.
+
+Over 400 lines because one process's bench interleaves every policy's timed steps and holds each beside its
+prediction; the distributed bench and the calibration live apart.
 """
 
 from __future__ import annotations

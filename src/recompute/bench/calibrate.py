@@ -18,6 +18,9 @@ Each curve is measured at several sizes, because eager PyTorch reaches a device'
 Every point is the best of three batches, each batch repeating the op until it has run a minimum time; GPU
 batches are timed with CUDA events around enough work to hide the launch. The CPU is measured with the
 threads torch uses (``torch.set_num_threads``): recorded, since a step with other threads runs at other rates.
+
+Over 400 lines because the calibration of one device (compute, bandwidth, host costs per kernel, collectives) writes
+one device profile.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ graphs (``Device.compiled``) the eager host work is gone: each kernel costs the 
 copies with compute, the host running ahead across phases, kernel fusion (``torch.compile``), caches warmed
 by the previous op, clocks that change under load, and the allocator. ``docs/time.md`` gives the figures it
 was held to.
+
+Over 400 lines because it is one data model: the device (its rate curves, host costs and the schema its file is
+checked against) and the step's kernels it prices; split, the schema would leave the type it checks.
 """
 
 from __future__ import annotations

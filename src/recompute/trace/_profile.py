@@ -26,6 +26,10 @@ two layers need is counted once, by whichever saves it first.
 
 Layers are of one kind when they have the same class, the same parameters (names and shapes) and the same
 attention type; they are never assumed alike otherwise.
+
+Over 400 lines because one measurement has three coupled parts: the shape of what to measure (kinds, anchors, the
+chained step), the steps themselves, and the assembly of their figures into a ``Profile``; the chain's walk lives in
+``_chain``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ storage alive, real or fake, by category). On top of it this class records
 Note: [lean peak tracking] MemTracker updates a peak snapshot for every module it has seen after every op,
 which is quadratic in the layer count (minutes for a 32-layer model); only the global and per-phase peaks are
 kept here.
+
+Over 400 lines because it is one ``MemTracker`` subclass: phases, saved-tensor owners, host memory and CUDA's block
+rounding all hook the same dispatch.
 """
 
 from __future__ import annotations

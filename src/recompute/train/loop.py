@@ -16,6 +16,9 @@ Under torchrun (``--tp``/``--dp``, see ``distributed``) every rank builds the mo
 then the optimizer. Each rank draws its own dropout masks, so losses equal a single process's at dropout 0
 only. Rank 0 alone prints and writes ``metrics.jsonl`` and ``sample.txt``; every rank writes its checkpoint
 shards.
+
+Over 400 lines because a reproducible run is one loop: its checkpoints, exact resume, metrics and sample share the
+loop's state; data, configuration, run files and preflight live beside it.
 """
 
 from __future__ import annotations
