@@ -57,7 +57,7 @@ def test_one_rank_step_peak_is_close_to_the_estimate(name: str, sp: bool) -> Non
         (["--model", "llama3.1-8b", "--tp", "16"], "--tp 16 must divide the 8 key/value heads"),
         (["--model", "gpt2", "--tp", "2", "--sp", "--seq-len", "63"], "must be divisible by --tp (2)"),
         (["--model", "hf:gpt2", "--tp", "2"], "--tp 2 traces recompute's reference GPT/Llama"),
-        (["--model", "gpt2", "--pp", "2"], "drop --pp and --dp"),
+        (["--model", "gpt2", "--pp", "2"], "drop --pp (recompute estimate models pipeline parallelism)"),
     ],
 )
 def test_bad_parallel_traces_are_one_line_errors(

@@ -26,6 +26,7 @@ _TOP = {
 """Every key a profile must have, with its JSON type."""
 _TOP_OPTIONAL = {
     "outer_work": dict, "tokens": int, "notes": list, "versions": dict, "seconds": float, "phase_states": dict,
+    "model_hash": str,
 }  # fmt: skip
 _KIND = {
     "name": str, "layers": list, "parameters": int, "kept": dict, "held": dict, "components": dict, "ops": dict,
