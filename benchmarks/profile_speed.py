@@ -117,6 +117,17 @@ PLAN = (
 )
 
 
+IDENTIFIERS = ("key", "model_hash", "phase_states", "seconds", "workload", "versions")
+"""What names or times a profile rather than measures it: the store key (its format bumped since), the model's
+hash (issue 24), the phases' states (issue 28), the profiling time and the workload's spelling."""
+
+
+def _figures(path: Path) -> dict[str, Any]:
+    """A profile file's measured figures: everything but ``IDENTIFIERS``."""
+    data: dict[str, Any] = json.loads(path.read_text())
+    return {k: v for k, v in data.items() if k not in IDENTIFIERS}
+
+
 def export(revision: str, folder: Path) -> Path:
     """The ``src`` tree of ``revision`` of this repository, in ``folder``."""
     archive = folder / "before.tar"
@@ -142,6 +153,10 @@ def profiled(src: Path, config: Path, seq_len: int, out: Path, *, device: str = 
     return {**result, "load_before": load, "load_after": os.getloadavg()[0]}
 
 
+PLAIN_BF16 = ("--precision", "bf16")
+"""The plan prices the states as profiled (plain bf16): the budget lies between that profile's extremes."""
+
+
 def plan_times(saved: Path, runs: int) -> dict[str, Any]:
     loaded = Profile.load(saved)
     none = loaded.cost_table().compose(["none"] * loaded.n_layers).peak
@@ -150,7 +165,7 @@ def plan_times(saved: Path, runs: int) -> dict[str, Any]:
     for _ in range(runs):
         start = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-c", PLAN, "--profile", str(saved), "--budget", str(budget), "--json"],
+            [sys.executable, "-c", PLAN, "--profile", str(saved), "--budget", str(budget), *PLAIN_BF16, "--json"],
             capture_output=True,
             text=True,
         )
@@ -181,7 +196,7 @@ def main() -> None:
         path.write_text(json.dumps(config))
         before = profiled(before_src, path, args.seq_len, folder / f"{name}-before.json")
         after = profiled(after_src, path, args.seq_len, folder / f"{name}-after.json")
-        same = Profile.load(folder / f"{name}-before.json") == Profile.load(folder / f"{name}-after.json")
+        same = _figures(folder / f"{name}-before.json") == _figures(folder / f"{name}-after.json")
         models[name] = {"model": label, "target_s": target, "before": before, "after": after, "equal_profiles": same}
         print(
             f"{name}: before {before['seconds']:.1f} s ({before['cpu_seconds']:.1f} s CPU), after "

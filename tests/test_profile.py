@@ -309,6 +309,13 @@ def test_a_profile_file_is_not_contradicted(tmp_path: Path, monkeypatch: pytest.
         "bf16",
     ]
     assert main(plan_args) == 2 and "--dtype bf16 contradicts --profile" in capsys.readouterr().err
+    # --precision and --dp are not measured but priced: taken, and the states follow them
+    states = {}
+    for extra in ([], ["--precision", "distributed", "--dp", "4"]):
+        assert main(["estimate", *given, "--json", *extra]) == 0
+        states[len(extra)] = json.loads(capsys.readouterr().out)["profile"]
+    assert states[4]["optimizer"] < states[0]["optimizer"] and states[4]["parameters"] < states[0]["parameters"]
+    assert states[4]["workload"]["precision"] == "distributed" and states[4]["workload"]["dp"] == 4
 
 
 @pytest.mark.parametrize(("precision", "dp"), [("bf16", 1), ("mixed", 1), ("distributed", 4)])

@@ -152,11 +152,17 @@ def workload_flags(wl: Workload) -> list[str]:
     return out
 
 
+PRICED_STATES = ("precision", "dp")
+"""Workload fields a profile's states are re-priced for rather than measured at."""
+
+
 def measured_workload(args: argparse.Namespace, profile: Any) -> Workload:
     """The workload of a ``--profile`` file, which the options may not contradict: a model or a workload option
-    the user gave (``args.given``) that differs from the profile's is refused, not silently ignored."""
-    wl = Workload(**profile.workload_dict())
+    the user gave (``args.given``) that differs from the profile's is refused, not silently ignored. But for
+    ``--precision`` and ``--dp``: they only price the model states, which ``Profile.restated`` re-prices."""
     given_options: set[str] = getattr(args, "given", set())
+    priced = {k: getattr(args, k) for k in PRICED_STATES if k in given_options and getattr(args, k, None) is not None}
+    wl = Workload(**{**profile.workload_dict(), **priced})
     if "model" in given_options and args.model not in (profile.model, profile.origin):
         raise ConfigError(
             f"--model {args.model} contradicts --profile (a profile of {profile.model}); drop one of them"

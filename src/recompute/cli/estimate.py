@@ -98,7 +98,8 @@ def _parts(works: dict[str, Any], steps: dict[str, Any], policy: str) -> dict[st
 def _run_profiled(args: argparse.Namespace, device: Device) -> int:
     if args.profile:
         prof = Profile.load(args.profile)
-        measured_workload(args, prof)
+        asked = measured_workload(args, prof)
+        prof = prof.restated(asked.precision, asked.dp)
     else:
         asked = workload_from(args, max_positions(args.model))
         with progress_bar("profile", enabled=not args.json) as progress:
