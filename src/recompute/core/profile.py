@@ -35,7 +35,7 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.files import atomic_write, read_json_file
 from recompute.core.profile_schema import check_profile_dict
 from recompute.core.states import Restate
-from recompute.core.timing import Device, Op, StepWork, replayed, work_seconds
+from recompute.core.timing import OPTIMIZER_PHASE, Device, Op, StepWork, replayed, work_seconds
 from recompute.core.workload import Workload
 
 __all__ = ["FORMAT", "LastFigures", "LayerKind", "PairFigures", "Profile"]
@@ -283,7 +283,7 @@ class Profile:
 
         def moved(name: str, value: int) -> int:
             grads, temps = self.phase_states.get(name, (0, 0))
-            return round(restate.phase(value, {"Gradient": grads, "Temp": temps}, optimizer=name == "optimizer step"))
+            return round(restate.phase(value, {"Gradient": grads, "Temp": temps}, optimizer=name == OPTIMIZER_PHASE))
 
         states = restate.states(
             {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}
