@@ -377,7 +377,7 @@ def test_logits_changed_between_head_and_loss_are_refused() -> None:
         (["estimate", "--loss", "chunked", "--seq-len", "512", "--loss-chunk", "513"], "more than the 512 tokens"),
         (["bench", "--loss", "chunked", "--loss-chunk", "0"], "--loss-chunk must be a positive integer"),
         (["train", "--loss", "chunked", "--loss-chunk", "0"], "--loss-chunk must be a positive integer"),
-        (["train", "--loss-chunk", "8"], "--loss-chunk sets the chunk of --loss chunked"),
+        (["train", "--loss-chunk", "8"], "--loss-chunk 8 needs --loss chunked"),
     ],
 )
 def test_cli_refuses_bad_chunks_with_exit_code_2(
@@ -473,7 +473,7 @@ def test_train_losses_equal_the_plain_loss(tmp_path: Path) -> None:
     from recompute.train.config import TrainConfig
     from tiny import TRAIN
 
-    config = TrainConfig(**{**TRAIN, "steps": 3, "out": str(tmp_path / "full")})
+    config = TrainConfig.of(**{**TRAIN, "steps": 3, "out": str(tmp_path / "full")})
     full = [m.loss for m in train(config).metrics]
     chunked = train(config.replace(out=str(tmp_path / "chunked"), loss="chunked", loss_chunk=40))
     assert [m.loss for m in chunked.metrics] == pytest.approx(full, rel=1e-5)

@@ -105,7 +105,7 @@ def test_what_cannot_apply_is_refused_in_one_line(
 
 
 def test_train_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
-    config = TrainConfig(model=config_json("llama", tmp_path, vocab_size=128), out=str(tmp_path / "run"))
+    config = TrainConfig.of(model=config_json("llama", tmp_path, vocab_size=128), out=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"makes ids below 256 but .* has a vocabulary of 128; give the model"):
         train(config.replace(device="cpu", steps=1, seq_len=16, micro_batch=1))
 
@@ -135,7 +135,7 @@ def test_resume_with_another_config_is_refused(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_train_runs_a_factory_and_records_it(tmp_path: Path) -> None:
-    base = TrainConfig(model=f"{__name__}:byte_factory", steps=2, seq_len=16, micro_batch=2, sample_tokens=3)
+    base = TrainConfig.of(model=f"{__name__}:byte_factory", steps=2, seq_len=16, micro_batch=2, sample_tokens=3)
     result = train(base.replace(out=str(tmp_path / "a"), device="cpu", warmup=1))
     assert result.built == f"test_zoo.TinyLM built from {__name__}:byte_factory" and len(result.losses) == 2
     saved = torch.load(checkpoints(tmp_path / "a")[-1], weights_only=True)["source"]

@@ -352,7 +352,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_largest_that_fits(
     line = refused(capsys, *argv)
     assert "train needs about " in line and "but 4.00 GiB is available on cpu" in line, line
     fits = int(line.split("--micro-batch ")[1].split()[0])
-    config = TrainConfig(micro_batch=4096, seq_len=1024, device="cpu")
+    config = TrainConfig.of(micro_batch=4096, seq_len=1024, device="cpu")
     spec = _train_spec(config)
     need = lambda b: preset_need(spec, config, "cpu", micro_batch=b, seq_len=1024)  # noqa: E731
     assert need(fits) <= HEADROOM * have < need(fits + 1)  # the largest micro-batch that fits, exactly
@@ -374,7 +374,7 @@ def test_a_model_larger_than_memory_is_refused_before_building(
     line = refused(capsys, "train", "--model", "llama3.1-8b", *argv, "--out", str(tmp_path / "run"))
     assert "even one short sequence does not fit: use a smaller model" in line
     line = refused(capsys, "train", *TRAIN[:-6], "--out", str(tmp_path / "r"), "--micro-batch", str(10**11))
-    assert f"--micro-batch 100,000,000,000 is more than the {LIMITS['micro_batch']:,} sequences" in line
+    assert f"--micro-batch must be at most {LIMITS['micro_batch']:,}, got 100,000,000,000" in line
     assert not (tmp_path / "run").exists() and not (tmp_path / "r").exists()
 
 

@@ -15,7 +15,7 @@ import recompute
 from recompute.cli import main
 from recompute.core.errors import ConfigError
 from recompute.train import TrainConfig, compare_train, read_metrics, train
-from recompute.train.checkpoint import checkpoints
+from recompute.train.checkpoint import _check_same_run, checkpoints
 from recompute.train.corpus import generate_stories
 from recompute.train.data import BPETokenizer, load_text
 from tiny import TRAIN
@@ -24,7 +24,7 @@ TINY = TRAIN
 
 
 def tiny(tmp_path: Path, **changes: object) -> TrainConfig:
-    return TrainConfig(**{**TINY, "out": str(tmp_path / "run"), **changes})  # type: ignore[arg-type]
+    return TrainConfig.of(**{**TINY, "out": str(tmp_path / "run"), **changes})  # type: ignore[arg-type]
 
 
 def test_policies_give_identical_losses_with_dropout_on(tmp_path: Path) -> None:
@@ -295,9 +295,9 @@ def test_train_bad_input(argv: list[str], tmp_path: Path, capsys: pytest.Capture
 def test_size_overrides_keep_gqa_and_derive_the_mlp_width() -> None:
     from recompute.train.loop import build_spec
 
-    spec = build_spec(TrainConfig(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=8), vocab=256)
+    spec = build_spec(TrainConfig.of(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=8), vocab=256)
     assert (spec.n_kv_heads, spec.d_ff, spec.mlp) == (8, 768, "swiglu")  # 8 KV heads kept; 8h/3 rounded to 256
-    spec = build_spec(TrainConfig(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=4), vocab=256)
+    spec = build_spec(TrainConfig.of(model="llama3.1-8b", n_layers=2, hidden=256, n_heads=4), vocab=256)
     assert spec.n_kv_heads == 4  # 8 KV heads cannot serve 4 query heads: plain multi-head attention
 
 
@@ -387,3 +387,15 @@ def test_a_checkpoint_whose_stored_metrics_changed_is_passed_over(
     assert resumed.resumed_from == 2 and resumed.losses == whole.losses  # from the older checkpoint
     err = capsys.readouterr().err
     assert "step_0000004.pt' is damaged: its metrics do not match their stored CRC-32" in err
+
+
+def test_a_checkpoint_from_before_the_workload_resumes_at_its_per_rank_micro_batch(tmp_path: Path) -> None:
+    """Runs checkpointed while ``--micro-batch`` counted every data-parallel rank (their configs have no dtype)
+    resume at B/D sequences per rank; the old B per rank would train on other rows, and is refused."""
+    config = tiny(tmp_path, dp=2, micro_batch=2)
+    old = {k: v for k, v in config.to_dict().items() if k not in ("dtype", "precision")} | {"micro_batch": 4}
+    _check_same_run(old, config, tmp_path)
+    with pytest.raises(ConfigError, match=r"micro_batch: 2 -> 4"):
+        _check_same_run(old, config.replace(micro_batch=4), tmp_path)
+    with pytest.raises(ConfigError, match=r"micro_batch: 4 -> 2"):  # a checkpoint of this meaning compares as it is
+        _check_same_run(config.replace(micro_batch=4).to_dict(), config, tmp_path)

@@ -8,7 +8,6 @@ its own dropout masks.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from recompute.cli import build_parser, main
+from recompute.cli.train import _config
 from recompute.core.errors import ConfigError
 from recompute.train import RunResult, TrainConfig, train
 from tiny import TRAIN
@@ -57,7 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The same run in one process."""
     out = tmp_path_factory.mktemp("train-one-process")
-    return train(TrainConfig(**TINY, out=str(out)))  # type: ignore[arg-type]
+    return train(TrainConfig.of(**TINY, out=str(out)))  # type: ignore[arg-type]
 
 
 def per_rank(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
@@ -66,7 +66,7 @@ def per_rank(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name", ["whole", "dp"], ids=["tp2+sp", "dp2"])
 def test_losses_match_one_process(runs: dict[str, Any], reference: RunResult, name: str) -> None:
-    """``--tp 2 --sp`` and ``--dp 2`` (the global batch split over the ranks): one process's losses."""
+    """``--tp 2 --sp`` and ``--dp 2`` (half the micro-batch on each rank): one process's losses."""
     for rank, r in enumerate(per_rank(runs, name)):
         assert r["code"] == 0 and r["run"]["rank"] == rank
         losses = torch.tensor(r["run"]["losses"])
@@ -128,7 +128,7 @@ def test_rank_0_alone_writes_metrics_and_sample(runs: dict[str, Any], reference:
 
 
 def test_one_process_refuses_a_tensor_parallel_checkpoint(runs: dict[str, Any]) -> None:
-    config = TrainConfig(**TINY, out=str(runs["root"] / "whole"), resume=True)  # type: ignore[arg-type]
+    config = TrainConfig.of(**TINY, out=str(runs["root"] / "whole"), resume=True)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"step_0000006' was written by a different run \(tp: 2 -> 1, sp: True"):
         train(config)
 
@@ -141,7 +141,7 @@ BAD = {
     "sp without tp": (["--sp"], "--sp splits the sequence over the --tp ranks"),
     "tp not dividing heads": (["--tp", "3"], "--tp 3 must divide the 4 query heads"),
     "sp not dividing seq": (["--tp", "2", "--sp", "--seq-len", "33"], r"sequence length \(33\) must be divisible"),
-    "micro-batch over dp": (["--dp", "3"], "--micro-batch 4 is split over --dp 3 ranks"),
+    "fp16 without a scaler": (["--dtype", "fp16"], "--dtype fp16 would need a gradient scaler"),
 }
 
 
@@ -151,7 +151,7 @@ def test_bad_parallel_options_exit_2_with_one_line(
 ) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    config = TrainConfig(**TINY, out=str(tmp_path))  # type: ignore[arg-type]
+    config = TrainConfig.of(**TINY, out=str(tmp_path))  # type: ignore[arg-type]
     assert main([*config.command_line(), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -159,8 +159,8 @@ def test_bad_parallel_options_exit_2_with_one_line(
 
 
 def test_command_line_gives_back_the_config() -> None:
-    config = TrainConfig(**TINY, tp=2, sp=True, out="runs/x y")  # type: ignore[arg-type]
+    config = TrainConfig.of(**TINY, tp=2, sp=True, out="runs/x y")  # type: ignore[arg-type]
     args = build_parser().parse_args(config.command_line())
     assert args.loss is None  # not given: the plan's loss mode, else full (recompute train resolves it)
     args.loss = "full"
-    assert TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}) == config
+    assert _config(args) == config

@@ -141,7 +141,7 @@ def run(config: TrainConfig, kill_after: int, resume_dropout: float, flip: str, 
     report["refused"] = {"code": code, "stderr": err}
 
     writes_before = rec.metric_writes
-    dp = config.replace(dp=2, out=str(root / "dp"))
+    dp = config.replace(dp=2, micro_batch=config.micro_batch // 2, out=str(root / "dp"))  # the same rows in all
     code = main(dp.command_line())
     report["dp"] = {"code": code, "run": rec.last(), "metric_writes": rec.metric_writes - writes_before}
     return report
@@ -161,7 +161,7 @@ def parse() -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse()
     root = Path(args.dir)
-    report = run(TrainConfig(**json.loads(args.config)), args.kill_after, args.resume_dropout, args.flip, root)
+    report = run(TrainConfig.of(**json.loads(args.config)), args.kill_after, args.resume_dropout, args.flip, root)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, report)
     if dist.get_rank() == 0:

@@ -21,6 +21,8 @@ from recompute.core.pricing import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, choose_de
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import Device
 from recompute.core.workload import Workload, workload_fields
+from recompute.train.config import TRAIN_WORKLOAD
+from recompute.train.config import WORKLOAD_DEFAULTS as TRAIN_DEFAULTS
 
 if TYPE_CHECKING:  # the analytic commands run without torch
     from recompute.models.source import ModelSource
@@ -43,7 +45,13 @@ __all__ = [
     "writable",
 ]
 
-SEQ_LEN = {"report": 16384, "bench": 256, "verify": 64, "train": 256}
+SEQ_LEN = {
+    "report": 16384,
+    "bench": 256,
+    "verify": 64,
+    "train": TRAIN_DEFAULTS["seq_len"],
+    "compare-train": TRAIN_DEFAULTS["seq_len"],
+}
 """Each command's default sequence length (else 2048), or the model's context if shorter: the commands that run
 real steps here (bench, verify, train) default to sizes a CPU runs in seconds; the report's savings table sits
 at the workshop page's 16K."""
@@ -52,15 +60,15 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "trace": {"device": "cpu"},
     "bench": {"micro_batch": 4, "dtype": "fp32", "device": "auto"},
     "verify": {"micro_batch": 2, "dtype": "fp32", "device": "cpu"},
-    "train": {"micro_batch": 8, "dtype": "fp32", "device": "auto"},
-    "compare-train": {"micro_batch": 8, "dtype": "fp32", "device": "auto"},
+    "train": TRAIN_DEFAULTS,
+    "compare-train": TRAIN_DEFAULTS,
 }
 """Each command's workload defaults where they differ from ``Workload``'s (``auto``: cuda when torch sees one)."""
 
 WORKLOAD_FIELDS: dict[str, tuple[str, ...]] = {
     "verify": ("micro_batch", "seq_len", "attention", "device"),
-    "train": ("micro_batch", "seq_len", "dtype", "attention", "loss", "loss_chunk", "device", "tp", "sp", "dp"),
-    "compare-train": ("micro_batch", "seq_len", "dtype", "attention", "loss", "loss_chunk", "device"),
+    "train": TRAIN_WORKLOAD,
+    "compare-train": tuple(f for f in TRAIN_WORKLOAD if f not in ("tp", "sp", "dp")),
 }
 """The workload fields a command takes where it does not take them all (a flag it would ignore is not offered)."""
 
@@ -92,17 +100,20 @@ def add_field_args(p: argparse.ArgumentParser, fields: Sequence[dataclasses.Fiel
         p.add_argument(meta["flag"], dest=f.name, type=kind, default=default, help=meta["help"] + shown, **extra)
 
 
-def add_workload_args(p: argparse.ArgumentParser, command: str) -> None:
+def add_workload_args(p: argparse.ArgumentParser, command: str, **resolved_later: None) -> None:
     """The workload options ``command`` takes (``WORKLOAD_FIELDS``), with its defaults (``WORKLOAD_DEFAULTS``,
-    ``SEQ_LEN``), declared once by ``Workload``'s fields."""
+    ``SEQ_LEN``), declared once by ``Workload``'s fields; ``resolved_later``: fields whose default the command
+    resolves itself (None in the namespace, e.g. train's ``loss`` from a plan)."""
     wanted = WORKLOAD_FIELDS.get(command)
     fields = [f for f in workload_fields() if wanted is None or f.name in wanted]
-    add_field_args(p, fields, **{**WORKLOAD_DEFAULTS.get(command, {}), "seq_len": None})
+    add_field_args(p, fields, **{**WORKLOAD_DEFAULTS.get(command, {}), "seq_len": None, **resolved_later})
     for action in p._actions:
         if action.dest == "seq_len":
             action.help = f"{action.help} (default: {SEQ_LEN.get(command, 2048)}, or the model's context if shorter)"
         if action.dest == "device" and action.default == "auto":
             action.help = f"{action.help}; auto: cuda when torch sees one, else cpu"
+        if action.dest == "dtype" and action.default == "auto":
+            action.help = f"{action.help}; auto: bf16 (autocast over fp32 weights) on cuda, fp32 on cpu"
 
 
 class HasPositions(Protocol):
@@ -121,11 +132,15 @@ def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource | Has
         default = SEQ_LEN.get(args.command, 2048)
         positions = model if isinstance(model, int) or model is None else model.max_positions
         values["seq_len"] = min(default, positions or default)
-    if values.get("device") == "auto":
+    if "auto" in (values.get("device"), values.get("dtype")):
         import torch
 
-        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    wl = Workload(**values)
+        cuda = torch.cuda.is_available()
+        if values.get("device") == "auto":
+            values["device"] = "cuda" if cuda else "cpu"
+        if values.get("dtype") == "auto":
+            values["dtype"] = "bf16" if values["device"] == "cuda" else "fp32"
+    wl = Workload(**{k: v for k, v in values.items() if v is not None or k not in ("loss", "precision")})
     wl.check_loss_chunk()
     return wl
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute.checkpointing import find_layers
-from recompute.cli._common import add_field_args, csv, emit_json, writable
+from recompute.cli._common import add_field_args, add_workload_args, csv, emit_json, workload_from, writable
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, distinct, require
 from recompute.core.files import check_folder
@@ -27,15 +27,18 @@ __all__ = ["add_compare_args", "add_train_args", "run_compare", "run_train"]
 
 
 def _fields(*skip: str) -> list[dataclasses.Field[Any]]:
-    return [f for f in dataclasses.fields(TrainConfig) if f.name not in skip]
+    """The run's own options (the workload's come from ``add_workload_args``)."""
+    return [f for f in dataclasses.fields(TrainConfig) if f.name not in ("workload", *skip)]
 
 
 def _config(args: argparse.Namespace, *skip: str) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in _fields(*skip)})
+    run = {f.name: getattr(args, f.name) for f in _fields(*skip)}
+    return TrainConfig(workload=workload_from(args, None), **run)
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    add_field_args(p, _fields(), loss=None)
+    add_field_args(p, _fields())
+    add_workload_args(p, "train", loss=None)
     _loss_from_plan_help(p)
     p.add_argument("--plan", help="a plan JSON file to apply instead of --policy (its loss mode too)")
 
@@ -60,7 +63,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(
         f"trained {result.name}, {result.built} ({args.policy}{', chunked loss' if args.loss == 'chunked' else ''}) "
         f"for {last.step + 1} steps: final loss {last.loss:.4f}, "
-        f"{result.config.micro_batch * result.config.seq_len / result.median_step_time:,.0f} tokens/s; "
+        f"{result.config.tokens_per_step / result.median_step_time:,.0f} tokens/s; "
         f"metrics, checkpoints and sample in {args.out}"
     )
     print(f"sample: {result.sample[:200]!r}")
@@ -145,7 +148,8 @@ def _png(path: str) -> Path:
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
-    add_field_args(p, _fields("policy", "resume"), out="runs/compare", loss=None)
+    add_field_args(p, _fields("policy", "resume"), out="runs/compare")
+    add_workload_args(p, "compare-train", loss=None)
     _loss_from_plan_help(p)
     p.add_argument(
         "--policies",
@@ -165,8 +169,6 @@ def run_compare(args: argparse.Namespace) -> int:
     _resolve_loss(args, policies)
     _check_policies(_config(args, "policy", "resume"), policies)
     png = _png(args.png) if args.png is not None else Path(args.out) / "loss.png"
-    if args.tp > 1 or args.dp > 1 or args.sp:
-        raise ConfigError("compare-train runs one process; drop --tp/--sp/--dp (recompute train takes them)")
     with progress_bar("compare-train", enabled=not args.json) as progress:
         rows, runs = compare_train(_config(args, "policy", "resume"), policies, progress=progress)
     plot_losses(runs, png)

@@ -72,7 +72,9 @@ def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
 class Workload:
     """One training step's shape: micro-batch, sequence, precision and parallelism."""
 
-    micro_batch: int = field(default=1, metadata=_opt("--micro-batch", "b: sequences per micro-batch"))
+    micro_batch: int = field(
+        default=1, metadata=_opt("--micro-batch", "b: sequences per micro-batch on each data-parallel rank")
+    )
     seq_len: int = field(default=2048, metadata=_opt("--seq-len", "s: tokens per sequence"))
     dtype: str = field(default="bf16", metadata=_opt("--dtype", "activation dtype", choices=tuple(DTYPE_BYTES)))
     tp: int = field(default=1, metadata=_opt("--tp", "t: tensor-parallel size"))

@@ -203,6 +203,8 @@ def _load_file(
 
 def _check_same_run(saved: dict[str, Any], config: TrainConfig, path: Path) -> None:
     now, default = config.to_dict(), TrainConfig().to_dict()  # the defaults stand in for fields added since
+    if "dtype" not in saved and int(saved.get("dp", 1)) > 1:  # written when --micro-batch counted every rank
+        saved = {**saved, "micro_batch": int(saved["micro_batch"]) // int(saved["dp"])}
     was = {k: saved.get(k, default[k]) for k in RESUME_MUST_MATCH}
     differ = [k for k in RESUME_MUST_MATCH if was[k] != now[k]]
     if differ:

@@ -68,14 +68,13 @@ def compare_train(
     ref = runs[0]
     rows = []
     for policy, run in zip(policies, runs):
-        tokens = config.micro_batch * config.seq_len * config.grad_accum
         peak, ref_peak = run.peak_bytes, ref.peak_bytes
         rows.append(
             CompareRow(
                 policy=policy,
                 final_loss=run.losses[-1],
                 max_loss_diff=max(abs(a - b) for a, b in zip(run.losses, ref.losses)),
-                tokens_per_s=tokens / run.median_step_time,
+                tokens_per_s=config.tokens_per_step / run.median_step_time,
                 peak_bytes=peak,
                 memory_change=(peak / ref_peak - 1) if peak and ref_peak else None,
                 time_change=run.median_step_time / ref.median_step_time - 1,

@@ -1,4 +1,9 @@
-"""``TrainConfig``: every option of ``recompute train``, declared once (the CLI is generated from it)."""
+"""``TrainConfig``: one training run, a ``Workload`` plus the run's own options, each declared once (the CLI
+is generated from these fields and from ``Workload``'s).
+
+``--micro-batch`` is what it is in every command: the sequences of one micro-batch on each data-parallel rank
+(``b``); a run over ``--dp`` ranks takes ``b x dp`` sequences per micro-batch in all.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,31 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from recompute.core.errors import one_of, positive_int, require
-from recompute.core.workload import ATTENTIONS, LOSSES
+from recompute.core.errors import ConfigError, one_of, positive_int, require
+from recompute.core.workload import Workload, workload_fields
 
-__all__ = ["RESUME_MUST_MATCH", "TrainConfig"]
+__all__ = ["RESUME_MUST_MATCH", "TRAIN_WORKLOAD", "WORKLOAD_DEFAULTS", "TrainConfig", "flag", "resolved_workload"]
+
+TRAIN_WORKLOAD = ("micro_batch", "seq_len", "dtype", "attention", "loss", "loss_chunk", "device", "tp", "sp", "dp")
+"""The workload fields a run takes (the others, pipelining, experts, another precision, describe runs that
+``recompute train`` does not make)."""
+
+WORKLOAD_DEFAULTS: dict[str, Any] = {"micro_batch": 8, "seq_len": 256, "dtype": "auto", "device": "auto"}
+"""The run's workload defaults where they differ from ``Workload``'s, sizes a CPU trains in seconds.
+``device`` auto: cuda when torch sees one, else cpu; ``dtype`` auto: bf16 (autocast) on cuda, fp32 on cpu."""
+
+
+def resolved_workload(**values: Any) -> Workload:
+    """The run's ``Workload`` from ``values`` (workload field names) over ``WORKLOAD_DEFAULTS``, with an ``auto``
+    device and dtype resolved (torch asked whether it sees CUDA)."""
+    values = {**WORKLOAD_DEFAULTS, **{k: v for k, v in values.items() if v is not None or k == "loss_chunk"}}
+    if values["device"] == "auto":
+        import torch
+
+        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if values["dtype"] == "auto":
+        values["dtype"] = "bf16" if values["device"] == "cuda" else "fp32"
+    return Workload(**values)
 
 
 def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
@@ -18,7 +44,9 @@ def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run of a model (a preset, a transformers config.json, a factory) with a recomputation policy."""
+    """One training run of a model (a preset, a transformers config.json, a factory) with a recomputation policy:
+    its ``workload`` (micro-batch per rank, sequence, dtype, attention, loss mode, device, tp/sp/dp) and the run's
+    own options. ``TrainConfig.of(**flat)`` takes both kinds of field by name."""
 
     model: str = field(
         default="gpt2",
@@ -28,29 +56,14 @@ class TrainConfig:
             "package.module:factory (trained as it is: the class it names)",
         ),
     )
+    workload: Workload = field(default_factory=resolved_workload)
     n_layers: int | None = field(default=4, metadata=_opt("--layers", "layers (overrides the preset; 0 keeps it)"))
     hidden: int | None = field(default=256, metadata=_opt("--hidden", "hidden size (overrides; 0 keeps it)"))
     n_heads: int | None = field(default=4, metadata=_opt("--heads", "attention heads (overrides; 0 keeps it)"))
-    attention: str = field(
-        default="flash", metadata=_opt("--attention", "flash (SDPA, the default) or eager", choices=ATTENTIONS)
-    )
     dropout: float | None = field(
         default=None, metadata=_opt("--dropout", "dropout probability (overrides the preset's)")
     )
     policy: str = field(default="none", metadata=_opt("--policy", "recompute policy name, or a plan JSON file"))
-    loss: str = field(
-        default="full",
-        metadata=_opt(
-            "--loss",
-            "full, or chunked: the output layer and the loss over chunks of --loss-chunk tokens, each chunk's "
-            "logits recomputed in the backward",
-            choices=LOSSES,
-        ),
-    )
-    loss_chunk: int | None = field(
-        default=None,
-        metadata=_opt("--loss-chunk", "tokens per chunk with --loss chunked (default: 256 MiB of fp32 logits)"),
-    )
     data: str | None = field(default=None, metadata=_opt("--data", "a text file or a directory of .txt files"))
     dataset: str | None = field(default=None, metadata=_opt("--dataset", "a Hugging Face dataset name[:split]"))
     tokenizer: str = field(
@@ -58,10 +71,6 @@ class TrainConfig:
         metadata=_opt("--tokenizer", "byte (no training) or bpe (trained on the corpus)", choices=("byte", "bpe")),
     )
     steps: int = field(default=200, metadata=_opt("--steps", "optimizer steps"))
-    seq_len: int = field(default=256, metadata=_opt("--seq-len", "tokens per sequence"))
-    micro_batch: int = field(
-        default=8, metadata=_opt("--micro-batch", "sequences per micro-batch (over all --dp ranks together)")
-    )
     grad_accum: int = field(default=1, metadata=_opt("--grad-accum", "micro-batches per optimizer step"))
     lr: float = field(default=1e-3, metadata=_opt("--lr", "peak learning rate (AdamW)"))
     warmup: int = field(default=20, metadata=_opt("--warmup", "linear warm-up steps before the cosine decay"))
@@ -79,66 +88,129 @@ class TrainConfig:
         metadata=_opt("--overwrite", "delete the run already in --out (metrics, checkpoints, sample) and start over"),
     )
     sample_tokens: int = field(default=200, metadata=_opt("--sample-tokens", "tokens to generate at the end"))
-    device: str = field(default="auto", metadata=_opt("--device", "cpu, cuda or auto", choices=("auto", "cpu", "cuda")))
-    tp: int = field(default=1, metadata=_opt("--tp", "tensor-parallel ranks (launch with torchrun)"))
-    sp: bool = field(default=False, metadata=_opt("--sp", "sequence parallelism over the --tp ranks"))
-    dp: int = field(default=1, metadata=_opt("--dp", "data-parallel (FSDP2) ranks (launch with torchrun)"))
 
     def __post_init__(self) -> None:
-        for name in ("steps", "seq_len", "micro_batch", "grad_accum", "keep", "tp", "dp"):
+        require(isinstance(self.workload, Workload), f"workload must be a Workload, got {self.workload!r}")
+        for name in ("steps", "grad_accum", "keep"):
             positive_int(flag(name), getattr(self, name))
         for name in ("warmup", "checkpoint_every", "sample_tokens"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, f"{flag(name)} must be >= 0, got {value!r}")
         require(self.lr > 0, f"--lr must be positive, got {self.lr}")
-        one_of("--attention", self.attention, ATTENTIONS)
         one_of("--tokenizer", self.tokenizer, ("byte", "bpe"))
-        one_of("--device", self.device, ("auto", "cpu", "cuda"))
-        one_of("--loss", self.loss, LOSSES)
-        if self.loss_chunk is not None:
-            positive_int("--loss-chunk", self.loss_chunk)
-            require(self.loss == "chunked", "--loss-chunk sets the chunk of --loss chunked; add --loss chunked")
-            tokens = self.micro_batch // self.dp * self.seq_len
-            require(
-                self.loss_chunk <= tokens,
-                f"--loss-chunk {self.loss_chunk} is more than the {tokens} tokens of a micro-batch on one rank "
-                f"(--micro-batch / --dp x --seq-len); use --loss-chunk <= {tokens}",
-            )
         if self.dropout is not None:
             require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(
             not (self.resume and self.overwrite),
             "--resume continues the run in --out and --overwrite deletes it; give one of them",
         )
-        require(self.tp > 1 or not self.sp, "--sp splits the sequence over the --tp ranks; give --tp > 1 or drop --sp")
-        require(
-            self.micro_batch % self.dp == 0,
-            f"--micro-batch {self.micro_batch} is split over --dp {self.dp} ranks; use a multiple of {self.dp}",
-        )
+        _check_runnable(self.workload)
+
+    # The workload's figures a run reads most, by their names.
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch on each data-parallel rank."""
+        return self.workload.micro_batch
+
+    @property
+    def seq_len(self) -> int:
+        return self.workload.seq_len
+
+    @property
+    def tp(self) -> int:
+        return self.workload.tp
+
+    @property
+    def dp(self) -> int:
+        return self.workload.dp
 
     @property
     def parallel(self) -> bool:
         """Whether the run spans several processes (``tp * dp > 1``, launched with torchrun)."""
-        return self.tp * self.dp > 1
+        return self.workload.tp * self.workload.dp > 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on, over every data-parallel rank."""
+        return self.workload.micro_batch * self.workload.dp * self.workload.seq_len * self.grad_accum
+
+    @classmethod
+    def of(cls, **values: Any) -> TrainConfig:
+        """A config from flat names: ``TrainConfig.of(model="gpt2", seq_len=64, steps=10)`` (the run's fields and
+        the workload's; workload fields not given take ``WORKLOAD_DEFAULTS``, then ``Workload``'s).
+
+        Raises:
+            ConfigError: a name that is neither a run option nor a workload field.
+        """
+        known = {f.name for f in dataclasses.fields(cls)} - {"workload"}
+        unknown = sorted(set(values) - known - set(TRAIN_WORKLOAD) - {f.name for f in workload_fields()})
+        if unknown:
+            raise ConfigError(
+                f"TrainConfig has no field {unknown[0]!r}; its fields: {', '.join(sorted(known))}, and the "
+                f"workload's {', '.join(TRAIN_WORKLOAD)}"
+            )
+        wl = {k: v for k, v in values.items() if k not in known}
+        return cls(workload=resolved_workload(**wl), **{k: v for k, v in values.items() if k in known})
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        """This config with some fields changed, the workload's by their names (``replace(dp=2, micro_batch=2)``)."""
+        wl = {k: changes.pop(k) for k in list(changes) if k in {f.name for f in workload_fields()}}
+        return dataclasses.replace(self, workload=dataclasses.replace(self.workload, **wl), **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The run's options and the workload's fields, flat (a checkpoint records them; ``of`` reads them back)."""
+        run = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "workload"}
+        return {**run, **self.workload.to_dict()}
 
     def command_line(self) -> list[str]:
-        """``["train", options...]``: the arguments of ``recompute`` that give this config (non-defaults only)."""
+        """``["train", options...]``: the arguments of ``recompute`` that give this config (the run's options that
+        differ from their defaults; the workload's fields that ``train`` takes, ``device`` and ``dtype`` always)."""
         args = ["train"]
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value == f.default:
+            if f.name == "workload" or value == f.default:
                 continue
             if isinstance(value, bool):
                 args += [f.metadata["flag"]] if value else []
             else:  # None where the default is not: the size overrides, whose "keep the preset's" is 0
                 args += [f.metadata["flag"], "0" if value is None else str(value)]
+        defaults = Workload().to_dict()
+        for f in workload_fields():
+            value = getattr(self.workload, f.name)
+            if f.name not in TRAIN_WORKLOAD or (value == defaults[f.name] and f.name not in WORKLOAD_DEFAULTS):
+                continue
+            args += [f.metadata["flag"]] if isinstance(value, bool) else [f.metadata["flag"], str(value)]
         return args
+
+
+def _check_runnable(wl: Workload) -> None:
+    """What ``recompute train`` runs of a workload: tp, sp, dp and one precision per dtype.
+
+    Raises:
+        ConfigError: a workload field a run does not take, or sp without tp.
+    """
+    require(wl.tp > 1 or not wl.sp, "--sp splits the sequence over the --tp ranks; give --tp > 1 or drop --sp")
+    require(
+        wl.dtype != "fp16",
+        "--dtype fp16 would need a gradient scaler, which train does not run; use --dtype bf16 (autocast, no "
+        "scaler needed) or fp32",
+        fields=("dtype",),
+    )
+    expected = "fp32" if wl.dtype == "fp32" else "mixed"
+    how = "fp32 throughout" if expected == "fp32" else "autocast over fp32 weights"
+    require(
+        wl.precision == expected,
+        f"train runs --dtype {wl.dtype} as {expected} precision ({how}), not {wl.precision}; drop --precision",
+        fields=("precision",),
+    )
+    for name, value in (("pp", wl.pp), ("interleave", wl.interleave), ("ep", wl.ep)):
+        require(value == 1, f"train runs tensor and data parallelism, not {name} {value}; drop it", fields=(name,))
+    require(not wl.keep_grads, "train frees gradients after each step (zero_grad); drop keep_grads")
+    require(
+        wl.n_microbatches is None and wl.capacity_factor == 1.0,
+        "train takes --grad-accum for micro-batches per step; drop n_microbatches and capacity_factor",
+    )
+    wl.check_loss_chunk()
 
 
 # What a resumed run must share with the run that wrote the checkpoint for its losses to continue exactly.
@@ -154,6 +226,7 @@ RESUME_MUST_MATCH = (
     "tokenizer",
     "seq_len",
     "micro_batch",
+    "dtype",
     "grad_accum",
     "lr",
     "warmup",
@@ -167,5 +240,6 @@ RESUME_MUST_MATCH = (
 
 
 def flag(name: str) -> str:
-    """The CLI flag of a TrainConfig field."""
-    return str(next(f.metadata["flag"] for f in dataclasses.fields(TrainConfig) if f.name == name))
+    """The CLI flag of a TrainConfig field or of a workload field."""
+    fields = [f for f in dataclasses.fields(TrainConfig) if f.name != "workload"] + list(workload_fields())
+    return str(next(f.metadata["flag"] for f in fields if f.name == name))

@@ -83,9 +83,9 @@ def start(config: TrainConfig, spec: ModelSpec) -> Ranks:
     if not config.parallel:
         return Ranks()
     if config.tp > 1:
-        check_parallel(spec, tp=config.tp, seq_len=config.seq_len, sp=config.sp)
+        check_parallel(spec, tp=config.tp, seq_len=config.seq_len, sp=config.workload.sp)
     require(
-        config.device != "cpu" or not torch.cuda.is_available(),
+        config.workload.device != "cpu" or not torch.cuda.is_available(),
         "--tp/--dp ranks use CUDA (NCCL) where it is available; drop --device cpu or hide the GPUs",
     )
     if not dist.is_initialized():

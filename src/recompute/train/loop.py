@@ -183,10 +183,17 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 def _device(config: TrainConfig) -> torch.device:
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+    if config.workload.device == "cuda":
         require(torch.cuda.is_available(), "--device cuda was asked for but CUDA is not available; use --device cpu")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def _autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast over the fp32 weights for ``--dtype bf16``; nothing for fp32."""
+    if config.workload.dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -246,12 +253,10 @@ def _step(
     for micro in range(config.grad_accum):
         if micro:
             peak.next_micro_batch()
-        x, y = stream.batch(
-            step=step, micro=micro, micro_batch=config.micro_batch, seq_len=config.seq_len, seed=config.seed
-        )
+        rows = config.micro_batch * config.dp  # the micro-batch of every data-parallel rank, in one data order
+        x, y = stream.batch(step=step, micro=micro, micro_batch=rows, seq_len=config.seq_len, seed=config.seed)
         x, y = ranks.share(x), ranks.share(y)  # this data-parallel rank's rows
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-        with autocast:
+        with _autocast(config, device):
             _, loss = loss_fn(model, x.to(device), y.to(device))
         (loss / config.grad_accum).backward()
         total += loss.item() / config.grad_accum
@@ -317,8 +322,8 @@ def train(
     built = _build(source, config, tok.vocab_size, device)
     model = built.model
     if ranks.mesh is not None:
-        parallelize(model, ranks.mesh, sp=config.sp)
-    apply(model, config.policy, loss=config.loss, loss_chunk=config.loss_chunk)
+        parallelize(model, ranks.mesh, sp=config.workload.sp)
+    apply(model, config.policy, loss=config.workload.loss, loss_chunk=config.workload.loss_chunk)
     opt = _optimizer(model, config)
     result = RunResult(
         config=config,
@@ -340,7 +345,7 @@ def train(
         on_step=on_step,
         progress=progress if ranks.main else no_progress,
     )
-    if config.loss == "chunked":
+    if config.workload.loss == "chunked":
         # a forward with targets (a factory's, in sample) returns no logits when chunked: the policy alone, full loss
         apply(model, applied_policy(model) or "none", loss="full")
     result.sample = sample(model, tok, config, device, hf=built.hf)
@@ -357,7 +362,7 @@ def _check_memory(source: ModelSource, spec: ModelSpec | None, config: TrainConf
     if spec is not None:
         need = functools.partial(preset_need, spec, config, device.type)
     else:
-        meta = build_source(source, attention=config.attention, device="meta")
+        meta = build_source(source, attention=config.workload.attention, device="meta")
         need = functools.partial(source_need, meta.model, meta.vocab)
     check_train_memory(lambda b, s: need(micro_batch=b, seq_len=s), config, device.type)
 
@@ -374,7 +379,7 @@ def _build(source: ModelSource, config: TrainConfig, vocab: int, device: torch.d
         limit is None or config.seq_len <= limit,
         f"--seq-len {config.seq_len} exceeds the model's {limit} positions",
     )
-    built = build_source(source, attention=config.attention, device=device)
+    built = build_source(source, attention=config.workload.attention, device=device)
     require(
         built.vocab >= vocab,
         f"the {config.tokenizer} tokenizer makes ids below {vocab} but {source.origin} has a vocabulary of "
@@ -416,8 +421,7 @@ def _run(
             with _Peak(model, opt, device, on=step == 0) as peak:
                 loss = ranks.mean(_step(model, loss_fn, opt, stream, step, config, peak, ranks))
             dt = time.perf_counter() - t0
-            tokens = config.micro_batch * config.seq_len * config.grad_accum
-            m = StepMetrics(step, loss, lr_at(step, config), dt, tokens / dt, peak.bytes)
+            m = StepMetrics(step, loss, lr_at(step, config), dt, config.tokens_per_step / dt, peak.bytes)
             require(math.isfinite(loss), f"the loss became {loss} at step {step}; lower --lr")
             result.metrics.append(m)
             if ranks.main:
@@ -481,7 +485,7 @@ def sample(
         if hf:
             logits = model(input_ids=window, use_cache=False).logits[:, -1, :]
         else:
-            logits = _last_logits(model, window, multiple=config.tp if config.sp else 1)
+            logits = _last_logits(model, window, multiple=config.tp if config.workload.sp else 1)
         logits = logits.float() / 0.8  # (1, v)
         top = torch.topk(logits, min(40, logits.size(-1)))
         probs = torch.softmax(top.values, dim=-1)

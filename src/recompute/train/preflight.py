@@ -21,7 +21,7 @@ from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib
-from recompute.core.workload import LIMITS, Workload
+from recompute.core.workload import Workload
 from recompute.runtime import HEADROOM, available_memory
 from recompute.train.config import TrainConfig
 
@@ -33,22 +33,17 @@ STATE_BYTES = 16
 
 def _workload(spec: ModelSpec, config: TrainConfig, device: str, micro_batch: int, seq_len: int) -> Workload:
     """The step one rank of ``train`` runs, as the analytic model takes it."""
-    if micro_batch // config.dp > LIMITS["micro_batch"]:
-        raise ConfigError(
-            f"--micro-batch {micro_batch:,} is more than the {LIMITS['micro_batch']:,} sequences a step takes; "
-            "use a smaller --micro-batch (and --grad-accum for a larger batch)"
-        )
     return Workload(
-        micro_batch=micro_batch // config.dp,
+        micro_batch=micro_batch,
         seq_len=seq_len,
-        dtype="fp32" if device == "cpu" else "bf16",
+        dtype=config.workload.dtype,
         precision="fp32",
-        attention=config.attention,
+        attention=config.workload.attention,
         device="cpu" if device == "cpu" else "cuda",
         tp=config.tp,
-        sp=config.sp,
-        loss=config.loss,
-        loss_chunk=config.loss_chunk,
+        sp=config.workload.sp,
+        loss=config.workload.loss,
+        loss_chunk=config.workload.loss_chunk,
     )
 
 
@@ -100,14 +95,13 @@ def _fits(need: Callable[[int, int], float], micro_batch: int, seq_len: int, hav
 
 def _fix(need: Callable[[int, int], float], config: TrainConfig, have: float) -> str:
     """The largest micro-batch (at this sequence) and the longest sequence (at this micro-batch) that fit."""
-    step = config.dp
     fits = []
-    if _fits(need, step, config.seq_len, have):
-        low, high = 1, config.micro_batch // step  # low * step fits, high * step does not
+    if _fits(need, 1, config.seq_len, have):
+        low, high = 1, config.micro_batch  # low fits, high does not
         while high - low > 1:
             mid = (low + high) // 2
-            low, high = (mid, high) if _fits(need, mid * step, config.seq_len, have) else (low, mid)
-        fits.append(f"--micro-batch {low * step} or less (at --seq-len {config.seq_len})")
+            low, high = (mid, high) if _fits(need, mid, config.seq_len, have) else (low, mid)
+        fits.append(f"--micro-batch {low} or less (at --seq-len {config.seq_len})")
     s = config.seq_len // 2
     while s >= 16 and not _fits(need, config.micro_batch, s, have):
         s //= 2
