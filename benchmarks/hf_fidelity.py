@@ -501,7 +501,7 @@ def render_classes(data: dict[str, Any]) -> str:
         detail = "; ".join(row.get("off", [])) if verdict == "off" else row.get("why", "")
         params = row.get("parameters", {}).get("class")
         layers = row.get("layers", {})
-        same = layers and layers["trace"] == layers["real"]
+        same = layers.get("trace") == layers.get("real")
         policies = row.get("policies", {})
         exact = sum(v == "bit-exact" for v in policies.values())
         refused = [k for k, v in policies.items() if v.startswith("refused")]
@@ -510,7 +510,7 @@ def render_classes(data: dict[str, Any]) -> str:
             row["class"],
             f"**{verdict}**" + (f": {_short(detail)}" if detail else ""),
             f"{params:,}" if isinstance(params, int) else "",
-            ("exact" if same else "off") if layers else "",
+            ("exact" if same else "off") if layers.get("trace") else "",
             (f"{exact} bit-exact" + (f", {', '.join(refused)} refused" if refused else "")) if policies else "",
         ]
         lines.append("| " + " | ".join(cells) + " |")

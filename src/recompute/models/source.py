@@ -122,7 +122,8 @@ class ModelSource:
         """The longest sequence the model takes, when the source says (``None``: no limit known)."""
         if self.spec is not None:
             return self.spec.max_positions
-        return getattr(self.config, "max_position_embeddings", None) if self.config is not None else None
+        found = getattr(self.config, "max_position_embeddings", None) if self.config is not None else None
+        return found if isinstance(found, int) and found > 0 else None  # XLNet says -1: no limit
 
     @property
     def n_layers(self) -> int | None:
@@ -259,17 +260,30 @@ def _check_sizes(raw: dict[str, Any], kind: object) -> None:
             if value is None:  # not stated (a required row has another key stated: checked before)
                 continue
             limit = SIZE_LIMITS.get(_LIMIT_OF.get(what, ""), _OTHER_LIMIT)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+            per_layer = what == "MLP width" and isinstance(value, list) and value  # Gemma 3n's MLP width per layer
+            if not all(_whole(v, limit) for v in (value if per_layer else [value])):
+                each = " (or a list of them, one per layer)" if what == "MLP width" else ""
                 raise ConfigError(
-                    f"the {kind} config's {key} must be a whole number from 1 to {limit:,}, got {value!r}; "
-                    "fix the config.json"
+                    f"the {kind} config's {key} must be a whole number from 1 to {limit:,}{each}, got "
+                    f"{_shown(value)}; fix the config.json"
                 )
     hidden, heads = (next((k, raw[k]) for k in _REQUIRED[w] if raw.get(k)) for w in ("hidden size", "head count"))
-    if raw.get("head_dim") is None and hidden[1] % heads[1]:
+    latent = raw.get("kv_lora_rank") is not None or raw.get("qk_nope_head_dim") is not None  # heads sized apart
+    if raw.get("head_dim") is None and not latent and hidden[1] % heads[1]:
         raise ConfigError(
             f"the {kind} config's {heads[0]} ({heads[1]}) does not divide its {hidden[0]} ({hidden[1]}) and it "
             "states no head_dim; fix the config.json"
         )
+
+
+def _whole(value: Any, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= limit
+
+
+def _shown(value: Any) -> str:
+    """``value`` as the message shows it: a long list cut to its first items."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def build_source(

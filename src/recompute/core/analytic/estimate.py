@@ -193,8 +193,9 @@ def _peak_activations(
     for j, name in enumerate(stage):
         below += stored[j]
         made = grads.before(j, len(stage))
-        ahead = offloaded[j - 1] if j else 0.0  # the layer below, copied back meanwhile when offloaded
-        value = others + below + las[j].transient(name) + las[j].workspace + embedding + kept_logits + made + ahead
+        copied_back = offloaded[j - 1] if j else 0.0  # the layer below, copied back meanwhile when offloaded
+        value = others + below + las[j].transient(name) + las[j].workspace + embedding + kept_logits + made
+        value += copied_back
         if value > best:
             best, phase = value, f"backward of layer {j}"
     return best, phase
