@@ -60,3 +60,25 @@ def test_deepseek_v3_dense_first_moe() -> None:
 def test_what_recompute_does_not_build_is_refused_with_the_reason(model_type: str, says: str) -> None:
     row = hf_fidelity.check_class(model_type)
     assert row["status"] == "refused" and says in row["why"]
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "glm4_moe_lite",  # latent attention: 20 heads do not divide the width 2048, and need not
+        "xlnet",  # max_position_embeddings -1: no limit
+    ],
+)
+def test_classes_the_sweep_found_refused_wrongly_are_exact(model_type: str) -> None:
+    checked(model_type)
+
+
+def test_an_mlp_width_per_layer_is_taken() -> None:
+    """Gemma 3n states ``intermediate_size`` per layer (the whole class takes minutes here: its source only)."""
+    import transformers
+
+    from recompute.models.source import ModelSource
+
+    raw = transformers.AutoConfig.for_model("gemma3n_text").to_dict()
+    assert isinstance(raw["intermediate_size"], list)
+    assert ModelSource.from_config(hf_fidelity.shrunk("gemma3n_text", raw), name="gemma3n_text").config is not None

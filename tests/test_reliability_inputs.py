@@ -324,6 +324,8 @@ CONFIGS = {
     "bool layers": ({"n_layer": True}, "n_layer must be a whole number from 1 to 16,384, got True"),
     "huge vocabulary": ({"vocab_size": 10**9}, "vocab_size must be a whole number from 1 to 16,777,216"),
     "heads that do not divide": ({"n_head": 3}, "n_head (3) does not divide its n_embd (64)"),
+    "a bad MLP width per layer": ({"n_inner": [256, "x"]}, "n_inner must be a whole number from 1 to 16,777,216 (or"),
+    "a list hidden size": ({"n_embd": [64, 64]}, "n_embd must be a whole number from 1 to 1,048,576, got [64, 64]"),
 }
 
 
