@@ -135,6 +135,39 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "loop2"]  # nothing written, no probe left
 
 
+def test_plan_export_beside_that_cannot_be_written_is_refused_before_the_work(
+    tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "plan.torchtitan.toml").mkdir()
+    argv = ["plan", "--budget", "80GiB", "--cost", "flops", "-o", str(tmp_path / "plan.json"), "--export", "torchtitan"]
+    line = refused(capsys, *argv)
+    assert "--export" in line and "plan.torchtitan.toml' is a folder" in line, line
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.torchtitan.toml"]  # the plan file not written either
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["plan", "--budget", "80GiB", "--cost", "flops", "--gpus-per-node", "0"], "must be a positive integer, got 0"),
+        (["estimate", "--no-time", "--gpus-per-node", "100000"], "--gpus-per-node must be at most 65,536, got 100,000"),
+        (["plan", "--budget", "80GiB", "--tp", "2", "--gpus-per-node", "3"], "tp group of 2 ranks does not divide"),
+        (["calibrate", "--device", "cpu", "-o", "{tmp}/d.json", "--threads", "100000"], "--threads must be at most"),
+    ],
+    ids=["gpus-per-node 0 unpriced", "gpus-per-node 100000", "gpus-per-node off the layout", "threads 100000"],
+)
+def test_node_and_thread_counts_are_checked_before_the_work(
+    argv: list[str],
+    says: str,
+    tmp_path: Path,
+    no_work: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr("recompute.planning.model_works", _no_work)  # the layout refused before the step is traced
+    assert says in refused(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("target", ["/proc/run", "/sys/run", "/dev/full", "{tmp}/loop/run", "{tmp}/afile/run", ""])
 def test_train_out_that_cannot_be_written_is_refused_before_the_work(
     target: str, tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]

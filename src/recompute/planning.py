@@ -168,6 +168,7 @@ def _analytic(
     if why_not:
         notes.append(f"costs in recomputed FLOPs: no time predicted with {why_not}")
         device = None
+    network = network_notes(device, wl) if device is not None else []  # a layout off the nodes: refused before tracing
     require(
         measured is None or list(modes) == [wl.loss],
         "a measured bench file prices one loss mode: plan with its loss only",
@@ -202,8 +203,7 @@ def _analytic(
     if offload and priced_offload is None:
         cost = "measured seconds" if measured is not None else "flops" if device is None else "time"
         notes.append(f"offload not considered: {unpriced_offload(device, cost)}")
-    if device is not None:
-        notes += network_notes(device, wl)
+    notes += network
 
     def alternatives(change: Workload) -> float:
         return smallest_achievable(analytic_table(spec, change))
@@ -221,6 +221,7 @@ def _profiled(
     progress: Progress,
     notes: list[str],
 ) -> ModelTables:
+    network = network_notes(device, wl) if device is not None else []  # a layout off the nodes: refused before tracing
     if profile is not None:
         found = Profile.load(profile)
         profiles: tuple[Profile, ...] = (found,)
@@ -242,8 +243,7 @@ def _profiled(
         if device is not None:
             table = scheduled_profile_table(table, found_profile, device, wl)
         tables.append(table)
-    if device is not None:
-        notes += network_notes(device, wl)
+    notes += network
     return ModelTables(tuple(tables), None, profiles, tuple(notes))
 
 

@@ -97,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
         "--device-profile prices time: drop it or use --cost time",
         fields=("device_profile",),
     )
-    device = time_device(args) if args.cost == "time" else None
+    device = time_device(args)  # --gpu and --gpus-per-node checked whatever the cost
+    device = device if args.cost == "time" else None
     output = writable(args.output, "--output", "plan.json") if args.output is not None else None
+    beside = _beside(output, args.export)
     host_budget = parse_budget(args.host_budget, "host_budget") if args.host_budget is not None else None
     consider = _considered(args.consider)
     wl = _workload(args)
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     data = result.to_dict() | {"notes": notes}
     if output:
         atomic_write(output, json.dumps(data, indent=2) + "\n")
-    exported = _export(args.export, result, found.tables, output)
+    exported = _export(args.export, result, found.tables, output, beside)
     if args.json:
         emit_json(data | ({"export": exported.to_dict()} if exported else {}))
         return 0
@@ -152,14 +154,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(stack: str | None, result: Plan, tables: Sequence[CostTable], output: Path | None) -> Export | None:
+def _beside(output: Path | None, stack: str | None) -> Path | None:
+    """Where ``--export`` writes beside the plan file (plan.torchtitan.toml), checked before any work."""
+    if output is None or stack is None:
+        return None
+    suffix = STACKS[stack].suffix
+    return writable(output.with_name(f"{output.stem}.{stack}.{suffix}"), "--export", f"plan.{stack}.{suffix}")
+
+
+def _export(
+    stack: str | None, result: Plan, tables: Sequence[CostTable], output: Path | None, beside: Path | None
+) -> Export | None:
     """The plan in ``stack``'s settings (``recompute.core.export``), written beside the plan file."""
     if stack is None:
         return None
     exported = export(result, tables, stack, plan_file=str(output) if output else "plan.json")
-    if output is not None:
-        beside = output.with_name(f"{output.stem}.{stack}.{exported.suffix}")
-        atomic_write(writable(beside, "--export", f"plan.{stack}.{exported.suffix}"), exported.text)
+    if beside is not None:
+        atomic_write(beside, exported.text)
     return exported
 
 
