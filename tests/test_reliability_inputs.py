@@ -284,6 +284,18 @@ DAMAGED = {
     "unknown key": (lambda d: d.update(peak=1), "has an unknown key 'peak'"),
     "missing key": (lambda d: d.pop("last"), "lacks 'last'"),
     "bad work": (lambda d: d["outer_work"].update(x=[["mm", 1]]), "outer_work['x'] must be a list of [op"),
+    "parallel workload": (lambda d: d["workload"].update(tp=2), "workload['tp'] must be 1 (a profile measures one"),
+    "workload key missing": (lambda d: d["workload"].pop("seq_len"), "the profile's workload lacks 'seq_len'"),
+    "workload value": (
+        lambda d: d["workload"].update(seq_len=-5),
+        "workload is not one recompute takes (seq_len must be a positive integer, got -5)",
+    ),
+    "zero FLOPs": (lambda d: d.update(step_flops=0), "step_flops must be a positive integer, got 0"),
+    "a kind's layers": (lambda d: d["kinds"][0].update(layers=[0]), "kinds[0].layers must be the layers whose"),
+    "20,000 layers": (
+        lambda d: d.update(layer_kind=[0] * 20_000),
+        "layer_kind must be a list of 1 to 16,384 kind indices",
+    ),
 }
 
 
@@ -302,7 +314,7 @@ def test_a_damaged_profile_is_refused_in_one_line(
     bad.write_text(json.dumps(data))
     for argv in (["plan", "--budget", "1GiB", "--cost", "flops"], ["estimate", "--no-time"]):
         line = refused(capsys, *argv, "--profile", str(bad))
-        assert says in line and str(bad) in line, line
+        assert says in line and f"--profile {str(bad)!r}" in line, line
     with pytest.raises(ConfigError, match="make it again with recompute profile"):
         Profile.from_dict(data)
 
