@@ -17,7 +17,7 @@ from recompute.cli._common import (
     workload_from,
 )
 from recompute.cli.bench import add_size_args, size_overrides
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, torch_seed
 from recompute.core.workload import Workload
 from recompute.models import build_model
 from recompute.models.hf import build_hf_model
@@ -38,6 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """0 when the policy changes nothing, 1 when it does."""
+    torch_seed("--seed", args.seed)
     model, name, wl = _build(args)
     pol = policy_from(args)
     result = verify(model, pol, micro_batch=wl.micro_batch, seq_len=wl.seq_len, seed=args.seed, name=name)

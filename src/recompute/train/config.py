@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from recompute.core.errors import one_of, positive_int, require
-from recompute.core.workload import ATTENTIONS, LOSSES
+from recompute.core.errors import one_of, positive_int, require, torch_seed
+from recompute.core.workload import ATTENTIONS, LIMITS, LOSSES
 
-__all__ = ["RESUME_MUST_MATCH", "TrainConfig"]
+__all__ = ["MAX_SAMPLE_TOKENS", "RESUME_MUST_MATCH", "TrainConfig"]
+
+MAX_SAMPLE_TOKENS = 2**16
+"""The longest sample ``--sample-tokens`` generates at the end of a run (one forward per token)."""
 
 
 def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
@@ -85,12 +89,22 @@ class TrainConfig:
     dp: int = field(default=1, metadata=_opt("--dp", "data-parallel (FSDP2) ranks (launch with torchrun)"))
 
     def __post_init__(self) -> None:
-        for name in ("steps", "seq_len", "micro_batch", "grad_accum", "keep", "tp", "dp"):
+        for name in ("steps", "seq_len", "micro_batch", "keep", "tp", "dp"):
             positive_int(flag(name), getattr(self, name))
+        positive_int("--grad-accum", self.grad_accum, at_most=LIMITS["micro_batch"])  # 10**11: a step never ends
         for name in ("warmup", "checkpoint_every", "sample_tokens"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, f"{flag(name)} must be >= 0, got {value!r}")
-        require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        require(
+            self.sample_tokens <= MAX_SAMPLE_TOKENS,
+            f"--sample-tokens must be at most {MAX_SAMPLE_TOKENS:,} (a sample, generated one token at a time), "
+            f"got {self.sample_tokens:,}",
+        )
+        require(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a finite number > 0, got {self.lr}")
+        for name in ("weight_decay", "grad_clip"):  # inf or nan: "the loss became nan ... lower --lr"
+            value = getattr(self, name)
+            require(math.isfinite(value) and value >= 0, f"{flag(name)} must be a finite number >= 0, got {value}")
+        torch_seed("--seed", self.seed)
         one_of("--attention", self.attention, ATTENTIONS)
         one_of("--tokenizer", self.tokenizer, ("byte", "bpe"))
         one_of("--device", self.device, ("auto", "cpu", "cuda"))
