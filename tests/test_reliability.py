@@ -122,6 +122,7 @@ def test_verify_refuses_before_building(argv: list[str], says: str, capsys: pyte
         (["train", "--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
         (["compare-train", "--grad-clip", "nan"], "--grad-clip must be a finite number >= 0, got nan"),
         (["train", "--grad-clip", "-1"], "--grad-clip must be a finite number >= 0, got -1.0"),
+        (["trace", "--scale-from", "0"], "--scale-from must be a positive integer, got 0"),
     ],
 )
 def test_wrong_values_are_refused_with_the_limit(
