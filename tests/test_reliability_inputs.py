@@ -168,6 +168,20 @@ def test_node_and_thread_counts_are_checked_before_the_work(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_calibrate_collectives_names_output_when_the_profile_there_is_damaged(
+    tmp_path: Path, no_work: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from recompute.core.hardware import datasheet_device
+
+    monkeypatch.setattr("recompute.cli.calibrate.under_torchrun", lambda: True)
+    monkeypatch.setattr("recompute.cli.calibrate.dist.init_process_group", lambda *args: None)
+    monkeypatch.setattr("recompute.cli.calibrate.dist.get_rank", lambda: 0)
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps({**datasheet_device("h100-80gb").to_dict(), "network": "x"}))
+    line = refused(capsys, "calibrate", "--collectives", "--device", "cpu", "-o", str(path))
+    assert f"--output {str(path)!r}: 'network' must be an object, got 'x'" in line, line
+
+
 @pytest.mark.parametrize("target", ["/proc/run", "/sys/run", "/dev/full", "{tmp}/loop/run", "{tmp}/afile/run", ""])
 def test_train_out_that_cannot_be_written_is_refused_before_the_work(
     target: str, tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]

@@ -78,7 +78,7 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank0 = dist.get_rank() == 0
-    base = Device.load(output) if output.is_file() else None
+    base = Device.load(output, "--output") if output.is_file() else None
     dist.barrier()  # every rank has looked before rank 0 writes
     if base is None:
         with progress_bar("calibrate", enabled=rank0 and not args.json) as progress:
