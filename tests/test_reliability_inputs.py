@@ -333,6 +333,14 @@ def test_a_damaged_profile_is_refused_in_one_line(
         Profile.from_dict(data)
 
 
+_FORWARD = (
+    "import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    "        self.emb = torch.nn.Embedding(256, 8)\n"
+    "        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8)])\n"
+    "    def forward(self, idx, targets=None):\n        {body}\n"
+    "def make():\n    return M()\n"
+)
+"""A factory whose model's forward runs ``body``."""
 FACTORIES = {
     "syntax error": ("def make(:\n", "importing {m} raised SyntaxError: invalid syntax ({m}.py, line 1)"),
     "runtime error at import": ("raise RuntimeError('boom')\n", "importing {m} raised RuntimeError: boom"),
@@ -346,6 +354,12 @@ FACTORIES = {
         "    def forward(self, idx, targets=None):\n        return self.layers[0](self.emb(idx))\n"
         "def make():\n    return M()\n",
         "M(idx, targets) returned a tensor of shape (1, 8, 8), expected (logits, loss)",
+    ),
+    "forward raises": (_FORWARD.format(body="raise ValueError('broke')"), "M.forward raised ValueError: broke"),
+    "forward exits": (_FORWARD.format(body="raise SystemExit(0)"), "M.forward called sys.exit(0)"),
+    "forward without targets": (
+        _FORWARD.format(body="pass").replace("idx, targets=None", "idx"),
+        "M.forward raised TypeError: M.forward() takes 2 positional arguments but 3 were given",
     ),
 }
 FACTORY_COMMANDS = {
@@ -373,7 +387,7 @@ def test_a_factory_that_raises_or_exits_is_one_line_naming_it(
             extra += ["--layers", "4", "--hidden", "256", "--heads", "4"]  # TrainConfig's defaults: not resizing
         line = refused(capsys, *argv, *extra, "--model", f"{module}:make")
         assert says.format(m=module) in line, (command, line)
-        assert f"{module}:make" in line or command == "verify", (command, line)  # verify names the class
+        assert f"{module}:make" in line, (command, line)
 
 
 CONFIGS = {

@@ -163,6 +163,8 @@ class _FactoryLoss:
             return self.convention(model, idx, targets)
         except ConfigError as e:
             raise ConfigError(f"--model {self.origin!r}: {e}") from None
+        except (Exception, SystemExit) as e:  # the factory's forward: whatever it raises, one line naming it
+            raise ConfigError(f"--model {self.origin!r}: {type(model).__name__}.forward {_raised(e)}") from e
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -383,4 +385,5 @@ def _raised(e: BaseException) -> str:
     if isinstance(e, SystemExit):
         return f"called sys.exit({e.code!r}); a factory and its module must return, not exit"
     where = f" ({Path(e.filename).name}, line {e.lineno})" if isinstance(e, SyntaxError) and e.filename else ""
-    return f"raised {type(e).__name__}: {first_line(e) if not isinstance(e, SyntaxError) else e.msg}{where}"
+    said = first_line(e) if not isinstance(e, SyntaxError) else e.msg
+    return f"raised {type(e).__name__}" + (f": {said}" if said else "") + where  # MemoryError() says nothing
