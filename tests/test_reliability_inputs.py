@@ -397,6 +397,11 @@ CONFIGS = {
     "bool layers": ({"n_layer": True}, "n_layer must be a whole number from 1 to 16,384, got True"),
     "huge vocabulary": ({"vocab_size": 10**9}, "vocab_size must be a whole number from 1 to 16,777,216"),
     "heads that do not divide": ({"n_head": 3}, "n_head (3) does not divide its n_embd (64)"),
+    "kv heads that do not divide": ({"num_key_value_heads": 3}, "num_key_value_heads (3) does not divide its n_head"),
+    "top-k above the experts": (
+        {"num_local_experts": 4, "num_experts_per_tok": 8},
+        "num_experts_per_tok must be a whole number from 1 to its 4 experts, got 8",
+    ),
 }
 
 

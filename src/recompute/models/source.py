@@ -272,6 +272,20 @@ def _check_sizes(raw: dict[str, Any], kind: object) -> None:
             f"the {kind} config's {heads[0]} ({heads[1]}) does not divide its {hidden[0]} ({hidden[1]}) and it "
             "states no head_dim; fix the config.json"
         )
+    kv = raw.get("num_key_value_heads")
+    if kv is not None and heads[1] % kv:  # the attention's shapes fail mid-trace (a traceback)
+        raise ConfigError(
+            f"the {kind} config's num_key_value_heads ({kv}) does not divide its {heads[0]} ({heads[1]}); "
+            "fix the config.json"
+        )
+    experts = next((raw[k] for k in _SIZES["experts"] if raw.get(k) is not None), None)
+    top_k = raw.get("num_experts_per_tok")
+    ok = isinstance(top_k, int) and not isinstance(top_k, bool) and 0 < top_k <= (experts or 0)
+    if experts is not None and top_k is not None and not ok:  # topk failed mid-trace ("k not in range")
+        raise ConfigError(
+            f"the {kind} config's num_experts_per_tok must be a whole number from 1 to its {experts} experts, "
+            f"got {top_k!r}; fix the config.json"
+        )
 
 
 def build_source(
