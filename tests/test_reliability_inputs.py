@@ -333,6 +333,21 @@ def test_a_damaged_profile_is_refused_in_one_line(
         Profile.from_dict(data)
 
 
+def test_a_profile_is_not_planned_with_what_it_cannot_take(
+    tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from recompute import ModelSpec, Workload
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(tiny.profile_dict()))
+    bench = tiny.write_bench(tmp_path / "b.json", ModelSpec.from_name("gpt2"), Workload(seq_len=512), {"none": 1.0})
+    plan = ["plan", "--profile", str(good), "--budget", "1GiB"]
+    line = refused(capsys, *plan, "--cost", "measured", "--bench", str(bench))  # was planned in FLOPs, exit 0
+    assert "--cost measured prices a preset by its bench results" in line, line
+    line = refused(capsys, *plan, "--trace")  # traced the default gpt2 against the profile's plan
+    assert "--trace traces the model's real step, which a --profile file does not hold: add --model" in line, line
+
+
 _FORWARD = (
     "import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
     "        self.emb = torch.nn.Embedding(256, 8)\n"

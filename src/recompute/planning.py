@@ -131,6 +131,12 @@ def cost_tables(
         modes.remove("chunked")
         notes.append(f"the chunked loss not considered: {FP16_CHUNKED}")
     if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None):
+        require(  # it was dropped: the plan came out in FLOPs, exit 0
+            measured is None,
+            "--cost measured prices a preset by its bench results; a profiled model is priced by predicted time "
+            "(--cost time) or FLOPs (--cost flops)",
+            fields=("cost",),
+        )
         found = _profiled(model, wl, modes, device, offload, profile, progress, notes)
     else:
         found = _analytic(model, analytic_model(model), wl, modes, device, measured, offload, progress, notes)

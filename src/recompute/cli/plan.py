@@ -103,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
     beside = _beside(output, args.export)
     host_budget = parse_budget(args.host_budget, "host_budget") if args.host_budget is not None else None
     consider = _considered(args.consider)
+    require(  # it traced the default gpt2 against the profile's plan
+        not (args.trace and args.profile and "model" not in getattr(args, "given", set())),
+        "--trace traces the model's real step, which a --profile file does not hold: add --model (the config.json "
+        "or factory the profile measured)",
+        fields=("trace",),
+    )
     wl = _workload(args)
     require(
         args.export is None or wl.loss == "full",
