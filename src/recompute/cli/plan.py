@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
         "--device-profile prices time: drop it or use --cost time",
         fields=("device_profile",),
     )
-    device = time_device(args)  # --gpu and --gpus-per-node checked whatever the cost
-    device = device if args.cost == "time" else None
+    timed = time_device(args)  # --gpu and --gpus-per-node checked whatever the cost
+    device = timed if args.cost == "time" else None
     output = writable(args.output, "--output", "plan.json") if args.output is not None else None
     beside = _beside(output, args.export)
     host_budget = parse_budget(args.host_budget, "host_budget") if args.host_budget is not None else None
