@@ -72,12 +72,13 @@ STUBS = {
 }
 
 NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "1024", "64.5", "1e30", "99999999999999", "abc", ""]
+NUMBERS += [str(10**23), "inf", "nan"]  # beyond what torch seeds with; not finite
 NAMES = ["gpt2", "llama3.1-8b", "none", "block", "core_attn", "attn+mlp", "flash", "eager", "cpu", "cuda", "nope"]
 NAMES += ["fuzz_import:make", "fuzz_syntax:make", "fuzz_exit:make", "fuzz_ok:raises", "fuzz_ok:exits"]
 NAMES += [",".join(["none"] * 10_000), "/dev/zero", "/dev/full", "/proc/recompute.json"]
 FILES = ["latin1.json", "list.json", "empty.json", "folder", "missing.json", "ro/x.json", "fifo.json", "loop"]
 FILES += ["big.json", "nan.json", "inf.json", "dev-nocompute.json", "dev-overhead.json", "dev-nan.json"]
-FILES += ["prof-nokinds.json", "prof-kind.json", "prof-key.json", "prof-nan.json"]
+FILES += ["prof-nokinds.json", "prof-kind.json", "prof-key.json", "prof-nan.json", "dev-network.json", "prof-tp.json"]
 FACTORIES = {
     "fuzz_import": "raise RuntimeError('the module failed')\n",
     "fuzz_syntax": "def make(:\n",
@@ -159,6 +160,8 @@ def make_files(root: Path) -> None:
         "prof-kind.json": _profile(lambda d: d.update(layer_kind=[0, 7])),
         "prof-key.json": _profile(lambda d: d["workload"].update(bogus=1)),
         "prof-nan.json": _profile(lambda d: d.update(step_flops=float("nan"))),
+        "dev-network.json": _device(network={"collectives": {"all_reduce": [[1, -1e9]]}, "ranks": 2}),
+        "prof-tp.json": _profile(lambda d: d["workload"].update(tp=2)),
     }
     text |= {f"{name}.py": source for name, source in FACTORIES.items()}
     for name, content in text.items():

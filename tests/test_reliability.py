@@ -113,6 +113,16 @@ def test_verify_refuses_before_building(argv: list[str], says: str, capsys: pyte
         (["estimate", "--micro-batch", "100000000000"], "--micro-batch must be at most 1,048,576"),
         (["estimate", "--micro-batch", "1e30"], "invalid int value: '1e30'"),
         (["bench", "--model", "llama3.1-405b"], "use `recompute trace` (fake tensors, any size) or `recompute"),
+        (["bench", "--seed", str(10**23)], "--seed must be an integer from -2^63 to 2^64 - 1"),
+        (["verify", "--seed", str(10**23)], "--seed must be an integer from -2^63 to 2^64 - 1"),
+        (["train", "--seed", str(10**23)], "--seed must be an integer from -2^63 to 2^64 - 1"),
+        (["compare-train", "--grad-accum", str(10**11)], "--grad-accum must be at most 1,048,576"),
+        (["train", "--sample-tokens", str(10**11)], "--sample-tokens must be at most 65,536"),
+        (["train", "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["train", "--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
+        (["compare-train", "--grad-clip", "nan"], "--grad-clip must be a finite number >= 0, got nan"),
+        (["train", "--grad-clip", "-1"], "--grad-clip must be a finite number >= 0, got -1.0"),
+        (["trace", "--scale-from", "0"], "--scale-from must be a positive integer, got 0"),
     ],
 )
 def test_wrong_values_are_refused_with_the_limit(

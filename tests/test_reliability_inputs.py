@@ -135,6 +135,53 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "loop2"]  # nothing written, no probe left
 
 
+def test_plan_export_beside_that_cannot_be_written_is_refused_before_the_work(
+    tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "plan.torchtitan.toml").mkdir()
+    argv = ["plan", "--budget", "80GiB", "--cost", "flops", "-o", str(tmp_path / "plan.json"), "--export", "torchtitan"]
+    line = refused(capsys, *argv)
+    assert "--export" in line and "plan.torchtitan.toml' is a folder" in line, line
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.torchtitan.toml"]  # the plan file not written either
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["plan", "--budget", "80GiB", "--cost", "flops", "--gpus-per-node", "0"], "must be a positive integer, got 0"),
+        (["estimate", "--no-time", "--gpus-per-node", "100000"], "--gpus-per-node must be at most 65,536, got 100,000"),
+        (["plan", "--budget", "80GiB", "--tp", "2", "--gpus-per-node", "3"], "tp group of 2 ranks does not divide"),
+        (["calibrate", "--device", "cpu", "-o", "{tmp}/d.json", "--threads", "100000"], "--threads must be at most"),
+    ],
+    ids=["gpus-per-node 0 unpriced", "gpus-per-node 100000", "gpus-per-node off the layout", "threads 100000"],
+)
+def test_node_and_thread_counts_are_checked_before_the_work(
+    argv: list[str],
+    says: str,
+    tmp_path: Path,
+    no_work: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr("recompute.planning.model_works", _no_work)  # the layout refused before the step is traced
+    assert says in refused(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_collectives_names_output_when_the_profile_there_is_damaged(
+    tmp_path: Path, no_work: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from recompute.core.hardware import datasheet_device
+
+    monkeypatch.setattr("recompute.cli.calibrate.under_torchrun", lambda: True)
+    monkeypatch.setattr("recompute.cli.calibrate.dist.init_process_group", lambda *args: None)
+    monkeypatch.setattr("recompute.cli.calibrate.dist.get_rank", lambda: 0)
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps({**datasheet_device("h100-80gb").to_dict(), "network": "x"}))
+    line = refused(capsys, "calibrate", "--collectives", "--device", "cpu", "-o", str(path))
+    assert f"--output {str(path)!r}: 'network' must be an object, got 'x'" in line, line
+
+
 @pytest.mark.parametrize("target", ["/proc/run", "/sys/run", "/dev/full", "{tmp}/loop/run", "{tmp}/afile/run", ""])
 def test_train_out_that_cannot_be_written_is_refused_before_the_work(
     target: str, tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
@@ -251,6 +298,18 @@ DAMAGED = {
     "unknown key": (lambda d: d.update(peak=1), "has an unknown key 'peak'"),
     "missing key": (lambda d: d.pop("last"), "lacks 'last'"),
     "bad work": (lambda d: d["outer_work"].update(x=[["mm", 1]]), "outer_work['x'] must be a list of [op"),
+    "parallel workload": (lambda d: d["workload"].update(tp=2), "workload['tp'] must be 1 (a profile measures one"),
+    "workload key missing": (lambda d: d["workload"].pop("seq_len"), "the profile's workload lacks 'seq_len'"),
+    "workload value": (
+        lambda d: d["workload"].update(seq_len=-5),
+        "workload is not one recompute takes (seq_len must be a positive integer, got -5)",
+    ),
+    "zero FLOPs": (lambda d: d.update(step_flops=0), "step_flops must be a positive integer, got 0"),
+    "a kind's layers": (lambda d: d["kinds"][0].update(layers=[0]), "kinds[0].layers must be the layers whose"),
+    "20,000 layers": (
+        lambda d: d.update(layer_kind=[0] * 20_000),
+        "layer_kind must be a list of 1 to 16,384 kind indices",
+    ),
 }
 
 
@@ -269,11 +328,34 @@ def test_a_damaged_profile_is_refused_in_one_line(
     bad.write_text(json.dumps(data))
     for argv in (["plan", "--budget", "1GiB", "--cost", "flops"], ["estimate", "--no-time"]):
         line = refused(capsys, *argv, "--profile", str(bad))
-        assert says in line and str(bad) in line, line
+        assert says in line and f"--profile {str(bad)!r}" in line, line
     with pytest.raises(ConfigError, match="make it again with recompute profile"):
         Profile.from_dict(data)
 
 
+def test_a_profile_is_not_planned_with_what_it_cannot_take(
+    tmp_path: Path, no_work: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from recompute import ModelSpec, Workload
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(tiny.profile_dict()))
+    bench = tiny.write_bench(tmp_path / "b.json", ModelSpec.from_name("gpt2"), Workload(seq_len=512), {"none": 1.0})
+    plan = ["plan", "--profile", str(good), "--budget", "1GiB"]
+    line = refused(capsys, *plan, "--cost", "measured", "--bench", str(bench))  # was planned in FLOPs, exit 0
+    assert "--cost measured prices a preset by its bench results" in line, line
+    line = refused(capsys, *plan, "--trace")  # traced the default gpt2 against the profile's plan
+    assert "--trace traces the model's real step, which a --profile file does not hold: add --model" in line, line
+
+
+_FORWARD = (
+    "import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    "        self.emb = torch.nn.Embedding(256, 8)\n"
+    "        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8)])\n"
+    "    def forward(self, idx, targets=None):\n        {body}\n"
+    "def make():\n    return M()\n"
+)
+"""A factory whose model's forward runs ``body``."""
 FACTORIES = {
     "syntax error": ("def make(:\n", "importing {m} raised SyntaxError: invalid syntax ({m}.py, line 1)"),
     "runtime error at import": ("raise RuntimeError('boom')\n", "importing {m} raised RuntimeError: boom"),
@@ -287,6 +369,12 @@ FACTORIES = {
         "    def forward(self, idx, targets=None):\n        return self.layers[0](self.emb(idx))\n"
         "def make():\n    return M()\n",
         "M(idx, targets) returned a tensor of shape (1, 8, 8), expected (logits, loss)",
+    ),
+    "forward raises": (_FORWARD.format(body="raise ValueError('broke')"), "M.forward raised ValueError: broke"),
+    "forward exits": (_FORWARD.format(body="raise SystemExit(0)"), "M.forward called sys.exit(0)"),
+    "forward without targets": (
+        _FORWARD.format(body="pass").replace("idx, targets=None", "idx"),
+        "M.forward raised TypeError: M.forward() takes 2 positional arguments but 3 were given",
     ),
 }
 FACTORY_COMMANDS = {
@@ -314,7 +402,7 @@ def test_a_factory_that_raises_or_exits_is_one_line_naming_it(
             extra += ["--layers", "4", "--hidden", "256", "--heads", "4"]  # TrainConfig's defaults: not resizing
         line = refused(capsys, *argv, *extra, "--model", f"{module}:make")
         assert says.format(m=module) in line, (command, line)
-        assert f"{module}:make" in line or command == "verify", (command, line)  # verify names the class
+        assert f"{module}:make" in line, (command, line)
 
 
 CONFIGS = {
@@ -326,6 +414,11 @@ CONFIGS = {
     "heads that do not divide": ({"n_head": 3}, "n_head (3) does not divide its n_embd (64)"),
     "a bad MLP width per layer": ({"n_inner": [256, "x"]}, "n_inner must be a whole number from 1 to 16,777,216 (or"),
     "a list hidden size": ({"n_embd": [64, 64]}, "n_embd must be a whole number from 1 to 1,048,576, got [64, 64]"),
+    "kv heads that do not divide": ({"num_key_value_heads": 3}, "num_key_value_heads (3) does not divide its n_head"),
+    "top-k above the experts": (
+        {"num_local_experts": 4, "num_experts_per_tok": 8},
+        "num_experts_per_tok must be a whole number from 1 to its 4 experts, got 8",
+    ),
 }
 
 

@@ -126,11 +126,22 @@ def _device_json(**changes: object) -> str:
         (_device_json(rates={}), "unknown key 'rates'"),
         (_device_json(memory=1.5), "'memory' must be a positive integer or null, got 1.5"),
         ('{"format": "recompute.device/1", "overhead": 1e999}', "the number 1e999 is out of range"),
+        (_device_json(network="x"), "'network' must be an object, got 'x'"),
+        (_device_json(network={"links": {}}), "unknown key 'network.links'"),
+        (_device_json(network={"collectives": [1]}), "'network.collectives' must map collectives to curves"),
+        (_device_json(network={"collectives": {"bcast": [[1, 1e9]]}, "ranks": 2}), "unknown collective"),
+        (_device_json(network={"collectives": {"all_reduce": [[1, -1e9]]}, "ranks": 2}), "must be a finite number > 0"),
+        (_device_json(network={"collectives": {"all_reduce": "fast"}, "ranks": 2}), "must be a non-empty list"),
+        (_device_json(network={"collectives": {"all_reduce": [[1, 1e9]]}, "ranks": "two"}), "non-negative integer"),
+        (_device_json(network={"collectives": {"all_reduce": [[1, 1e9]]}}), "measured on \\(at least 2\\), got 0"),
+        (_device_json(network={"notes": 5}), "'network.notes' must be a list of strings"),
     ],
     ids=[
         "missing", "not json", "another format", "unknown kind", "no compute", "negative overhead", "NaN",
         "Infinity", "string", "empty curve", "zero rate", "no memory curve", "unknown key", "fractional memory",
-        "overflow",
+        "overflow", "network not an object", "network unknown key", "collectives a list", "unknown collective",
+        "negative bus bandwidth", "collective curve a string", "ranks a string", "collectives without ranks",
+        "notes not a list",
     ],
 )  # fmt: skip
 def test_bad_device_profiles_are_one_line_errors(tmp_path: Path, content: str | None, message: str) -> None:

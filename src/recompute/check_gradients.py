@@ -23,7 +23,7 @@ from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.table import render_table
 from recompute.core.workload import Workload
 from recompute.models.hf import HF_ALIASES
-from recompute.models.loss import lm_loss
+from recompute.models.loss import LossFn, lm_loss
 from recompute.models.source import BuiltModel, ModelSource, build_source
 
 __all__ = [
@@ -99,6 +99,7 @@ def verify(
     rtol: float = 1.3e-6,
     atol: float = 1e-5,
     name: str | None = None,
+    loss_fn: LossFn | None = None,
 ) -> VerifyResult:
     """Compare a training step of ``model`` with and without ``policy`` (fp32 tolerances by default).
 
@@ -111,6 +112,8 @@ def verify(
         seed: seeds the batch and, before every step, the dropout RNG.
         rtol, atol: elementwise tolerance, as in ``torch.testing.assert_close``.
         name: how to call the model in the result (default: its spec name or class).
+        loss_fn: the model's loss convention (``BuiltModel.loss_fn``: a factory's names the factory when its
+            forward fails); default ``loss_of``.
     """
     apply(model, policy)  # parses and checks the policy before any step runs
     pol = applied_policy(model)
@@ -121,9 +124,9 @@ def verify(
     idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     model.train()
     apply(model, "none")
-    ref = _step(model, idx, targets, seed)
+    ref = _step(model, idx, targets, seed, loss_fn)
     apply(model, pol)
-    one, two = _step(model, idx, targets, seed), _step(model, idx, targets, seed)
+    one, two = _step(model, idx, targets, seed, loss_fn), _step(model, idx, targets, seed, loss_fn)
     close = _closeness(rtol, atol)
     return VerifyResult(
         model=name or _model_name(model),
@@ -154,10 +157,10 @@ def loss_of(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch
 Step = tuple["torch.Tensor", dict[str, "torch.Tensor"]]
 
 
-def _step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, seed: int) -> Step:
+def _step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, seed: int, loss_fn: LossFn | None) -> Step:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # same dropout masks in every run
-    loss = loss_of(model, idx, targets)
+    loss = loss_of(model, idx, targets) if loss_fn is None else loss_fn(model, idx, targets)[1]
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads

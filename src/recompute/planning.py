@@ -131,6 +131,12 @@ def cost_tables(
         modes.remove("chunked")
         notes.append(f"the chunked loss not considered: {FP16_CHUNKED}")
     if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None):
+        require(  # it was dropped: the plan came out in FLOPs, exit 0
+            measured is None,
+            "--cost measured prices a preset by its bench results; a profiled model is priced by predicted time "
+            "(--cost time) or FLOPs (--cost flops)",
+            fields=("cost",),
+        )
         found = _profiled(model, wl, modes, device, offload, profile, progress, notes)
     else:
         found = _analytic(model, analytic_model(model), wl, modes, device, measured, offload, progress, notes)
@@ -168,6 +174,7 @@ def _analytic(
     if why_not:
         notes.append(f"costs in recomputed FLOPs: no time predicted with {why_not}")
         device = None
+    network = network_notes(device, wl) if device is not None else []  # a layout off the nodes: refused before tracing
     require(
         measured is None or list(modes) == [wl.loss],
         "a measured bench file prices one loss mode: plan with its loss only",
@@ -202,8 +209,7 @@ def _analytic(
     if offload and priced_offload is None:
         cost = "measured seconds" if measured is not None else "flops" if device is None else "time"
         notes.append(f"offload not considered: {unpriced_offload(device, cost)}")
-    if device is not None:
-        notes += network_notes(device, wl)
+    notes += network
 
     def alternatives(change: Workload) -> float:
         return smallest_achievable(analytic_table(spec, change))
@@ -221,6 +227,7 @@ def _profiled(
     progress: Progress,
     notes: list[str],
 ) -> ModelTables:
+    network = network_notes(device, wl) if device is not None else []  # a layout off the nodes: refused before tracing
     if profile is not None:
         found = Profile.load(profile)
         profiles: tuple[Profile, ...] = (found,)
@@ -242,8 +249,7 @@ def _profiled(
         if device is not None:
             table = scheduled_profile_table(table, found_profile, device, wl)
         tables.append(table)
-    if device is not None:
-        notes += network_notes(device, wl)
+    notes += network
     return ModelTables(tuple(tables), None, profiles, tuple(notes))
 
 

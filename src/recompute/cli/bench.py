@@ -22,7 +22,7 @@ from recompute.bench import (
 from recompute.bench.calibrate import cached_calibration
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError, distinct, require
+from recompute.core.errors import ConfigError, distinct, require, torch_seed
 from recompute.core.policy import Policy
 from recompute.core.pricing import choose_device, with_network
 from recompute.core.timing import Device
@@ -74,6 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    torch_seed("--seed", args.seed)
     source = bench_source(args.model, **size_overrides(args))
     policies = distinct("--policies", csv(args.policies) + ([args.plan] if args.plan else []))
     for name in policies:

@@ -20,7 +20,7 @@ from recompute.bench.calibrate import calibrate
 from recompute.bench.collectives import measure_collectives
 from recompute.cli._common import emit_json, writable
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError, require
+from recompute.core.errors import ConfigError, positive_int
 from recompute.core.table import render_table
 from recompute.core.timing import Device
 from recompute.parallel import end_process_group, under_torchrun
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     output = writable(args.output, "--output", "device.json")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads is not None:
-        require(args.threads > 0, f"--threads must be a positive integer, got {args.threads}", fields=("threads",))
+        positive_int("threads", args.threads, at_most=os.cpu_count() or 1)  # torch crashes on 100,000
         if device != "cpu":
             raise ConfigError("--threads sets CPU threads; drop it to calibrate a GPU")
         torch.set_num_threads(args.threads)
@@ -78,7 +78,7 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank0 = dist.get_rank() == 0
-    base = Device.load(output) if output.is_file() else None
+    base = Device.load(output, "--output") if output.is_file() else None
     dist.barrier()  # every rank has looked before rank 0 writes
     if base is None:
         with progress_bar("calibrate", enabled=rank0 and not args.json) as progress:

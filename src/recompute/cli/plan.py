@@ -97,10 +97,18 @@ def run(args: argparse.Namespace) -> int:
         "--device-profile prices time: drop it or use --cost time",
         fields=("device_profile",),
     )
-    device = time_device(args) if args.cost == "time" else None
+    timed = time_device(args)  # --gpu and --gpus-per-node checked whatever the cost
+    device = timed if args.cost == "time" else None
     output = writable(args.output, "--output", "plan.json") if args.output is not None else None
+    beside = _beside(output, args.export)
     host_budget = parse_budget(args.host_budget, "host_budget") if args.host_budget is not None else None
     consider = _considered(args.consider)
+    require(  # it traced the default gpt2 against the profile's plan
+        not (args.trace and args.profile and "model" not in getattr(args, "given", set())),
+        "--trace traces the model's real step, which a --profile file does not hold: add --model (the config.json "
+        "or factory the profile measured)",
+        fields=("trace",),
+    )
     wl = _workload(args)
     require(
         args.export is None or wl.loss == "full",
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     data = result.to_dict() | {"notes": notes}
     if output:
         atomic_write(output, json.dumps(data, indent=2) + "\n")
-    exported = _export(args.export, result, found.tables, output)
+    exported = _export(args.export, result, found.tables, output, beside)
     if args.json:
         emit_json(data | ({"export": exported.to_dict()} if exported else {}))
         return 0
@@ -152,14 +160,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(stack: str | None, result: Plan, tables: Sequence[CostTable], output: Path | None) -> Export | None:
+def _beside(output: Path | None, stack: str | None) -> Path | None:
+    """Where ``--export`` writes beside the plan file (plan.torchtitan.toml), checked before any work."""
+    if output is None or stack is None:
+        return None
+    suffix = STACKS[stack].suffix
+    return writable(output.with_name(f"{output.stem}.{stack}.{suffix}"), "--export", f"plan.{stack}.{suffix}")
+
+
+def _export(
+    stack: str | None, result: Plan, tables: Sequence[CostTable], output: Path | None, beside: Path | None
+) -> Export | None:
     """The plan in ``stack``'s settings (``recompute.core.export``), written beside the plan file."""
     if stack is None:
         return None
     exported = export(result, tables, stack, plan_file=str(output) if output else "plan.json")
-    if output is not None:
-        beside = output.with_name(f"{output.stem}.{stack}.{exported.suffix}")
-        atomic_write(writable(beside, "--export", f"plan.{stack}.{exported.suffix}"), exported.text)
+    if beside is not None:
+        atomic_write(beside, exported.text)
     return exported
 
 

@@ -13,7 +13,7 @@ from recompute.cli._common import (
     workload_from,
 )
 from recompute.cli.progress import progress_bar
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, positive_int
 from recompute.models.source import resolve_source
 from recompute.trace import render_trace, trace
 
@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
             f"trace --layers {args.renamed_layers} is now --scale-from {args.renamed_layers} (trace K and K+1 layers "
             "and scale); --layers resizes the model in bench, train and verify"
         )
+    if args.scale_from is not None:
+        positive_int("--scale-from", args.scale_from)  # the library's "layers must be ..." named no option
     source = resolve_source(args.model)
     wl, pol = workload_from(args, source), policy_from(args)
     with progress_bar("trace", enabled=not args.json) as progress:

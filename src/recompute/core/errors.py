@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "distinct", "first_line", "one_of", "positive_int", "require"]
+__all__ = ["ConfigError", "distinct", "first_line", "one_of", "positive_int", "require", "torch_seed"]
 
 
 class ConfigError(ValueError):
@@ -32,6 +32,14 @@ def positive_int(name: str, value: object, *, at_most: int | None = None) -> int
         raise ConfigError(f"{name} must be a positive integer, got {value!r}", fields=(name,))
     if at_most is not None and value > at_most:
         raise ConfigError(f"{name} must be at most {at_most:,}, got {value:,}", fields=(name,))
+    return value
+
+
+def torch_seed(name: str, value: object) -> int:
+    """Return ``value`` if torch takes it as a seed (an int from -2^63 to 2^64 - 1), else raise a ConfigError
+    naming ``name`` (``torch.manual_seed(10**23)`` raised an OverflowError-like ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**64:
+        raise ConfigError(f"{name} must be an integer from -2^63 to 2^64 - 1 (what torch seeds with), got {value!r}")
     return value
 
 

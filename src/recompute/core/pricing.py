@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from recompute.core.analytic.params import bytes_per_param, stage_params
 from recompute.core.comms import Layout, Network, comm_name, parse_comm
 from recompute.core.costs import CostTable
-from recompute.core.errors import require
+from recompute.core.errors import positive_int, require
 from recompute.core.hardware import GPUS, datasheet_device, datasheet_network, gpu_by_name
 from recompute.core.policy import POLICIES
 from recompute.core.results import read_bench
@@ -129,12 +129,7 @@ def with_network(
     Raises:
         ConfigError: an unknown GPU, or gpus_per_node < 1.
     """
-    g = DEFAULT_GPUS_PER_NODE if gpus_per_node is None else gpus_per_node
-    require(
-        isinstance(g, int) and not isinstance(g, bool) and 1 <= g <= 2**16,
-        f"gpus_per_node must be a positive integer, got {g!r}",
-        fields=("gpus_per_node",),
-    )
+    g = positive_int("gpus_per_node", DEFAULT_GPUS_PER_NODE if gpus_per_node is None else gpus_per_node, at_most=2**16)
     row = gpu_by_name(gpu or (device.name if device.name in GPUS else DEFAULT_GPU))
     calibrated = not device.source.startswith("datasheet")
     measured = dict(device.network) if calibrated else {}

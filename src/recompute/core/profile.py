@@ -346,10 +346,10 @@ class Profile:
             data = read_json_file(path, "--profile", what="a profile", fix="make one with recompute profile -o")
             return cls.from_dict(data)
         except ConfigError as e:
-            raise ConfigError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from None
+            raise ConfigError(f"--profile {str(path)!r}: {e}" if str(path) not in str(e) else str(e)) from None
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ConfigError(
-                f"{path}: not a readable recompute profile ({type(e).__name__}); run recompute profile"
+                f"--profile {str(path)!r}: not a readable recompute profile ({type(e).__name__}); run recompute profile"
             ) from None
 
 

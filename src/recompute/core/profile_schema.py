@@ -12,8 +12,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from recompute.core.errors import ConfigError
-from recompute.core.workload import workload_fields
+from recompute.core.errors import ConfigError, first_line
+from recompute.core.spec import SIZE_LIMITS
+from recompute.core.store import MEASURED_WORKLOAD
+from recompute.core.workload import Workload, workload_fields
 
 __all__ = ["check_profile_dict"]
 
@@ -34,6 +36,10 @@ _KIND = {
     "forward_ops": dict, "backward_ops": dict,
 }  # fmt: skip
 _KIND_OPTIONAL = {"forward_work": dict, "backward_work": dict, "refused": dict}
+_WORKLOAD = tuple(k for k in MEASURED_WORKLOAD if k not in ("tp", "sp"))
+"""The workload keys every profile holds (``tp`` and ``sp`` came later): without one, a default stood in."""
+_ONE_DEVICE = {"tp": 1, "pp": 1, "interleave": 1, "n_microbatches": None, "dp": 1, "ep": 1}
+"""A profile measures one device's step (``recompute profile`` refuses the others): parallelism is priced on it."""
 _COUNTS: tuple[str, ...] = ("head_forward", "head_backward", "parameters", "gradients", "optimizer", "other")
 _COUNTS += ("parameter_count",)
 _COUNTS += ("embedding_kept", "head_kept", "step_flops", "tokens")
@@ -141,6 +147,22 @@ def _triples(where: str, table: Any, policies: Sequence[str]) -> None:
             _int(f"{where}[{policy!r}]", v, signed=True)
 
 
+def _workload(workload: Mapping[str, Any]) -> None:
+    """The profiled workload: its keys all there, one device's, values ``Workload`` takes."""
+    missing = [k for k in _WORKLOAD if k not in workload]
+    if missing:
+        raise ConfigError(f"the profile's workload lacks {missing[0]!r}; make it again with recompute profile")
+    for key, one in _ONE_DEVICE.items():
+        if workload.get(key, one) != one:
+            raise _bad(f"workload[{key!r}]", f"{one} (a profile measures one device's step)", workload[key])
+    try:
+        Workload(**workload)
+    except ConfigError as e:  # without its fields: the CLI would name an option the user did not give
+        raise ConfigError(
+            f"the profile's workload is not one recompute takes ({first_line(e)}); make it again with recompute profile"
+        ) from None
+
+
 def check_profile_dict(data: Mapping[str, Any]) -> None:
     """Refuse a profile (``Profile.to_dict()``'s shape) that is not whole and sane.
 
@@ -161,15 +183,19 @@ def check_profile_dict(data: Mapping[str, Any]) -> None:
             f"the profile's workload has an unknown key {unknown[0]!r} (known: {', '.join(sorted(known))}); "
             "make it again with recompute profile"
         )
+    _workload(data["workload"])
     layer_kind, kinds = data["layer_kind"], data["kinds"]
     if not kinds:
         raise _bad("kinds", "a non-empty list of layer kinds", kinds)
-    if not layer_kind:
-        raise _bad("layer_kind", "a non-empty list (one kind index per layer)", layer_kind)
+    if not 0 < len(layer_kind) <= SIZE_LIMITS["n_layers"]:
+        raise _bad("layer_kind", f"a list of 1 to {SIZE_LIMITS['n_layers']:,} kind indices (one per layer)", layer_kind)
     for index in layer_kind:
         if _int("layer_kind", index) >= len(kinds):
             raise _bad("layer_kind", f"kind indices below {len(kinds)} (the profile has {len(kinds)} kinds)", index)
     policies = [_kind(i, kind, len(layer_kind)) for i, kind in enumerate(kinds)]
+    for i, kind in enumerate(kinds):
+        if sorted(kind["layers"]) != [j for j, k in enumerate(layer_kind) if k == i]:
+            raise _bad(f"kinds[{i}].layers", f"the layers whose layer_kind is {i}", kind["layers"])
     for a, b in sorted({(layer_kind[i], layer_kind[i + 1]) for i in range(len(layer_kind) - 1)}):
         table = data["links"].get(f"{a}>{b}")
         if not isinstance(table, dict) or not set(policies[a]) <= set(table):
@@ -186,6 +212,9 @@ def check_profile_dict(data: Mapping[str, Any]) -> None:
     for key in _COUNTS:
         if data.get(key) is not None:
             _int(key, data[key])
+    for key in ("step_flops", "tokens"):  # the step's FLOPs and tokens divide
+        if data.get(key) == 0:
+            raise _bad(key, "a positive integer", 0)
     _nested_counts("", {"fixed": data["fixed"]})
     _work("outer_work", data.get("outer_work") or {})
     for phase, pair in (data.get("phase_states") or {}).items():

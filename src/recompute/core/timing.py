@@ -403,6 +403,46 @@ def check_device_dict(data: Mapping[str, Any]) -> None:
         for key in ("kernel", "replay", "optimizer"):
             _check_number(f"host.{key}", host.get(key), low=0.0, strict=True)
     require(isinstance(data.get("compiled", False), bool), "'compiled' must be true or false")
+    _check_network(data.get("network") or {})
+
+
+_NETWORK_KEYS = {
+    "collectives", "ranks", "backend", "times", "notes", "intra", "inter", "gpus_per_node", "gpus_per_host_link",
+}  # fmt: skip
+"""What a device profile's ``network`` may hold: ``calibrate --collectives``'s measurement
+(``recompute.bench.collectives.measure_collectives``) and ``recompute.core.comms.Network.to_dict``'s fields."""
+
+
+def _check_network(network: Any) -> None:
+    """Refuse a ``network`` section the time model would trip on: not an object, an unknown key, a collective
+    that is not one ``recompute.core.comms`` prices or whose curve is not positive finite points, a rank count
+    that is not a positive integer where collectives were measured, notes that are not strings."""
+    from recompute.core.comms import KINDS  # comms builds on this module
+
+    require(isinstance(network, Mapping), f"'network' must be an object, got {network!r}")
+    unknown = sorted(set(network) - _NETWORK_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key 'network.{unknown[0]}'; a network has {', '.join(sorted(_NETWORK_KEYS))}")
+    for key in ("collectives", "times"):
+        table = network.get(key) or {}
+        require(isinstance(table, Mapping), f"'network.{key}' must map collectives to curves, got {table!r}")
+        for kind, curve in table.items():
+            require(kind in KINDS, f"unknown collective 'network.{key}.{kind}'; known: {', '.join(KINDS)}")
+            _check_curve(f"network.{key}.{kind}", curve)
+    ranks = network.get("ranks", 0)
+    require(
+        isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 0,
+        f"'network.ranks' must be a non-negative integer, got {ranks!r}",
+    )
+    require(
+        ranks >= 2 or not network.get("collectives"),
+        f"'network.ranks' must be the ranks the collectives were measured on (at least 2), got {ranks}",
+    )
+    require(isinstance(network.get("backend", ""), str), "'network.backend' must be a string")
+    notes = network.get("notes", [])
+    require(
+        isinstance(notes, list) and all(isinstance(n, str) for n in notes), "'network.notes' must be a list of strings"
+    )
 
 
 def _check_number(name: str, value: Any, *, low: float, strict: bool = False) -> None:

@@ -164,6 +164,8 @@ class _FactoryLoss:
             return self.convention(model, idx, targets)
         except ConfigError as e:
             raise ConfigError(f"--model {self.origin!r}: {e}") from None
+        except (Exception, SystemExit) as e:  # the factory's forward: whatever it raises, one line naming it
+            raise ConfigError(f"--model {self.origin!r}: {type(model).__name__}.forward {_raised(e)}") from e
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -273,6 +275,20 @@ def _check_sizes(raw: dict[str, Any], kind: object) -> None:
         raise ConfigError(
             f"the {kind} config's {heads[0]} ({heads[1]}) does not divide its {hidden[0]} ({hidden[1]}) and it "
             "states no head_dim; fix the config.json"
+        )
+    kv = raw.get("num_key_value_heads")
+    if kv is not None and heads[1] % kv:  # the attention's shapes fail mid-trace (a traceback)
+        raise ConfigError(
+            f"the {kind} config's num_key_value_heads ({kv}) does not divide its {heads[0]} ({heads[1]}); "
+            "fix the config.json"
+        )
+    experts = next((raw[k] for k in _SIZES["experts"] if raw.get(k) is not None), None)
+    top_k = raw.get("num_experts_per_tok")
+    ok = isinstance(top_k, int) and not isinstance(top_k, bool) and 0 < top_k <= (experts or 0)
+    if experts is not None and top_k is not None and not ok:  # topk failed mid-trace ("k not in range")
+        raise ConfigError(
+            f"the {kind} config's num_experts_per_tok must be a whole number from 1 to its {experts} experts, "
+            f"got {top_k!r}; fix the config.json"
         )
 
 
@@ -397,4 +413,5 @@ def _raised(e: BaseException) -> str:
     if isinstance(e, SystemExit):
         return f"called sys.exit({e.code!r}); a factory and its module must return, not exit"
     where = f" ({Path(e.filename).name}, line {e.lineno})" if isinstance(e, SyntaxError) and e.filename else ""
-    return f"raised {type(e).__name__}: {first_line(e) if not isinstance(e, SyntaxError) else e.msg}{where}"
+    said = first_line(e) if not isinstance(e, SyntaxError) else e.msg
+    return f"raised {type(e).__name__}" + (f": {said}" if said else "") + where  # MemoryError() says nothing

@@ -8,13 +8,25 @@ is generated from these fields and from ``Workload``'s).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from recompute.core.errors import ConfigError, one_of, positive_int, require
-from recompute.core.workload import Workload, workload_fields
+from recompute.core.errors import ConfigError, one_of, positive_int, require, torch_seed
+from recompute.core.workload import LIMITS, Workload, workload_fields
 
-__all__ = ["RESUME_MUST_MATCH", "TRAIN_WORKLOAD", "WORKLOAD_DEFAULTS", "TrainConfig", "flag", "resolved_workload"]
+__all__ = [
+    "MAX_SAMPLE_TOKENS",
+    "RESUME_MUST_MATCH",
+    "TRAIN_WORKLOAD",
+    "WORKLOAD_DEFAULTS",
+    "TrainConfig",
+    "flag",
+    "resolved_workload",
+]
+
+MAX_SAMPLE_TOKENS = 2**16
+"""The longest sample ``--sample-tokens`` generates at the end of a run (one forward per token)."""
 
 TRAIN_WORKLOAD = ("micro_batch", "seq_len", "dtype", "attention", "loss", "loss_chunk", "device", "tp", "sp", "dp")
 """The workload fields a run takes (the others, pipelining, experts, another precision, describe runs that
@@ -91,12 +103,22 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         require(isinstance(self.workload, Workload), f"workload must be a Workload, got {self.workload!r}")
-        for name in ("steps", "grad_accum", "keep"):
+        for name in ("steps", "keep"):
             positive_int(flag(name), getattr(self, name))
+        positive_int("--grad-accum", self.grad_accum, at_most=LIMITS["micro_batch"])  # 10**11: a step never ends
         for name in ("warmup", "checkpoint_every", "sample_tokens"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, f"{flag(name)} must be >= 0, got {value!r}")
-        require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        require(
+            self.sample_tokens <= MAX_SAMPLE_TOKENS,
+            f"--sample-tokens must be at most {MAX_SAMPLE_TOKENS:,} (a sample, generated one token at a time), "
+            f"got {self.sample_tokens:,}",
+        )
+        require(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a finite number > 0, got {self.lr}")
+        for name in ("weight_decay", "grad_clip"):  # inf or nan: "the loss became nan ... lower --lr"
+            value = getattr(self, name)
+            require(math.isfinite(value) and value >= 0, f"{flag(name)} must be a finite number >= 0, got {value}")
+        torch_seed("--seed", self.seed)
         one_of("--tokenizer", self.tokenizer, ("byte", "bpe"))
         if self.dropout is not None:
             require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
