@@ -348,6 +348,16 @@ def test_a_profile_is_not_planned_with_what_it_cannot_take(
     assert "--trace traces the model's real step, which a --profile file does not hold: add --model" in line, line
 
 
+def test_a_policy_file_that_is_refused_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(tiny.profile_dict()))  # a profile passed as a plan
+    line = refused(capsys, "estimate", "--no-time", "--policy", str(path))
+    assert f"policy file {str(path)!r}: unknown policy format 'recompute.profile/2'" in line, line
+    path.write_text(json.dumps({"format": "recompute.policy/1", "name": "block", "every": 0}))
+    line = refused(capsys, "estimate", "--no-time", "--policy", str(path))  # the file's key, not --every
+    assert f"policy file {str(path)!r}: every must be a positive integer, got 0" in line, line
+
+
 _FORWARD = (
     "import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
     "        self.emb = torch.nn.Embedding(256, 8)\n"

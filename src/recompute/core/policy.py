@@ -222,8 +222,8 @@ class Policy:
         try:
             return cls.from_dict(data)
         except (TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, ConfigError):
-                raise
+            if isinstance(e, ConfigError):  # said with the file it is about
+                raise ConfigError(f"policy file {str(path)!r}: {e}") from None  # its keys, not options
             raise ConfigError(f"policy file {str(path)!r} is not a recompute policy or plan ({e})") from e
 
     @classmethod
