@@ -30,10 +30,12 @@ from recompute.core.policy import POLICIES
 from recompute.core.presets import PRESETS
 from recompute.core.pricing import (
     Job,
+    host_link,
     layer_costs,
     measured_costs,
     network_notes,
     offload_layer_seconds,
+    profile_offload_seconds,
     scheduled_profile_table,
     unpriced,
     unpriced_offload,
@@ -53,6 +55,7 @@ __all__ = [
     "model_works",
     "preset_works",
     "profiles_of",
+    "shown_offload",
 ]
 
 FP16_CHUNKED = "in fp16 its gradients, taken in the forward before a loss scaler scales them, would underflow"
@@ -240,17 +243,40 @@ def _profiled(
                 profiles += profiles_of(model, with_loss(wl, mode), progress=progress)
             except ConfigError as e:
                 notes.append(f"the {mode} loss not considered: {first_line(e)}")
-    if offload:
-        notes.append("offload not considered: a profiled model's offload is not measured yet")
     profiles = tuple(found.restated(wl.precision, wl.dp) for found in profiles)  # the states asked for
     tables = []
     for found_profile in profiles:
-        table = found_profile.cost_table(device)
+        priced = profile_offload_seconds(found_profile, device, wl) if offload and device is not None else None
+        table = found_profile.cost_table(device, offload=priced)
         if device is not None:
             table = scheduled_profile_table(table, found_profile, device, wl)
         tables.append(table)
+    why_not = _offload_left_out(profiles[0], device) if offload else None
+    if why_not:
+        notes.append(f"offload not considered: {why_not}")
     notes += network
     return ModelTables(tuple(tables), None, profiles, tuple(notes))
+
+
+def shown_offload(found: Profile, device: Device | None, wl: Workload) -> dict[int, float] | None:
+    """Offload's cost per kind when a profile is shown rather than planned (``estimate``, ``profile``): its
+    copies' seconds on a device with a host link, none without a device (it replays no FLOP); None where its
+    time is not priced (``Profile.cost_table``'s ``offload``)."""
+    if device is None:
+        return dict.fromkeys(range(len(found.kinds)), 0.0)
+    return profile_offload_seconds(found, device, wl)
+
+
+def _offload_left_out(found: Profile, device: Device | None) -> str | None:
+    """Why a profiled model's plan cannot weigh offload, or None: it is priced by copy time on a GPU's host link
+    (``recompute.core.pricing.profile_offload_seconds``), and measured by profiles made since it was."""
+    if device is None or device.kind == "cpu" or not host_link(device):
+        return unpriced_offload(device, "flops" if device is None else "time")
+    if not found.offloads():
+        return "the profile predates offload's measurement; make it again with recompute profile"
+    if not any("offload" in k.host for k in found.kinds):
+        return "no layer of the model takes it (the profile's notes say why)"
+    return None
 
 
 def profiles_of(

@@ -34,7 +34,7 @@ from recompute.core.spec import analytic_model
 from recompute.core.table import gib
 from recompute.core.timing import Device
 from recompute.core.workload import build_workload
-from recompute.planning import is_profiled, max_positions, model_works, profiles_of
+from recompute.planning import is_profiled, max_positions, model_works, profiles_of, shown_offload
 
 __all__ = ["add_args", "run"]
 
@@ -106,7 +106,8 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
             prof = profiles_of(args.model, asked, progress=progress)[0].restated(asked.precision, asked.dp)
     wl = build_workload(**prof.workload_dict())
     timed = None if args.no_time else device
-    table = prof.cost_table(timed)
+    offload = shown_offload(prof, timed, wl)
+    table = prof.cost_table(timed, offload=offload)
     if timed is not None:
         table = scheduled_profile_table(table, prof, timed, wl)
     layers = policy_from(args).per_layer(prof.n_layers)
@@ -125,7 +126,7 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
             }
         )
         return 0
-    print(render_profile(prof, timed))
+    print(render_profile(prof, timed, offload=offload))
     line = (
         f"\nchosen ({args.policy}): peak {gib(chosen.peak)} ({chosen.peak_phase}), activations "
         f"{gib(prof.activations(layers))}, recompute {chosen.flops / table.model_flops:.1%} of the step's FLOPs"

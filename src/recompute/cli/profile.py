@@ -24,6 +24,7 @@ from recompute.cli.progress import progress_bar
 from recompute.cli.render import device_note, render_profile
 from recompute.core import store
 from recompute.core.files import atomic_write
+from recompute.planning import shown_offload
 
 __all__ = ["add_args", "run"]
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result.to_dict())
     else:
-        print(render_profile(result, device))
+        print(render_profile(result, device, offload=shown_offload(result, device, wl)))
         if device is not None:
             print(device_note(device, wl))
         if output:

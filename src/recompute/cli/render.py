@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from recompute.core.analytic.estimate import Estimate
@@ -256,9 +256,12 @@ def _flops(n: float) -> str:
     return f"{n / 1e12:.2f} TF" if abs(n) >= 1e11 else f"{n / 1e9:.2f} GF"
 
 
-def render_profile(profile: Profile, device: Device | None = None) -> str:
+def render_profile(
+    profile: Profile, device: Device | None = None, *, offload: Mapping[int, float] | None = None
+) -> str:
     """Every layer kind by policy: bytes saved and held, the replay's transient, FLOPs (and the replay's predicted
-    time on ``device``); then the uniform policies' peaks (and step times)."""
+    time on ``device``); then the uniform policies' peaks (and step times), offload's where ``offload`` prices it
+    (``Profile.cost_table``)."""
     w = profile.workload
     out = [
         f"{profile.model} ({profile.class_name}): b={w['micro_batch']} s={w['seq_len']} {w['dtype']} on "
@@ -288,7 +291,7 @@ def render_profile(profile: Profile, device: Device | None = None) -> str:
             ),
         ]
         out += [f"  {name}: cannot apply ({why})" for name, why in kind.refused.items()]
-    table = profile.cost_table(device)
+    table = profile.cost_table(device, offload=offload)
     uniform = []
     for name in table.options():
         c = table.compose([name] * table.n)

@@ -71,6 +71,7 @@ __all__ = [
     "offload_layer_seconds",
     "offload_seconds",
     "phase_seconds",
+    "profile_offload_seconds",
     "scheduled_profile_table",
     "step_time",
     "timing",
@@ -532,6 +533,22 @@ def offload_layer_seconds(none: StepWork, layer_bytes: float, device: Device, jo
     layer = none.phase_seconds(device)
     one = offload_seconds(layer_bytes, layer["forward of layer 0"], layer["backward of layer 0"], link)
     return one * job.schedule / job.wl.pp
+
+
+def profile_offload_seconds(profile: Profile, device: Device, wl: Workload) -> dict[int, float] | None:
+    """Seconds offloading one layer adds to one micro-batch's step on ``device``, per kind of ``profile`` (its
+    index) that takes offload: ``offload_seconds`` of the bytes the layer keeps in host memory against its own
+    forward and backward under ``none`` (the profile's kernels, priced by the roofline), on the host link the
+    GPU's PCIe switch shares among ``wl``'s GPUs. None where offload is not priced: a CPU (its host memory is
+    its memory), or a device without a host link (``unpriced_offload`` says why)."""
+    link = host_link(device, Job(wl, profile.n_layers, profile.parameter_count))
+    if device.kind == "cpu" or not link:
+        return None
+    return {
+        i: offload_seconds(kind.host["offload"], *kind.phase_seconds("none", device), link)
+        for i, kind in enumerate(profile.kinds)
+        if "offload" in kind.host
+    }
 
 
 def unpriced_offload(device: Device | None, cost: str) -> str:

@@ -9,7 +9,9 @@ A profile is measured on fake tensors of the model's own class (``recompute prof
 - steps of short models give, per kind and policy, what a layer saves, the peak of its forward phase (dF) and
   its FLOPs (the replay is part of its backward), and per pair of kinds that follow each other and pair of
   policies (the layer's, the next one's), what the layer holds for the backward (dK) and the peak of its
-  backward phase (dB): a layer's backward depends on how the next layer hands it the gradient.
+  backward phase (dB): a layer's backward depends on how the next layer hands it the gradient;
+- under offload, also what a layer keeps in host memory and what its copies back add to the backward of the
+  layer above it (``below``), which the composition adds there (``recompute.core.costs``).
 
 Memory is additive, so for any per-layer assignment a, with P_i the sum of dK(a_j, a_j+1) over the layers
 below i, the peak of the step is (``Profile.compose``)
@@ -25,7 +27,7 @@ exactly this, and which the one planner (``recompute.core.plan``) plans over as 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,8 +35,10 @@ from typing import Any, NamedTuple
 from recompute.core.costs import CostTable, KindCosts, LinkCost, TopCost
 from recompute.core.errors import ConfigError, require
 from recompute.core.files import atomic_write, read_json_file
+from recompute.core.policy import OFFLOAD_POLICIES
 from recompute.core.profile_schema import check_profile_dict
 from recompute.core.states import Restate
+from recompute.core.table import size
 from recompute.core.timing import OPTIMIZER_PHASE, Device, Op, StepWork, replayed, work_seconds
 from recompute.core.workload import Workload
 
@@ -74,7 +78,8 @@ class LayerKind:
     parameters: int
     """Parameters of one layer."""
     kept: dict[str, int]
-    """Bytes one layer saves for the backward, by policy (each storage counted once, by its first saver)."""
+    """Bytes one layer saves for the backward on the device, by policy (each storage counted once, by its first
+    saver; what an offloaded layer keeps in host memory is ``host``)."""
     held: dict[str, int]
     """Bytes one layer adds to what the backward inherits, by policy: the growth of allocated memory from the
     start of its forward to the start of the next layer's (what it saves, what a checkpoint holds, its input
@@ -101,6 +106,13 @@ class LayerKind:
     """The same for its backward phase, the replay included."""
     refused: dict[str, str] = field(default_factory=dict)
     """Policies that cannot apply to this layer, with the reason."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Bytes one layer keeps in host memory, by policy: an offloaded layer's copies of what it saves (each storage
+    once, by its first saver). Empty in profiles stored before offload was measured."""
+    below: dict[str, int] = field(default_factory=dict)
+    """Bytes one layer adds to the backward of the layer above it, by policy: an offloaded layer's copies come
+    back when the next layer's backward starts (prefetched), the device blocks they take at its peak; 0 for a
+    kind only last. Empty as ``host``."""
 
     @property
     def policies(self) -> tuple[str, ...]:
@@ -119,13 +131,25 @@ class LayerKind:
 
     def seconds(self, policy: str, device: Device) -> float:
         """Predicted time of the layer's forward and backward (the replay included) under ``policy``."""
+        return sum(self.phase_seconds(policy, device))
+
+    def phase_seconds(self, policy: str, device: Device) -> tuple[float, float]:
+        """Predicted time of the layer's forward and of its backward (the replay included) under ``policy``."""
         backward = self.backward_work[policy]
         again = replayed(backward, self.backward_work["none"])
-        return work_seconds(self.forward_work[policy], device) + work_seconds(backward, device, replayed=again)
+        return work_seconds(self.forward_work[policy], device), work_seconds(backward, device, replayed=again)
 
     def recompute_seconds(self, policy: str, device: Device) -> float:
-        """Predicted time ``policy`` adds to the layer: its replay, priced by the roofline of ``device``."""
-        return self.seconds(policy, device) - self.seconds("none", device)
+        """Predicted time ``policy`` adds to the layer: its replay, priced by the roofline of ``device`` (none for
+        offload, which replays nothing: its copies run over the host link, ``recompute.core.pricing``).
+
+        Never below 0, as for presets (``pricing.layer_costs``): the replay runs the layer's forward kernels
+        again, so it adds time; a difference below 0 comes from pricing the checkpointed forward (run without
+        autograd, another set of kernels) apart from none's, and a planner would take it as memory for free.
+        """
+        if policy in OFFLOAD_POLICIES:
+            return 0.0
+        return max(0.0, self.seconds(policy, device) - self.seconds("none", device))
 
     def replay_transient(self, policy: str) -> int:
         """Bytes the layer's backward peak holds beyond ``none``'s there, apart from what it keeps: the replay."""
@@ -179,6 +203,11 @@ class Profile:
     phase's name: what ``restated`` re-prices when the states are asked for in another precision."""
     model_hash: str = ""
     """The hash of the model's architecture (``recompute.core.identity``); empty in profiles stored before it."""
+    offload_shared: int = 0
+    """Host bytes offload copies once however many layers it offloads: what the layers share (rotary tables,
+    masks made before the first layer) that an offloaded layer saves, above ``recompute.offload.MIN_BYTES``. No
+    layer's figures hold it (its copy back lives from the top offloaded layer's backward to the lowest's): a
+    plan that offloads may differ by up to this much from its composed peak and host bytes."""
 
     @property
     def n_layers(self) -> int:
@@ -213,22 +242,21 @@ class Profile:
         saved = sum(self.kind_of(i).kept_delta(name) for i, name in enumerate(layers))
         return sum(self.base_kept) + saved + self.embedding_kept + self.head_kept
 
-    def cost_table(self, device: Device | None = None) -> CostTable:
+    def offloads(self) -> bool:
+        """Whether this profile measured offload (profiles stored before it did have no host figures)."""
+        return any(k.host for k in self.kinds)
+
+    def cost_table(self, device: Device | None = None, *, offload: Mapping[int, float] | None = None) -> CostTable:
         """The planner's table of this profile: costs in FLOPs, or with a ``device`` the replays' predicted
         seconds there (the step's too). Held bytes are relative to ``none`` (the base phases hold ``none``'s):
-        a profile is of one device's step, with one micro-batch in flight."""
-        kinds = tuple(
-            KindCosts(
-                name=k.name,
-                options=k.policies,
-                forward={p: float(v) for p, v in k.forward_delta.items()},
-                kept={p: float(v) for p, v in k.kept.items()},
-                flops={p: float(k.recompute_flops(p)) for p in k.policies},
-                seconds={p: k.recompute_seconds(p, device) for p in k.policies} if device else {},
-                refused=dict(k.refused),
-            )
-            for k in self.kinds
-        )
+        a profile is of one device's step, with one micro-batch in flight.
+
+        Args:
+            offload: per kind (its index), the cost of offloading one of its layers in the table's unit
+                (``recompute.core.pricing.profile_offload_seconds`` on a device); kinds left out, and every
+                kind without it, do not take offload (priced by nothing, its copies would look free)."""
+        offload = offload or {}
+        kinds = tuple(self._kind_costs(i, device, offload.get(i)) for i in range(len(self.kinds)))
         links = {
             tuple(int(x) for x in pair.split(">")): {
                 p: {q: LinkCost(float(v.held), float(v.backward)) for q, v in row.items()} for p, row in table.items()
@@ -257,8 +285,42 @@ class Profile:
             device=device.to_dict() if device else None,
             cost_kind=f"predicted seconds on {device.label}" if device else "FLOPs",
             source=f"profile {self.key} of {self.class_name} built from {self.origin}",
-            notes=self.notes,
+            notes=(*self.notes, *self._offload_notes(kinds)),
             model_hash=self.model_hash,
+        )
+
+    def _offload_notes(self, kinds: Sequence[KindCosts]) -> tuple[str, ...]:
+        """What a table that weighs offload leaves out (``offload_shared``)."""
+        if not self.offload_shared or not any(p in OFFLOAD_POLICIES for k in kinds for p in k.options):
+            return ()
+        return (
+            f"offload copies {size(self.offload_shared)} the layers share (rotary tables, masks) once, whichever "
+            "layers it offloads: a plan that offloads may peak, and take host memory, up to that much off its figures",
+        )
+
+    def _kind_costs(self, i: int, device: Device | None, offload: float | None) -> KindCosts:
+        """Kind ``i``'s figures in a cost table, offload among its options where ``offload`` prices it."""
+        k = self.kinds[i]
+        left_out = {
+            p: "its price is copy time over a GPU's host link, not priced here" if p in k.host else "not measured"
+            for p in k.policies
+            if p in OFFLOAD_POLICIES and (offload is None or p not in k.host)
+        }
+        names = tuple(p for p in k.policies if p not in left_out)
+
+        def cost(p: str, replay: float) -> float:
+            return float(offload) if p in OFFLOAD_POLICIES and offload is not None else float(replay)
+
+        return KindCosts(
+            name=k.name,
+            options=names,
+            forward={p: float(k.forward_delta[p]) for p in names},
+            kept={p: float(k.kept[p]) for p in names},
+            flops={p: cost(p, k.recompute_flops(p)) if device is None else float(k.recompute_flops(p)) for p in names},
+            seconds={p: cost(p, k.recompute_seconds(p, device)) for p in names} if device else {},
+            below={p: float(k.below[p]) for p in names if k.below.get(p)},
+            host={p: float(k.host[p]) for p in names if k.host.get(p)},
+            refused={**k.refused, **left_out},
         )
 
     def restated(self, precision: str | None, dp: int = 1) -> Profile:

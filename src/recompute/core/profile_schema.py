@@ -28,21 +28,21 @@ _TOP = {
 """Every key a profile must have, with its JSON type."""
 _TOP_OPTIONAL = {
     "outer_work": dict, "tokens": int, "notes": list, "versions": dict, "seconds": float, "phase_states": dict,
-    "model_hash": str,
+    "model_hash": str, "offload_shared": int,
 }  # fmt: skip
 _KIND = {
     "name": str, "layers": list, "parameters": int, "kept": dict, "held": dict, "components": dict, "ops": dict,
     "forward_delta": dict, "backward_delta": dict, "forward_flops": int, "backward_flops": dict,
     "forward_ops": dict, "backward_ops": dict,
 }  # fmt: skip
-_KIND_OPTIONAL = {"forward_work": dict, "backward_work": dict, "refused": dict}
+_KIND_OPTIONAL = {"forward_work": dict, "backward_work": dict, "refused": dict, "host": dict, "below": dict}
 _WORKLOAD = tuple(k for k in MEASURED_WORKLOAD if k not in ("tp", "sp"))
 """The workload keys every profile holds (``tp`` and ``sp`` came later): without one, a default stood in."""
 _ONE_DEVICE = {"tp": 1, "pp": 1, "interleave": 1, "n_microbatches": None, "dp": 1, "ep": 1}
 """A profile measures one device's step (``recompute profile`` refuses the others): parallelism is priced on it."""
 _COUNTS: tuple[str, ...] = ("head_forward", "head_backward", "parameters", "gradients", "optimizer", "other")
 _COUNTS += ("parameter_count",)
-_COUNTS += ("embedding_kept", "head_kept", "step_flops", "tokens")
+_COUNTS += ("embedding_kept", "head_kept", "step_flops", "tokens", "offload_shared")
 """Byte and FLOP figures: non-negative integers."""
 
 
@@ -121,6 +121,9 @@ def _kind(i: int, kind: Any, n_layers: int) -> tuple[str, ...]:
         _by_policy(f"{where}.{key}", kind[key], policies)
     for key in ("held", "forward_delta", "backward_delta"):
         _by_policy(f"{where}.{key}", kind[key], policies, signed=True)
+    for key in ("host", "below"):  # offload's figures; absent from profiles stored before they were measured
+        if kind.get(key):
+            _by_policy(f"{where}.{key}", kind[key], policies)
     for layer in kind["layers"]:
         if _int(f"{where}.layers", layer) >= n_layers:
             raise _bad(f"{where}.layers", f"layer numbers below {n_layers}", layer)

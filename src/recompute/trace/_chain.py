@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from recompute.core.policy import OFFLOAD_POLICIES
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
 
@@ -35,8 +36,11 @@ Node = tuple[int, str]
 
 def leads(p: str, ok: Sequence[Sequence[str]]) -> tuple[str, ...]:
     """The leading layers (the first of each kind) run ``p`` where they take it: what layers share is then kept
-    by them under that policy, as by the model's first layers when every layer runs it."""
-    return tuple(p if p in ok[k] else "none" for k in range(len(ok)))
+    by them under that policy, as by the model's first layers when every layer runs it. Under offload they run
+    ``none``: an offloaded first layer frees its input, the embedding's output, which a cost table counts in
+    that layer's own held bytes, not in every offloaded layer's."""
+    own = "none" if p in OFFLOAD_POLICIES else p
+    return tuple(own if own in ok[k] else "none" for k in range(len(ok)))
 
 
 def lead_picks(reps: Sequence[int], ok: Sequence[Sequence[str]]) -> list[int]:

@@ -16,8 +16,10 @@ Three kinds of step, all traced like ``trace`` (nothing allocated):
    leading layers (the first of each kind) under that policy where they take it, as in the whole model when
    every layer runs it.
 
-A policy a layer cannot take is recorded with its reason. The loss mode changes the head and the step's
-fixed phases, not the layers: ``profiles`` measures the links once for several loss modes.
+A policy a layer cannot take is recorded with its reason. Offload is measured as the others are; the tracker
+follows the copies an offloaded layer's tensors come back in, which count in the backward of the layer above it
+(``LayerKind.below``) and are taken off every layer's own backward figure (``_rise``). The loss mode changes the
+head and the step's fixed phases, not the layers: ``profiles`` measures the links once for several loss modes.
 
 What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
 start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
@@ -44,10 +46,9 @@ from typing import Any
 from torch import nn
 
 from recompute.checkpointing import apply, find_layers
-from recompute.core import policy as policies
 from recompute.core import store
 from recompute.core.errors import ConfigError, first_line, require
-from recompute.core.policy import OFFLOAD_POLICIES, POLICIES, Policy
+from recompute.core.policy import MOE_POLICIES, OFFLOAD_POLICIES, POLICIES, Policy
 from recompute.core.profile import LastFigures, LayerKind, PairFigures, Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
@@ -69,7 +70,7 @@ __all__ = ["cached_profile", "cached_profiles", "profile", "profile_key", "profi
 
 def profiled_policies() -> tuple[str, ...]:
     """Every policy name ``apply`` knows (a policy a layer cannot take is recorded as refused)."""
-    return (*POLICIES, *getattr(policies, "MOE_POLICIES", {}))
+    return (*POLICIES, *MOE_POLICIES, *OFFLOAD_POLICIES)
 
 
 def profile_key(source: ModelSource, wl: Workload) -> str | None:
@@ -305,7 +306,22 @@ class _Shape:
         )
         links = {f"{a}>{b}": _link(records, ("pair", a, b), ok[a], ok[b]) for a, b in self.pairs}
         last = _last(records, ok[self.kind_of[-1]])
-        return _assemble(source, self.whole, wl, base, kinds, self.kind_of, links, last, n_params, seconds)
+        profiled = _assemble(source, self.whole, wl, base, kinds, self.kind_of, links, last, n_params, seconds)
+        return dataclasses.replace(profiled, offload_shared=self.offload_shared(records, kinds))
+
+    def offload_shared(self, records: dict[tuple[Any, ...], Site], kinds: Sequence[LayerKind]) -> int:
+        """Host bytes offload copies once for all offloaded layers (``Profile.offload_shared``): what the chain's
+        first offloaded leading layer keeps in host memory beyond what a layer of its kind does (it saves what
+        the layers share first)."""
+        chained = next((site.rec for key, site in records.items() if key[0] == "pair"), None)
+        x = 0
+        for k, names in enumerate(self.ok):
+            for name in names:
+                if chained is not None and name in OFFLOAD_POLICIES and name in kinds[k].host:
+                    lead = sum(r.nbytes for r in chained.saved if r.layer == x and r.host)
+                    return lead - kinds[k].host[name]
+                x += 1
+        return 0
 
 
 def _copy(built: BuiltModel) -> BuiltModel:
@@ -372,13 +388,15 @@ def _kind(
     mine = {name: site for name, site in _measured(records, k).items() if name not in refused}
     ref = mine["none"]
     kept, held, comps, ops, d_f, d_b, b_flops, b_ops = {}, {}, {}, {}, {}, {}, {}, {}
-    f_work, b_work = {}, {}
+    f_work, b_work, host, below = {}, {}, {}, {}
     for name, site in mine.items():
         rec, fwd, bwd = site.rec, _layer(site, "forward"), _layer(site, "backward")
         f_work[name] = work_list(rec.work.get(fwd, {}))
         b_work[name] = work_list(rec.work.get(bwd, {}))
-        records_x = [r for r in rec.saved if r.layer == site.x]
+        records_x = [r for r in rec.saved if r.layer == site.x and not r.host]
         kept[name] = sum(r.nbytes for r in records_x)
+        host[name] = sum(r.nbytes for r in rec.saved if r.layer == site.x and r.host)
+        below[name] = _below(site)
         held[name] = _held(site)
         comps[name] = _sum_by(records_x, "component")
         ops[name] = _sum_by(records_x, "op")
@@ -404,6 +422,8 @@ def _kind(
         forward_work=f_work,
         backward_work=b_work,
         refused=dict(refused),
+        host=host,
+        below=below,
     )
 
 
@@ -420,9 +440,18 @@ def _held(site: Site) -> int:
 
 def _rise(site: Site, stage: str, part: str) -> int:
     """The peak of a phase (the layer's own, or the head's) above the memory at the layer's start, less the
-    gradients of the layers beyond the next one in a backward phase."""
+    gradients of the layers beyond the next one in a backward phase, and less the copies back of what the layers
+    below offloaded (a cost table adds the layer below's as its ``below``)."""
     phase = _layer(site, stage) if part == "layer" else Phase(stage, part)
-    return _peak(site.rec, phase) - site.rec.layer_starts[site.x] - (site.above if stage == "backward" else 0)
+    below = sum(v for j, v in site.rec.phase_fetched.get(phase, {}).items() if j < site.x)
+    return _peak(site.rec, phase) - site.rec.layer_starts[site.x] - (site.above if stage == "backward" else 0) - below
+
+
+def _below(site: Site) -> int:
+    """Bytes of the layer's offloaded tensors back on the device at the peak of the next layer's backward (they
+    come back when it starts, prefetched); 0 for the last layer, which has none after it."""
+    after = Phase("backward", "layer", site.x + 1)
+    return site.rec.phase_fetched.get(after, {}).get(site.x, 0) if site.x + 1 < site.rec.n_layers else 0
 
 
 def _phase_delta(site: Site, ref: Site, stage: str, part: str = "layer") -> int:

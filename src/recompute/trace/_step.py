@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from recompute.models.loss import LossFn, lm_loss
+from recompute.trace._cuda import BLOCK
 from recompute.trace._flops import PhaseFlops
 from recompute.trace._tracker import Phase, SavedRecord, StepTracker
 
@@ -56,6 +57,9 @@ class StepRecord:
     phase_shared: dict[Phase, int] = field(default_factory=dict)
     """Bytes alive at each phase's peak of what the forward allocated before the first layer, which the layers
     share (position ids, masks, rotary tables; ``owners=True``)."""
+    phase_fetched: dict[Phase, dict[int, int]] = field(default_factory=dict)
+    """Bytes alive at each phase's peak of the device copies an ``offload`` layer's saved tensors came back in,
+    by the layer that offloaded them (phases with none left out)."""
 
     @property
     def peak(self) -> tuple[int, Phase]:
@@ -148,7 +152,7 @@ def run_step(
             loss.backward()
             left = tracker.left_by_layer()
             del kept, loss
-            grads = _new_grads(layers, had) if not keep_grads else (0,) * len(layers)
+            grads = _new_grads(layers, had, cuda=cuda) if not keep_grads else (0,) * len(layers)
             if step:
                 tracker.set_stage("optimizer")
                 optimizer.step()
@@ -170,13 +174,20 @@ def run_step(
         layer_grads=grads,
         layer_left=left if owners else (),
         phase_shared=dict(tracker.phase_shared),
+        phase_fetched=dict(tracker.phase_fetched),
     )
 
 
-def _new_grads(layers: Sequence[nn.Module], had: set[int]) -> tuple[int, ...]:
-    """Bytes of the gradients each layer's parameters got in the backward (that did not exist before it)."""
+def _new_grads(layers: Sequence[nn.Module], had: set[int], *, cuda: bool = False) -> tuple[int, ...]:
+    """Bytes of the gradients each layer's parameters got in the backward (that did not exist before it), each
+    counted as the tracker counts it (``cuda``: in CUDA's 512-byte blocks, as a norm's small weight takes)."""
+    block = BLOCK if cuda else 1
     return tuple(
-        sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None and id(p) not in had)
+        sum(
+            -(-p.grad.untyped_storage().nbytes() // block) * block
+            for p in layer.parameters()
+            if p.grad is not None and id(p) not in had
+        )
         for layer in layers
     )
 

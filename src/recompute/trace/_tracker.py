@@ -9,7 +9,9 @@ storage alive, real or fake, by category). On top of it this class records
   (the layer's child module that was running) and the op that saved it;
 - host memory apart: the copies an ``offload`` layer makes of what it saves (``recompute.offload`` makes them
   inside ``host_copies()``) are host memory, not device memory, even when both are the CPU; they count in
-  ``host_bytes``/``host_peak`` and their saved records are marked ``host``.
+  ``host_bytes``/``host_peak`` and their saved records are marked ``host``. The device copies the backward
+  brings them back in are device memory like any other, and also followed apart, by the layer that offloaded
+  them (``phase_fetched``): a layer's backward holds the copies of the layer below it, prefetched.
 
 Note: [lean peak tracking] MemTracker updates a peak snapshot for every module it has seen after every op,
 which is quadratic in the layer count (minutes for a 32-layer model); only the global and per-phase peaks are
@@ -45,6 +47,7 @@ _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wr
 _STATE_KINDS = frozenset({"Parameter", "Buffer"})
 _DEVICE = torch.ops.prim.device.default
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 @dataclass(frozen=True, order=True)
@@ -127,6 +130,12 @@ class StepTracker(MemTracker):
         self.host_peak = 0
         """The most host-memory bytes alive at once."""
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._host_layer: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a host copy's storage -> its saver
+        self._fetching: int | None = None  # the layer whose host copy the op being dispatched copies back
+        self._fetched: dict[int, int] = {}
+        self.phase_fetched: dict[Phase, dict[int, int]] = {}
+        """Bytes alive at each phase's peak of the device copies of offloaded tensors that the backward brought
+        back, by the layer that saved them (phases without any left out)."""
         self.counter: Any = None
         """Handed every op after it ran (``PhaseFlops.count``), when set."""
         self._owners: WeakIdKeyDictionary | None = None
@@ -213,6 +222,11 @@ class StepTracker(MemTracker):
             self.phase_peaks[phase] = (total, _merged(self._curr_mem_snap))
             if self._owners is not None:
                 self.phase_shared[phase] = self.shared_bytes
+            fetched = {j: v for j, v in self._fetched.items() if v}
+            if fetched:
+                self.phase_fetched[phase] = fetched
+            elif phase in self.phase_fetched:
+                del self.phase_fetched[phase]
 
     # --- dispatch ------------------------------------------------------------------------------------
 
@@ -228,7 +242,12 @@ class StepTracker(MemTracker):
                 self._update_peak_stats(None)
             return out
         run = fp32_statistics(func) if self.cuda and func is _LAYER_NORM else func
-        out = super().__torch_dispatch__(run, types, args, kwargs)
+        if func is _TO_COPY and len(self._host_layer) and isinstance(args[0], torch.Tensor):
+            self._fetching = self._host_layer.get(args[0].untyped_storage())  # a host copy coming back
+        try:
+            out = super().__torch_dispatch__(run, types, args, kwargs)
+        finally:
+            self._fetching = None
         if self.counter is not None and out is not NotImplemented:
             self.counter.count(self.phase(), func, args, kwargs or {}, out)
         return out
@@ -247,12 +266,15 @@ class StepTracker(MemTracker):
         if copying_to_host():
             self._track_host(t)
             return
-        new = [st for st in storages(t) if st not in self._WINFO] if self._owners is not None or self.cuda else []
+        wanted = self._owners is not None or self.cuda or self._fetching is not None
+        new = [st for st in storages(t) if st not in self._WINFO] if wanted else []
         super()._track(reftype, t)
         if self.cuda:
             self._blocks(new)
         if new and self._owners is not None:
             self._own(new)
+        if new and self._fetching is not None:
+            self._fetched_back(new, self._fetching)
 
     def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: Any, update_existing: bool = False) -> Any:
         new = [st for st in storages(t) if st not in self._WINFO] if self.cuda else []
@@ -283,6 +305,17 @@ class StepTracker(MemTracker):
     def _host_freed(self, nbytes: int) -> None:
         self.host_bytes -= nbytes
 
+    def _fetched_back(self, new: list[torch.UntypedStorage], layer: int) -> None:
+        """Follow the device copies just made of layer ``layer``'s host copies, until they are freed."""
+        for st in new:
+            info = self._WINFO.get(st)
+            nbytes = info[0].mem_consumed if info is not None else 0
+            self._fetched[layer] = self._fetched.get(layer, 0) + nbytes
+            weakref.finalize(st, self._fetched_freed, layer, nbytes)
+
+    def _fetched_freed(self, layer: int, nbytes: int) -> None:
+        self._fetched[layer] -= nbytes
+
     # --- who saved what -------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -297,6 +330,8 @@ class StepTracker(MemTracker):
             return t  # a parameter or buffer (a weight saved by a matmul), not an activation
         record = self._new_record(st, info)
         record.host = st in self._host
+        if record.host:
+            self._host_layer[st] = record.layer
         self._saved_by_storage[st] = record
         self.saved.append(record)
         weakref.finalize(st, self._saved_freed, record)
