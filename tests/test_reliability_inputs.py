@@ -535,3 +535,23 @@ def test_a_damaged_bench_result_is_refused_in_one_line(
         line = refused(capsys, *argv, "--bench", str(path))
         assert says in line and str(path) in line, line
     assert not (tmp_path / "r.html").exists()
+
+
+def test_an_output_that_is_an_input_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``-o`` naming the file the command reads (the config, the profile, the plan) would replace it: refused,
+    the file left byte for byte."""
+    config = tmp_path / "config.json"
+    body = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256}
+    config.write_text(json.dumps({**body, "bos_token_id": 0, "eos_token_id": 0}))
+    before = config.read_bytes()
+    plan = ["plan", "--model", str(config), "--seq-len", "8", "--budget", "1GiB", "--device", "cpu"]
+    for argv in (
+        [*plan, "-o", str(config)],
+        ["profile", "--model", str(config), "--seq-len", "8", "-o", str(config)],
+        ["plan", "--profile", str(config), "--budget", "1GiB", "-o", str(tmp_path / "." / "config.json")],
+    ):
+        line = refused(capsys, *argv)
+        assert "is the file --" in line and "writing it would replace that input" in line, line
+    assert config.read_bytes() == before

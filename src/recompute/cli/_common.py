@@ -266,11 +266,26 @@ def csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def writable(path: str | Path, flag: str, example: str = "out.json") -> Path:
+INPUT_FLAGS = ("model", "profile", "plan", "policy", "bench", "device_profile", "data")
+"""Options that name a file the command reads: an output may not be one of them."""
+
+
+def writable(path: str | Path, flag: str, example: str = "out.json", inputs: argparse.Namespace | None = None) -> Path:
     """``path`` if a file can be written there (``recompute.core.files.check_writable``: a probe file is made and
-    removed in its folder); checked before any work starts. Write it with ``atomic_write``.
+    removed in its folder); checked before any work starts. Write it with ``atomic_write``. ``inputs``: the
+    command's options, whose input files (``INPUT_FLAGS``) the output may not replace.
 
     Raises:
-        ConfigError: empty, a folder, a device, a symlink loop, or its folder is missing or takes no new file.
+        ConfigError: empty, a folder, a device, a symlink loop, its folder is missing or takes no new file, or
+            it is a file the command reads.
     """
-    return check_writable(path, flag, example)
+    out = check_writable(path, flag, example)
+    for name in INPUT_FLAGS if inputs is not None and out.exists() else ():
+        given = getattr(inputs, name, None)
+        if isinstance(given, str) and given and Path(given).is_file() and Path(given).samefile(out):
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} {str(path)!r} is the file {option} reads; writing it would replace that input: give "
+                f"{flag} another path, e.g. {example}"
+            )
+    return out

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     )
     timed = time_device(args)  # --gpu and --gpus-per-node checked whatever the cost
     device = timed if args.cost == "time" else None
-    output = writable(args.output, "--output", "plan.json") if args.output is not None else None
+    output = writable(args.output, "--output", "plan.json", args) if args.output is not None else None
     beside = _beside(output, args.export)
     host_budget = parse_budget(args.host_budget, "host_budget") if args.host_budget is not None else None
     consider = _considered(args.consider)

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     trace = torch_floor("recompute.trace")
     source = trace.resolve_source(args.model)
     wl = workload_from(args, source)
-    output = writable(args.output, "--output", "profile.json") if args.output is not None else None
+    output = writable(args.output, "--output", "profile.json", args) if args.output is not None else None
     with progress_bar("profile", enabled=not args.json) as progress:
         if args.refresh:
             result = trace.profile(source, wl, progress=progress)

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     gpu = args.gpu or DEFAULT_GPU
     gpu_by_name(gpu)  # fail on bad input before computing anything
-    out = writable(args.output, "-o", "report.html")
+    out = writable(args.output, "-o", "report.html", args)
     png = check_folder(args.png, "--png", "pngs") if args.png is not None else None
     budget = parse_budget(args.budget) if args.budget is not None else usable_bytes(gpu)
     try:
