@@ -122,10 +122,23 @@ IDENTIFIERS = ("key", "model_hash", "phase_states", "seconds", "workload", "vers
 hash (issue 24), the phases' states (issue 28), the profiling time and the workload's spelling."""
 
 
+OFFLOAD_FIELDS = ("offload", "host", "below", "offload_shared")
+"""What a profile measures of ``offload`` (issue 23: measured in the chained step since, after the revision
+compared): left out of both sides, so that the figures of every other policy are compared."""
+
+
 def _figures(path: Path) -> dict[str, Any]:
-    """A profile file's measured figures: everything but ``IDENTIFIERS``."""
+    """A profile file's measured figures: everything but ``IDENTIFIERS`` and the offload measurements."""
     data: dict[str, Any] = json.loads(path.read_text())
-    return {k: v for k, v in data.items() if k not in IDENTIFIERS}
+    return _without_offload({k: v for k, v in data.items() if k not in IDENTIFIERS})
+
+
+def _without_offload(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_offload(v) for k, v in value.items() if k not in OFFLOAD_FIELDS}
+    if isinstance(value, list):
+        return [_without_offload(v) for v in value]
+    return value
 
 
 def export(revision: str, folder: Path) -> Path:

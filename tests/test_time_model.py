@@ -354,3 +354,13 @@ def test_calibrate_and_bench_predict_this_cpu(tmp_path: Path, capsys: pytest.Cap
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows[0]["predicted_time_overhead"] == 0 and rows[1]["predicted_time_overhead"] > 0
     assert all(r["predicted_step_s"] > 0 for r in rows)
+
+
+def test_the_offloaders_copies_are_not_kernels(tiny_profile: Profile) -> None:
+    """The profile's chain runs offloaded layers beside the counted ones: their copies out and back are priced
+    over the host link, so no kind's kernels under any policy carry a copy the whole traced step does not."""
+    for p in ("none", "mlp"):
+        whole, composed = step_work(SPEC, WL, p), tiny_profile.step_work([p] * SPEC.n_layers)
+        assert composed.kernels() == whole.kernels()
+        for phase, ops in composed.phases.items():
+            assert sorted(ops) == sorted(whole.phases[phase]), phase

@@ -72,6 +72,23 @@ def copying_to_host() -> bool:
     return getattr(_HOST, "depth", 0) > 0
 
 
+@contextlib.contextmanager
+def _moving() -> Iterator[None]:
+    """Mark the ops run inside as the offloader's copies, out or back (``moving``)."""
+    _HOST.moving = getattr(_HOST, "moving", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST.moving -= 1
+
+
+def moving() -> bool:
+    """True while the offloader copies a layer's tensors out or back: its copies run over the host link and are
+    priced there (``recompute.core.pricing.offload_seconds``), not as the layer's kernels (for the FLOP and
+    kernel counter of a trace)."""
+    return getattr(_HOST, "moving", 0) > 0
+
+
 def _async(t: Tensor) -> bool:
     """Whether ``t`` is copied with streams and events (real CUDA tensors) or synchronously."""
     return t.is_cuda and not is_fake(t)
@@ -204,6 +221,10 @@ class Offloader:
 
     def _copy_out(self, t: Tensor) -> _Stash:
         """Start copying ``t``'s whole storage to host memory."""
+        with _moving():
+            return self._copy_out_now(t)
+
+    def _copy_out_now(self, t: Tensor) -> _Stash:
         flat = _storage_bytes(t)
         if not _async(t):
             with torch.no_grad(), host_copies():
@@ -234,6 +255,10 @@ class Offloader:
     def _copy_in(self, stash: _Stash) -> None:
         if stash.fetched is not None:
             return
+        with _moving():
+            self._copy_in_now(stash)
+
+    def _copy_in_now(self, stash: _Stash) -> None:
         if not stash.streamed:
             with torch.no_grad():
                 stash.fetched = stash.host.to(stash.device, copy=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recompute.core.errors import ConfigError, positive_int, require
-from recompute.core.timing import COMM_PREFIX, Curve, Op
+from recompute.core.timing import COLLECTIVES, COMM_PREFIX, Curve, Op
 
 __all__ = [
     "BASE_LATENCY",
@@ -46,7 +46,7 @@ __all__ = [
     "summarize",
 ]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+KINDS = COLLECTIVES
 """The collectives priced (``send_recv``: a pipeline's point-to-point activations)."""
 
 BASE_LATENCY = 8.4e-6

@@ -41,10 +41,10 @@ MEASURED_WORKLOAD = (
 fake process group) or not; precision and data parallelism only change the model states, which are priced from
 the parameter count, and the pipeline lays the step out (``recompute.core.pricing``)."""
 
-KEY_FORMAT = "recompute.store/4"
+KEY_FORMAT = "recompute.store/5"
 """Part of every key: a change to what an entry holds changes it, so old files are not read as new (3: a
 profile records each phase's gradient bytes, which pricing its states in another precision needs; 4: it
-measures offload, its layers' host bytes and copies back)."""
+measures offload, its layers' host bytes and copies back; 5: offload's copies are not counted as kernels)."""
 
 
 def root() -> Path:

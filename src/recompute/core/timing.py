@@ -81,6 +81,10 @@ OPTIMIZER_PHASE = "optimizer step"
 COMM_PREFIX = "comm."
 """Work signatures of collectives (``comm.all_reduce.tp.8``): priced by ``recompute.core.comms``, not here."""
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+"""The collectives priced (``send_recv``: a pipeline's point-to-point activations); ``recompute.core.comms``
+prices them, this module reads their measured curves from a device profile."""
+
 Op = tuple[str, str, int, int, int]
 """One work signature and how many kernels ran it: (op, dtype, FLOPs, bytes, count)."""
 
@@ -417,8 +421,6 @@ def _check_network(network: Any) -> None:
     """Refuse a ``network`` section the time model would trip on: not an object, an unknown key, a collective
     that is not one ``recompute.core.comms`` prices or whose curve is not positive finite points, a rank count
     that is not a positive integer where collectives were measured, notes that are not strings."""
-    from recompute.core.comms import KINDS  # comms builds on this module
-
     require(isinstance(network, Mapping), f"'network' must be an object, got {network!r}")
     unknown = sorted(set(network) - _NETWORK_KEYS)
     if unknown:
@@ -427,7 +429,7 @@ def _check_network(network: Any) -> None:
         table = network.get(key) or {}
         require(isinstance(table, Mapping), f"'network.{key}' must map collectives to curves, got {table!r}")
         for kind, curve in table.items():
-            require(kind in KINDS, f"unknown collective 'network.{key}.{kind}'; known: {', '.join(KINDS)}")
+            require(kind in COLLECTIVES, f"unknown collective 'network.{key}.{kind}'; known: {', '.join(COLLECTIVES)}")
             _check_curve(f"network.{key}.{kind}", curve)
     ranks = network.get("ranks", 0)
     require(

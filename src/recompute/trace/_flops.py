@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from recompute.core.comms import comm_name
+from recompute.offload import moving
 from recompute.trace._tracker import Phase
 
 __all__ = ["PhaseFlops", "op_name", "sharding_propagation", "span", "tensors_of"]
@@ -153,8 +154,8 @@ class PhaseFlops:
         """File one op that ran in ``phase`` (``StepTracker`` calls this after every op)."""
         if self.layers is not None and phase.part == "layer" and phase.layer not in self.layers:
             return
-        if _PROPAGATING:  # Note: [DTensor's shape propagation runs no kernel]
-            return
+        if _PROPAGATING or moving():  # Note: [DTensor's shape propagation runs no kernel]; offload's copies are
+            return  # priced over the host link (recompute.core.pricing.offload_seconds), not as kernels
         args, kwargs, out = _local((args, kwargs, out))  # Note: [DTensor ops are local kernels]
         name = op_name(func, kwargs)
         kind = _COLLECTIVES.get(name.split(".")[-1]) if "c10d" in name else None
