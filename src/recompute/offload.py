@@ -58,13 +58,18 @@ _HOST = threading.local()
 
 
 @contextlib.contextmanager
-def host_copies() -> Iterator[None]:
-    """Mark the tensors made inside as host copies (a tracker on the CPU cannot tell them by device)."""
-    _HOST.depth = getattr(_HOST, "depth", 0) + 1
+def _marked(name: str) -> Iterator[None]:
+    """Count this thread into the marker ``name`` of ``_HOST`` while inside (nested calls add up)."""
+    setattr(_HOST, name, getattr(_HOST, name, 0) + 1)
     try:
         yield
     finally:
-        _HOST.depth -= 1
+        setattr(_HOST, name, getattr(_HOST, name) - 1)
+
+
+def host_copies() -> contextlib.AbstractContextManager[None]:
+    """Mark the tensors made inside as host copies (a tracker on the CPU cannot tell them by device)."""
+    return _marked("depth")
 
 
 def copying_to_host() -> bool:
@@ -72,14 +77,9 @@ def copying_to_host() -> bool:
     return getattr(_HOST, "depth", 0) > 0
 
 
-@contextlib.contextmanager
-def _moving() -> Iterator[None]:
+def _moving() -> contextlib.AbstractContextManager[None]:
     """Mark the ops run inside as the offloader's copies, out or back (``moving``)."""
-    _HOST.moving = getattr(_HOST, "moving", 0) + 1
-    try:
-        yield
-    finally:
-        _HOST.moving -= 1
+    return _marked("moving")
 
 
 def moving() -> bool:

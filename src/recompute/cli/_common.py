@@ -21,7 +21,7 @@ from recompute.core.pricing import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, choose_de
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import Device
 from recompute.core.workload import Workload, workload_fields
-from recompute.train.config import TRAIN_WORKLOAD
+from recompute.train.config import TRAIN_WORKLOAD, resolve_auto
 from recompute.train.config import WORKLOAD_DEFAULTS as TRAIN_DEFAULTS
 
 if TYPE_CHECKING:  # the analytic commands run without torch
@@ -132,14 +132,7 @@ def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource | Has
         default = SEQ_LEN.get(args.command, 2048)
         positions = model if isinstance(model, int) or model is None else model.max_positions
         values["seq_len"] = min(default, positions or default)
-    if "auto" in (values.get("device"), values.get("dtype")):
-        import torch
-
-        cuda = torch.cuda.is_available()
-        if values.get("device") == "auto":
-            values["device"] = "cuda" if cuda else "cpu"
-        if values.get("dtype") == "auto":
-            values["dtype"] = "bf16" if values["device"] == "cuda" else "fp32"
+    values = resolve_auto(values)
     wl = Workload(**{k: v for k, v in values.items() if v is not None or k not in ("loss", "precision")})
     wl.check_loss_chunk()
     return wl

@@ -22,6 +22,7 @@ __all__ = [
     "WORKLOAD_DEFAULTS",
     "TrainConfig",
     "flag",
+    "resolve_auto",
     "resolved_workload",
 ]
 
@@ -37,17 +38,23 @@ WORKLOAD_DEFAULTS: dict[str, Any] = {"micro_batch": 8, "seq_len": 256, "dtype": 
 ``device`` auto: cuda when torch sees one, else cpu; ``dtype`` auto: bf16 (autocast) on cuda, fp32 on cpu."""
 
 
-def resolved_workload(**values: Any) -> Workload:
-    """The run's ``Workload`` from ``values`` (workload field names) over ``WORKLOAD_DEFAULTS``, with an ``auto``
-    device and dtype resolved (torch asked whether it sees CUDA)."""
-    values = {**WORKLOAD_DEFAULTS, **{k: v for k, v in values.items() if v is not None or k == "loss_chunk"}}
-    if values["device"] == "auto":
+def resolve_auto(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (workload fields) with an ``auto`` device and dtype resolved: cuda when torch sees one, else
+    cpu; bf16 (autocast) on cuda, fp32 on cpu. Torch is imported only where something is ``auto``."""
+    out = dict(values)
+    if out.get("device") == "auto":
         import torch
 
-        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    if values["dtype"] == "auto":
-        values["dtype"] = "bf16" if values["device"] == "cuda" else "fp32"
-    return Workload(**values)
+        out["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if out.get("dtype") == "auto":
+        out["dtype"] = "bf16" if out.get("device") == "cuda" else "fp32"
+    return out
+
+
+def resolved_workload(**values: Any) -> Workload:
+    """The run's ``Workload`` from ``values`` (workload field names) over ``WORKLOAD_DEFAULTS``, ``auto`` resolved."""
+    given = {k: v for k, v in values.items() if v is not None or k == "loss_chunk"}
+    return Workload(**resolve_auto({**WORKLOAD_DEFAULTS, **given}))
 
 
 def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
