@@ -312,6 +312,9 @@ def test_calibrate_collectives_and_bench_predict_under_torchrun(tmp_path: Path) 
     assert set(network["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     assert network["ranks"] == 2 and network["backend"] == "gloo"
     assert all(busbw > 0 for pts in network["collectives"].values() for _, busbw in pts)
+    host = json.loads(profile.read_text())["host"]  # fitted on real TP and TP+SP steps of the two host models
+    assert host["parallel"] >= 0 and host["collective"] > 0  # a gloo collective in a step waits beyond its curve
+    assert all(f"{m} {mode}: " in host["source"] for m in ("gpt", "llama") for mode in ("TP", "TP+SP"))
     cmd = ["bench", "--tp", "2", "--sp", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "128"]
     cmd += ["--seq-len", "32", "--micro-batch", "2", "--policies", "none,block", "--steps", "1", "--json"]
     done = subprocess.run(

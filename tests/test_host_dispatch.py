@@ -228,3 +228,67 @@ def test_host_cost_calibrated_on_this_cpu_predicts_a_small_step() -> None:
     median = {k: statistics.median(v) for k, v in errors.items()}
     assert abs(median["none"]) <= 0.25 and abs(median["block"]) <= 0.25, median
     assert median["bare"] < -0.5, median  # the bare launch: most of a small eager step is the host's
+
+
+# --- tensor-parallel steps (issue 25, 6b) ----------------------------------------------------------------------
+
+
+def test_a_tensor_parallel_rank_pays_the_calibrated_host_cost_per_kernel_and_per_collective() -> None:
+    """t = 2 with SP: every phase costs ``parallel`` more per kernel and ``collective`` more per collective in line
+    (a forward's); t = 1, a profile that did not measure them, or --compiled: not a second more."""
+    from recompute.core.pricing import Job, phase_seconds, with_network
+    from recompute.core.timing import kernels
+    from recompute.trace import cached_works
+    from tiny import tiny_gpt
+
+    spec = tiny_gpt()
+    cpu = with_network(device("cpu"))
+    fitted = dataclasses.replace(cpu, host=dataclasses.replace(HOST, parallel=20e-6, collective=500e-6))
+    for tp, sp in ((2, True), (2, False), (1, False)):
+        wl = Workload(micro_batch=2, seq_len=32, dtype="fp32", device="cpu", tp=tp, sp=sp)
+        work, job = cached_works(spec, wl, ["none"])["none"], Job.of(spec, wl)
+        plain, priced = phase_seconds(work, cpu, job), phase_seconds(work, fitted, job)
+        for name, ops in work.phases.items():
+            collectives = sum(op[4] for op in ops if op[0].startswith("comm."))
+            extra = (20e-6 * kernels(ops) + 500e-6 * collectives) if tp > 1 else 0.0
+            if name.startswith("forward"):
+                assert math.isclose(priced[name] - plain[name], extra, abs_tol=1e-12), (tp, sp, name)
+            assert tp == 1 or kernels(ops) == 0 or priced[name] > plain[name]
+        # per layer 4 all-reduces (SP: 6 all-gathers, 4 reduce-scatters), 5 (SP: 8) around the embedding, head and
+        # loss, and with SP the optimizer's 30 all-reduces (three for each of the norms' 10 replicated parameters)
+        assert sum(op[4] for ops in work.phases.values() for op in ops if op[0].startswith("comm.")) == (
+            0 if tp == 1 else 2 * 10 + 8 + 30 if sp else 2 * 4 + 5
+        )
+    wl = Workload(micro_batch=2, seq_len=32, dtype="fp32", device="cpu", tp=2, sp=True)
+    work, job = cached_works(spec, wl, ["none"])["none"], Job.of(spec, wl)
+    compiled = dataclasses.replace(fitted, compiled=True)
+    assert phase_seconds(work, compiled, job) == phase_seconds(work, dataclasses.replace(cpu, compiled=True), job)
+    assert fitted.tensor_parallel().tensor_parallel() == fitted.tensor_parallel()  # applied once
+
+
+def test_parallel_host_costs_round_trip_are_checked_and_said() -> None:
+    host = dataclasses.replace(HOST, parallel=15e-6, collective=800e-6)
+    assert HostCost.from_dict(host.to_dict()) == host
+    assert HostCost.from_dict({"kernel": 1e-5, "replay": 4e-5, "optimizer": 2e-6}).parallel == 0.0  # older profiles
+    with pytest.raises(ConfigError, match="host costs of parallel steps must be >= 0"):
+        dataclasses.replace(HOST, collective=-1e-6)
+    bad = device("cpu", host=host).to_dict()
+    bad["host"]["parallel"] = "fast"
+    with pytest.raises(ConfigError, match=r"'host\.parallel' must be a finite number >= 0"):
+        Device.from_dict(bad)
+    assert (
+        device("cpu", host=host)
+        .host_note()
+        .endswith("; tensor-parallel steps: +15.0 us per kernel, +800.0 us per collective (calibrated on real ones)")
+    )
+
+
+def test_the_fit_recovers_per_kernel_and_per_collective_costs_and_never_goes_below_zero() -> None:
+    from recompute.bench._host import _fit_two
+
+    rows = [(20e-6 * k + 700e-6 * c, k, c) for k, c in ((780, 21), (800, 102), (810, 21), (830, 75))]
+    a, b = _fit_two(rows)
+    assert math.isclose(a, 20e-6, rel_tol=1e-9) and math.isclose(b, 700e-6, rel_tol=1e-9)
+    a, b = _fit_two([(0.010 - 1e-4 * c, 800, c) for c in (21, 102)])  # more collectives, less time: b would be < 0
+    assert b == 0.0 and a > 0
+    assert _fit_two([(-0.01, 800, 21), (-0.02, 800, 102)]) == (0.0, 0.0)  # steps faster than priced: nothing added

@@ -13,6 +13,15 @@ whose device work is negligible:
 - ``replay``: what the step with every layer checkpointed (``block``) takes beyond the plain step, less the
   device time of the kernels it adds, over the kernels it adds (``recompute.core.timing.replayed``).
 
+Under torchrun (``calibrate --collectives``) the same models, split over the t ranks (``parallel_models``:
+2t query heads, t key/value heads), are timed as whole tensor-parallel steps, with and without sequence
+parallelism (``time_parallel_steps``), and ``parallel_host_cost`` fits the two costs a tensor-parallel step adds
+on this host to what the time model already prices (the kernels at the host costs above, the collectives on
+the curves just measured): ``parallel`` per kernel (DTensor's sharding propagation and redistribution in
+Python) and ``collective`` per collective (its launch and wait beyond the transfer, the ranks arriving apart),
+least squares over the four steps, neither below 0. Sequence parallelism adds collectives to the same kernels,
+which is what tells the two apart.
+
 The steps run in interleaved rounds (a batch of plain steps, a batch of checkpointed ones, a batch of optimizer
 steps alone), each batch long enough to span the scheduler's time slices, and each time is the best batch's
 over the rounds, as the rates are (``recompute.bench.calibrate``: the best of three batches): the host's time
@@ -22,22 +31,37 @@ models' figures are pooled: their time over their kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from recompute.checkpointing import apply
+from recompute.core.comms import parse_comm
+from recompute.core.errors import require
 from recompute.core.policy import Policy
+from recompute.core.pricing import Job, step_time
+from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
-from recompute.core.timing import OPTIMIZER_PHASE, Device, HostCost, StepWork
+from recompute.core.timing import OPTIMIZER_PHASE, Device, HostCost, StepWork, kernels
 from recompute.core.workload import Workload
 from recompute.models.source import ModelSource, build_source
+from recompute.parallel import parallelize
 from recompute.runtime import TORCH_DTYPES, random_batch, sync
 from recompute.trace import cached_works
 
-__all__ = ["HOST_MODELS", "HOST_SHAPE", "host_cost"]
+__all__ = [
+    "HOST_MODELS",
+    "HOST_SHAPE",
+    "host_cost",
+    "parallel_host_cost",
+    "parallel_models",
+    "time_parallel_steps",
+]
 
 HOST_MODELS = {
     "gpt": ("gpt2", {"hidden": 64, "n_layers": 4, "n_heads": 2, "vocab": 256, "max_positions": 64}),
@@ -97,12 +121,109 @@ class _Times:
     rounds: int
 
 
+def _workload(kind: str, **parallel: int | bool) -> Workload:
+    """The timed steps' workload on a ``kind`` device (fp32 on a CPU, bf16 on a GPU)."""
+    kind = "cpu" if kind == "cpu" else "cuda"
+    b, s = HOST_SHAPE
+    dtype = "fp32" if kind == "cpu" else "bf16"
+    return Workload(micro_batch=b, seq_len=s, dtype=dtype, device=kind, keep_grads=False, **parallel)  # type: ignore[arg-type]
+
+
+def parallel_models(tp: int) -> dict[str, ModelSpec]:
+    """``HOST_MODELS`` with heads that split over ``tp`` ranks: 2t query heads, t key/value heads (Llama)."""
+    out = {}
+    for name, (preset, overrides) in HOST_MODELS.items():
+        heads = {"n_heads": 2 * tp} | ({"n_kv_heads": tp} if "n_kv_heads" in overrides else {})
+        out[name] = ModelSpec.from_name(preset, **{**overrides, **heads})
+    return out
+
+
+def time_parallel_steps(
+    mesh: DeviceMesh, *, seconds: float = 2.0, progress: Progress = no_progress
+) -> dict[str, float]:
+    """Seconds of one whole training step (forward, backward, AdamW) of each ``parallel_models`` model split over
+    ``mesh`` (1-D, tensor-parallel), without and with sequence parallelism (keys ``"gpt TP"``, ``"gpt TP+SP"``,
+    ...): every rank calls it; the best batch of interleaved rounds (each batch after a barrier, about
+    ``seconds`` of rounds per model), the slowest rank's."""
+    tp = mesh.size()
+    out: dict[str, float] = {}
+    for i, (name, spec) in enumerate(parallel_models(tp).items()):
+        progress(f"tensor-parallel steps of {name}", i, len(HOST_MODELS))
+        wl = _workload(mesh.device_type)
+        steps = {f"{name} {'TP+SP' if sp else 'TP'}": _Step(spec, wl, "none", mesh=mesh, sp=sp) for sp in (False, True)}
+        for step in steps.values():  # warm-up
+            for _ in range(3):
+                step()
+        once = torch.tensor([_batch(next(iter(steps.values())), 1)], device=mesh.device_type)
+        dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank runs as many steps (each one has collectives)
+        n = max(1, round(seconds / 10 / max(float(once.item()), 1e-6)))  # a tenth: 5 rounds of 2 batches
+        best = dict.fromkeys(steps, float("inf"))
+        for _ in range(5):
+            for key, step in steps.items():
+                dist.barrier()
+                best[key] = min(best[key], _batch(step, n))
+        out.update(best)
+    progress("tensor-parallel steps", len(HOST_MODELS), len(HOST_MODELS))
+    slowest = torch.tensor(list(out.values()), dtype=torch.float64, device=mesh.device_type)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return dict(zip(out, slowest.tolist(), strict=True))
+
+
+def parallel_host_cost(device: Device, steps: Mapping[str, float], tp: int) -> HostCost:
+    """``device.host`` with ``parallel`` and ``collective`` fitted to ``steps`` (``time_parallel_steps`` on ``tp``
+    ranks): what each measured step takes beyond its prediction (its kernels at the host costs, its collectives on
+    ``device``'s network), as a cost per kernel and per collective, least squares, neither below 0. Call it once
+    the process group has ended (the trace starts a fake one).
+
+    Raises:
+        ConfigError: ``device`` has no host costs (calibrate it first) or ``steps`` misses a model.
+    """
+    require(device.host is not None, "the device profile has no host costs: calibrate it again without --collectives")
+    assert device.host is not None
+    plain = dataclasses.replace(device, host=dataclasses.replace(device.host, parallel=0.0, collective=0.0))
+    rows = []
+    for name, spec in parallel_models(tp).items():
+        for sp in (False, True):
+            key = f"{name} {'TP+SP' if sp else 'TP'}"
+            require(key in steps, f"no timed step for {key}")
+            wl = _workload(device.kind, tp=tp, sp=sp)
+            work = cached_works(spec, wl, ["none"])["none"]
+            predicted = step_time(work, plain, Job.of(spec, wl)).step
+            collectives = sum(op[4] for ops in work.phases.values() for op in ops if parse_comm(op[0]))
+            count = sum(kernels(ops) for ops in work.phases.values())
+            rows.append((key, steps[key], predicted, count, collectives))
+    parallel, collective = _fit_two([(r[1] - r[2], r[3], r[4]) for r in rows])
+    parts = "; ".join(
+        f"{k}: {m * 1e3:.2f} ms measured, {p * 1e3:.2f} ms priced, {n} kernels, {c} collectives"
+        for k, m, p, n, c in rows
+    )
+    source = (
+        f"{device.host.source}; tensor-parallel steps on {tp} ranks at b={HOST_SHAPE[0]} s={HOST_SHAPE[1]}: {parts}"
+    )
+    return dataclasses.replace(device.host, parallel=parallel, collective=collective, source=source)
+
+
+def _fit_two(rows: list[tuple[float, int, int]]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising the sum of (r - a x - b y)^2 over rows (r, x, y): the unconstrained solution, else
+    the better of a alone and b alone."""
+    sxx = sum(x * x for _, x, _ in rows)
+    syy = sum(y * y for _, _, y in rows)
+    sxy = sum(x * y for _, x, y in rows)
+    sxr = sum(x * r for r, x, _ in rows)
+    syr = sum(y * r for r, _, y in rows)
+    det = sxx * syy - sxy * sxy
+    if det > 0:
+        a, b = (sxr * syy - syr * sxy) / det, (syr * sxx - sxr * sxy) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    candidates = [(max(0.0, sxr / sxx) if sxx else 0.0, 0.0), (0.0, max(0.0, syr / syy) if syy else 0.0)]
+    return min(candidates, key=lambda ab: sum((r - ab[0] * x - ab[1] * y) ** 2 for r, x, y in rows))
+
+
 def _measure(name: str, device: Device, seconds: float) -> _Times:
     preset, overrides = HOST_MODELS[name]
     spec = ModelSpec.from_name(preset, **overrides)
-    kind = "cpu" if device.kind == "cpu" else "cuda"
-    b, s = HOST_SHAPE
-    wl = Workload(micro_batch=b, seq_len=s, dtype="fp32" if kind == "cpu" else "bf16", device=kind, keep_grads=False)
+    wl = _workload(device.kind)
     works = cached_works(spec, wl, ["none", "block"])
     plain, checkpointed = _Step(spec, wl, "none"), _Step(spec, wl, "block")
     for _ in range(3):  # warm-up: the allocator's blocks, the optimizer's state, lazy initialisations
@@ -152,12 +273,16 @@ def _device_seconds(work: StepWork, device: Device) -> float:
 class _Step:
     """One eager training step of a model under a policy: forward, backward, optimizer step, gradients freed."""
 
-    def __init__(self, spec: ModelSpec, wl: Workload, policy: str) -> None:
+    def __init__(
+        self, spec: ModelSpec, wl: Workload, policy: str, *, mesh: DeviceMesh | None = None, sp: bool = False
+    ) -> None:
         torch.manual_seed(0)
         built = build_source(
             ModelSource.preset(spec), attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=wl.device
         )
         self.model = built.model.train()
+        if mesh is not None:
+            parallelize(self.model, mesh, sp=sp)
         apply(self.model, Policy(policy))
         self.loss_fn = built.loss_fn
         self.optimizer = torch.optim.AdamW(self.model.parameters())

@@ -16,7 +16,15 @@ Each curve is measured at several sizes, because eager PyTorch reaches a device'
 - host link (GPUs): pinned host-to-device copies.
 
 Every point is the best of three batches, each batch repeating the op until it has run a minimum time; GPU
-batches are timed with CUDA events around enough work to hide the launch. The CPU is measured with the
+batches are timed with CUDA events around enough work to hide the launch.
+
+Note: [ranks in step] Under torchrun (``calibrate --collectives`` on a profile not made yet) every rank
+calibrates at once, and each batch starts after a barrier: the ranks of a tensor-parallel step run the same
+kernel at the same moment, and on a CPU whose cores they share a matmul then runs slower than beside another
+rank's lighter op (the cores' clocks and the memory are shared). On a CPU each rank's batch is then as long in
+time, not in calls: every rank is busy until the last has measured, as in a step; a batch of so many calls let
+the ranks that finished first leave their core to the others (4 ranks on this 2-core machine measured 126
+GFLOP/s each where their steps ran near 90). The CPU is measured with the
 threads torch uses (``torch.set_num_threads``): recorded, since a step with other threads runs at other rates.
 
 Over 400 lines because the calibration of one device (compute, bandwidth, host costs per kernel, collectives) writes
@@ -35,6 +43,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
@@ -164,6 +173,20 @@ def _timer(device: str, min_time: float) -> Callable[[Callable[[], Any]], float]
             fn()
         return time.perf_counter() - t0
 
+    together = dist.is_available() and dist.is_initialized()
+
+    def batch(fn: Callable[[], Any], n: int) -> float:
+        if not together:
+            return run(fn, n) / n
+        dist.barrier()  # Note: [ranks in step]
+        if cuda:
+            return run(fn, n) / n
+        calls, start = 0, time.perf_counter()
+        while (spent := time.perf_counter() - start) < min_time or not calls:
+            fn()
+            calls += 1
+        return spent / calls
+
     def measure(fn: Callable[[], Any]) -> float:
         fn()
         fn()
@@ -171,7 +194,7 @@ def _timer(device: str, min_time: float) -> Callable[[Callable[[], Any]], float]
         while (spent := run(fn, n)) < min_time / 4 and n < 1 << 20:
             n *= 4
         n = max(1, int(n * min_time / max(spent, 1e-9)))
-        return min(run(fn, n) / n for _ in range(3))
+        return min(batch(fn, n) for _ in range(3))
 
     return measure
 

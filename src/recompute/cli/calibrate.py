@@ -15,12 +15,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
+from recompute.bench._host import parallel_host_cost, time_parallel_steps
 from recompute.bench.calibrate import calibrate
 from recompute.bench.collectives import measure_collectives
 from recompute.cli._common import emit_json, writable
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, positive_int
+from recompute.core.pricing import with_network
 from recompute.core.table import render_table
 from recompute.core.timing import Device
 from recompute.parallel import end_process_group, under_torchrun
@@ -68,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
 def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
     """Every rank measures the collectives, and rank 0 writes them into the profile at -o. Without one there
     yet, every rank calibrates the device first, all at once (the ranks of a step share the machine: on a CPU
-    the rates they reach together are what a step sees), and rank 0 keeps its own."""
+    the rates they reach together are what a step sees), and rank 0 keeps its own. Then every rank times real
+    tensor-parallel steps of small models, and rank 0 fits the host's costs of such a step per kernel and per
+    collective (``recompute.bench._host.parallel_host_cost``) into the profile's host costs."""
     if not under_torchrun():
         raise ConfigError(
             "--collectives measures a process group: torchrun --nproc-per-node 2 -m recompute calibrate "
@@ -86,16 +91,25 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
     dist.barrier()
     with progress_bar("collectives", enabled=rank0 and not args.json) as progress:
         found = measure_collectives(quick=args.quick, progress=progress)
+    steps = None
+    if base.host is not None:
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        with progress_bar("tensor-parallel steps", enabled=rank0 and not args.json) as progress:
+            steps = time_parallel_steps(mesh, seconds=2.0 if args.quick else 8.0, progress=progress)
+    end_process_group()  # before the fit's traces, which start a fake process group
     if rank0:
         result = dataclasses.replace(base, network={**base.network, **found})
+        if steps is not None:
+            host = parallel_host_cost(with_network(result), steps, found["ranks"])
+            result = dataclasses.replace(result, host=host)
         result.save(output)
         if args.json:
             emit_json(result.to_dict())
         else:
             print(render_collectives(found))
+            print(result.host_note())
             print(f"\nwrote {output}")
         sys.stdout.flush()
-    end_process_group()
     return 0
 
 

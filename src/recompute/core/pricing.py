@@ -12,11 +12,15 @@ Note: [the step's time] One rank's step, for ``m`` micro-batches on ``p`` pipeli
     step = (m + (p - 1)/v) * (compute + tp + p2p) + optimizer + dp
 
 - compute: one micro-batch's kernels on the slowest stage (its ceil(L/p) layers, and the embedding or the
-  head and loss, whichever costs more), replays included;
+  head and loss, whichever costs more), replays included; on a tensor-parallel rank every kernel also costs the
+  host DTensor's work around it (``HostCost.parallel``, where ``calibrate --collectives`` measured it);
 - tp: its tensor- and sequence-parallel collectives on the critical path: every one of the forward and of a
   replay (Megatron runs them in line), and of the backward what the weight-gradient matmuls do not hide
   (Megatron overlaps each input-gradient collective with a weight-gradient matmul; Korthikanti et al. 2022,
   Sec. 6.2): per phase, max(0, backward collectives - half the phase's weight matmul time under ``none``);
+  on a CPU none is hidden (gloo's collectives copy and reduce on the cores that compute);
+  each collective its transfer on the network's curves plus what one costs in a real step beyond it
+  (``HostCost.collective``: launch, wait, the ranks arriving apart; where measured);
 - p2p: the activations a micro-batch sends to the next stage in the forward and its gradient back, once per
   chunk boundary (v of them per stage), in line: b s h / t per rank (Megatron's scatter/gather optimisation, an
   all-gather over the tensor-parallel group on arrival without sequence parallelism);
@@ -299,6 +303,7 @@ def step_time(work: StepWork, device: Device, job: Job | int, *, base: StepWork 
         ConfigError: a layout whose groups do not tile ``gpus_per_node`` (``Layout.check``).
     """
     job = _job(job)
+    device = device.tensor_parallel() if job.wl.tp > 1 else device
     net = network_of(device)
     layout = dataclasses.replace(job.layout, gpus_per_node=net.gpus_per_node)
     layout.check()
@@ -341,6 +346,7 @@ def phase_seconds(work: StepWork, device: Device, job: Job | int, *, base: StepW
     """Each phase's seconds on one rank: its kernels and its collectives on the critical path (a layer's
     forward, its backward with the replay: what Korthikanti et al.'s Table 4 times per layer)."""
     job = _job(job)
+    device = device.tensor_parallel() if job.wl.tp > 1 else device
     net = network_of(device)
     layout = dataclasses.replace(job.layout, gpus_per_node=net.gpus_per_node)
     base = base or work
@@ -363,8 +369,8 @@ def _phase_comm(
             continue
         kind, group, n, replay = parsed
         _, nodes = layout.group(group) if group in ("tp", "dp", "pp", "ep") else (n, 1)
-        seconds = op[4] * net.seconds(kind, op[3], n, nodes)
-        if name.startswith("backward") and not replay and kind != "all_to_all":  # Note: [overlap] rule 4
+        seconds = op[4] * (net.seconds(kind, op[3], n, nodes) + device.collective_overhead)
+        if device.asynchronous and name.startswith("backward") and not replay and kind != "all_to_all":  # rule 4
             hidden += seconds
         else:
             inline += seconds

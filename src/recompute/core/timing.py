@@ -41,7 +41,7 @@ import math
 import re
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,19 +150,51 @@ class HostCost:
     """Per kernel of the optimizer step (a loop over parameters, or multi-tensor kernels)."""
     source: str = ""
     """How it was measured: the models, their kernels, the steps' times."""
+    parallel: float = 0.0
+    """Per kernel of a tensor-parallel rank's step, on top of ``kernel``, ``replay`` or ``optimizer``: DTensor's
+    sharding propagation and redistribution, run in Python around the kernels of a split layer. Measured on real
+    tensor-parallel steps under torchrun (``recompute calibrate --collectives``); 0 where not measured."""
+    collective: float = 0.0
+    """Per collective of a step, on top of its transfer on the measured curves: the functional collective's
+    launch and wait, DTensor's redistribution around it, and the ranks arriving apart (the curves time each
+    collective after a barrier). Measured with ``parallel``; 0 where not measured."""
 
     def __post_init__(self) -> None:
         require(
             min(self.kernel, self.replay, self.optimizer) > 0,
             f"host costs per kernel must be positive, got {self.kernel}, {self.replay}, {self.optimizer}",
         )
+        require(
+            min(self.parallel, self.collective) >= 0,
+            f"host costs of parallel steps must be >= 0, got {self.parallel}, {self.collective}",
+        )
+
+    def tensor_parallel(self) -> HostCost:
+        """The costs of a tensor-parallel rank's step: ``parallel`` added to every kernel's (and then 0, so that
+        applying it twice changes nothing)."""
+        p = self.parallel
+        return replace(self, kernel=self.kernel + p, replay=self.replay + p, optimizer=self.optimizer + p, parallel=0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kernel": self.kernel, "replay": self.replay, "optimizer": self.optimizer, "source": self.source}
+        return {
+            "kernel": self.kernel,
+            "replay": self.replay,
+            "optimizer": self.optimizer,
+            "source": self.source,
+            "parallel": self.parallel,
+            "collective": self.collective,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HostCost:
-        return cls(float(data["kernel"]), float(data["replay"]), float(data["optimizer"]), str(data.get("source", "")))
+        return cls(
+            float(data["kernel"]),
+            float(data["replay"]),
+            float(data["optimizer"]),
+            str(data.get("source", "")),
+            float(data.get("parallel", 0.0)),
+            float(data.get("collective", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -208,6 +240,19 @@ class Device:
         """The host issues kernels ahead of the device (GPUs): a phase costs max(host, device)."""
         return self.kind != "cpu"
 
+    def tensor_parallel(self) -> Device:
+        """This device pricing a tensor-parallel rank's step (``HostCost.tensor_parallel``); itself where the
+        host's parallel costs are not measured, or not priced (``compiled``)."""
+        if self.compiled or self.host is None or not self.host.parallel:
+            return self
+        return replace(self, host=self.host.tensor_parallel())
+
+    @property
+    def collective_overhead(self) -> float:
+        """Seconds each collective of a step costs beyond its transfer (``HostCost.collective``; 0 where not
+        measured, or under ``compiled``)."""
+        return 0.0 if self.compiled or self.host is None else self.host.collective
+
     def host_seconds(self, kernels: int, replayed: int = 0, *, phase: str = "") -> float:
         """The host's time to issue a phase of ``kernels`` kernels, ``replayed`` of them replayed by a checkpoint."""
         if self.compiled or self.host is None:
@@ -237,9 +282,15 @@ class Device:
                 "more: calibrate with `recompute calibrate -o device.json`)"
             )
         h = self.host
+        parallel = (
+            f"; tensor-parallel steps: +{h.parallel * 1e6:.1f} us per kernel, +{h.collective * 1e6:.1f} us per "
+            "collective (calibrated on real ones)"
+            if h.parallel or h.collective
+            else ""
+        )
         return (
             f"host dispatch: {h.kernel * 1e6:.1f} us per kernel, {h.replay * 1e6:.1f} us per replayed kernel, "
-            f"{h.optimizer * 1e6:.1f} us per optimizer kernel (calibrated on eager training steps)"
+            f"{h.optimizer * 1e6:.1f} us per optimizer kernel (calibrated on eager training steps){parallel}"
         )
 
     def rate(self, cls: str, dtype: str, size: float, name: str = "") -> float:
@@ -406,6 +457,8 @@ def check_device_dict(data: Mapping[str, Any]) -> None:
     if host is not None:
         for key in ("kernel", "replay", "optimizer"):
             _check_number(f"host.{key}", host.get(key), low=0.0, strict=True)
+        for key in ("parallel", "collective"):
+            _check_number(f"host.{key}", host.get(key, 0.0), low=0.0)
     require(isinstance(data.get("compiled", False), bool), "'compiled' must be true or false")
     _check_network(data.get("network") or {})
 
