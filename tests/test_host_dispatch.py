@@ -284,7 +284,10 @@ def test_parallel_host_costs_round_trip_are_checked_and_said() -> None:
 
 
 def test_the_fit_recovers_per_kernel_and_per_collective_costs_and_never_goes_below_zero() -> None:
-    from recompute.bench._host import _fit_two
+    from recompute.bench._host import _fit_two, parallel_models, splits
+
+    assert [t for t in range(1, 70) if splits(t)] == [2, 4, 8, 16, 32]  # 3 ranks: calibrate says why it skips them
+    assert {(s.n_heads, s.n_kv_heads) for s in parallel_models(8).values()} == {(16, 16), (16, 8)}
 
     rows = [(20e-6 * k + 700e-6 * c, k, c) for k, c in ((780, 21), (800, 102), (810, 21), (830, 75))]
     a, b = _fit_two(rows)

@@ -60,6 +60,7 @@ __all__ = [
     "host_cost",
     "parallel_host_cost",
     "parallel_models",
+    "splits",
     "time_parallel_steps",
 ]
 
@@ -127,6 +128,12 @@ def _workload(kind: str, **parallel: int | bool) -> Workload:
     b, s = HOST_SHAPE
     dtype = "fp32" if kind == "cpu" else "bf16"
     return Workload(micro_batch=b, seq_len=s, dtype=dtype, device=kind, keep_grads=False, **parallel)  # type: ignore[arg-type]
+
+
+def splits(tp: int) -> bool:
+    """Whether the host models split over ``tp`` ranks: t divides their sequence, vocabulary and MLP width (32,
+    256 and 224: t a power of two up to 32)."""
+    return tp > 1 and all(n % tp == 0 for n in (HOST_SHAPE[1], 256, 224))
 
 
 def parallel_models(tp: int) -> dict[str, ModelSpec]:
@@ -197,10 +204,12 @@ def parallel_host_cost(device: Device, steps: Mapping[str, float], tp: int) -> H
         f"{k}: {m * 1e3:.2f} ms measured, {p * 1e3:.2f} ms priced, {n} kernels, {c} collectives"
         for k, m, p, n, c in rows
     )
-    source = (
-        f"{device.host.source}; tensor-parallel steps on {tp} ranks at b={HOST_SHAPE[0]} s={HOST_SHAPE[1]}: {parts}"
-    )
+    eager = device.host.source.split(_PARALLEL_SOURCE)[0]  # a profile measured again: its eager steps alone
+    source = f"{eager}{_PARALLEL_SOURCE}{tp} ranks at b={HOST_SHAPE[0]} s={HOST_SHAPE[1]}: {parts}"
     return dataclasses.replace(device.host, parallel=parallel, collective=collective, source=source)
+
+
+_PARALLEL_SOURCE = "; tensor-parallel steps on "
 
 
 def _fit_two(rows: list[tuple[float, int, int]]) -> tuple[float, float]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from recompute.bench._host import parallel_host_cost, time_parallel_steps
+from recompute.bench._host import parallel_host_cost, splits, time_parallel_steps
 from recompute.bench.calibrate import calibrate
 from recompute.bench.collectives import measure_collectives
 from recompute.cli._common import emit_json, writable
@@ -91,8 +91,8 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
     dist.barrier()
     with progress_bar("collectives", enabled=rank0 and not args.json) as progress:
         found = measure_collectives(quick=args.quick, progress=progress)
-    steps = None
-    if base.host is not None:
+    steps, ranks = None, dist.get_world_size()
+    if base.host is not None and splits(ranks):
         mesh = init_device_mesh(device, (dist.get_world_size(),))
         with progress_bar("tensor-parallel steps", enabled=rank0 and not args.json) as progress:
             steps = time_parallel_steps(mesh, seconds=2.0 if args.quick else 8.0, progress=progress)
@@ -100,7 +100,7 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
     if rank0:
         result = dataclasses.replace(base, network={**base.network, **found})
         if steps is not None:
-            host = parallel_host_cost(with_network(result), steps, found["ranks"])
+            host = parallel_host_cost(with_network(result), steps, ranks)
             result = dataclasses.replace(result, host=host)
         result.save(output)
         if args.json:
@@ -108,6 +108,15 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
         else:
             print(render_collectives(found))
             print(result.host_note())
+            if steps is None:
+                why = (
+                    "the profile has no host costs"
+                    if base.host is None
+                    else f"the host models do not split {ranks} ways"
+                )
+                print(
+                    f"note: the host's costs of tensor-parallel steps not measured ({why}; 2, 4, 8, 16 or 32 ranks do)"
+                )
             print(f"\nwrote {output}")
         sys.stdout.flush()
     return 0
