@@ -255,7 +255,7 @@ def test_a_tensor_parallel_rank_pays_the_calibrated_host_cost_per_kernel_and_per
                 assert math.isclose(priced[name] - plain[name], extra, abs_tol=1e-12), (tp, sp, name)
             assert tp == 1 or kernels(ops) == 0 or priced[name] > plain[name]
         # per layer 4 all-reduces (SP: 6 all-gathers, 4 reduce-scatters), 5 (SP: 8) around the embedding, head and
-        # loss, and with SP the optimizer's 30 all-reduces (three for each of the norms' 10 replicated parameters)
+        # loss, and with SP the optimizer step's 30 all-reduces (of the norms' replicated parameters, 10 of them)
         assert sum(op[4] for ops in work.phases.values() for op in ops if op[0].startswith("comm.")) == (
             0 if tp == 1 else 2 * 10 + 8 + 30 if sp else 2 * 4 + 5
         )

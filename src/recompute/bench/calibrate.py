@@ -22,9 +22,8 @@ Note: [ranks in step] Under torchrun (``calibrate --collectives`` on a profile n
 calibrates at once, and each batch starts after a barrier: the ranks of a tensor-parallel step run the same
 kernel at the same moment, and on a CPU whose cores they share a matmul then runs slower than beside another
 rank's lighter op (the cores' clocks and the memory are shared). On a CPU each rank's batch is then as long in
-time, not in calls: every rank is busy until the last has measured, as in a step; a batch of so many calls let
-the ranks that finished first leave their core to the others (4 ranks on this 2-core machine measured 126
-GFLOP/s each where their steps ran near 90). The CPU is measured with the
+time, not in calls: every rank is busy until the last has measured, as in a step (a batch of so many calls lets
+the ranks that finish first leave their core to the others). The CPU is measured with the
 threads torch uses (``torch.set_num_threads``): recorded, since a step with other threads runs at other rates.
 
 Over 400 lines because the calibration of one device (compute, bandwidth, host costs per kernel, collectives) writes

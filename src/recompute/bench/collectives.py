@@ -39,7 +39,8 @@ def sizes(*, gpu: bool, quick: bool) -> tuple[int, ...]:
 def _op(kind: str, nbytes: int, n: int, device: str) -> Callable[[], Any]:
     """One collective of ``nbytes`` (fp32 elements, a multiple of the group size), run as a step runs it: through
     the functional collectives DTensor's redistributions call (out of place, then waited on), on the whole group.
-    On this CPU with gloo a 2 MiB all-reduce takes 2.9 ms that way and 1.4 ms as ``dist.all_reduce``."""
+    On this CPU with gloo a 2 MiB all-reduce takes 2.4 ms that way and 1.2 ms as ``dist.all_reduce``
+    (``benchmarks/tp_profile.py``)."""
     count = max(n, nbytes // 4 // n * n)
     x = torch.ones(count, device=device)
     group = dist.group.WORLD
@@ -98,7 +99,7 @@ def measure_collectives(
     points: dict[str, list[list[float]]] = {}
     times: dict[str, list[list[float]]] = {}
     steps = [(k, s) for k in kinds for s in sizes(gpu=device == "cuda", quick=quick)]
-    for kind in kinds:  # the group's first collectives set up its connections: 3 ms for 4 KiB here, not 0.3
+    for kind in kinds:  # the group's first collectives set up its connections (docs/time.md, Communication)
         _time(_op(kind, steps[0][1], n, device), device, repeats=3, warmup=10)
     for i, (kind, nbytes) in enumerate(steps):
         progress(f"{kind} {nbytes} B", i, len(steps))

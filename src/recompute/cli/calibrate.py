@@ -93,7 +93,7 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
         found = measure_collectives(quick=args.quick, progress=progress)
     steps, ranks = None, dist.get_world_size()
     if base.host is not None and splits(ranks):
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        mesh = init_device_mesh(device, (ranks,))
         with progress_bar("tensor-parallel steps", enabled=rank0 and not args.json) as progress:
             steps = time_parallel_steps(mesh, seconds=2.0 if args.quick else 8.0, progress=progress)
     end_process_group()  # before the fit's traces, which start a fake process group
