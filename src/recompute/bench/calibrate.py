@@ -26,19 +26,31 @@ time, not in calls: every rank is busy until the last has measured, as in a step
 the ranks that finish first leave their core to the others). The CPU is measured with the
 threads torch uses (``torch.set_num_threads``): recorded, since a step with other threads runs at other rates.
 
+Note: [cold operands] On a CPU each call of a measured op takes its operands, and leaves its result, in copies
+it rotates through: twice the last-level cache of them (``cold_pool_bytes``), the results kept as long. An op
+called again and again on the same tensors finds them in the cache, and a training step's ops do not: their
+working set (the saved activations, the weights and their gradients) is larger than the cache. On this 2-core
+Xeon (``benchmarks/cold_operands.py``, fp32, one thread) an attention-shaped ``bmm`` (8 x 512 x 64 by 8 x 64 x
+512) reached 176 GFLOP/s on the same operands and 100 on rotated ones, and the same products ran at 108 inside a
+tensor-parallel step (``benchmarks/tp_profile.py``); an add of 3 x 16 MiB streamed 29 GB/s warm, 15 cold. GPUs
+keep their operands (their steps' ops are mostly larger than the L2 cache; not measured yet).
+
 Over 400 lines because the calibration of one device (compute, bandwidth, host costs per kernel, collectives) writes
 one device profile.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import platform
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,6 +152,43 @@ def _op_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+_MAX_COPIES = 1024
+"""At most so many copies of a small op's operands: 1024 calls of a 4 KiB add already leave the core's caches."""
+
+
+def cold_pool_bytes() -> int:
+    """Bytes of operand copies a CPU op rotates through: twice the largest cache the kernel reports, between
+    64 and 512 MiB (256 MiB where it reports none). Note: [cold operands]."""
+    units = {"": 0, "K": 10, "M": 20, "G": 30}
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            found = re.fullmatch(r"(\d+)([KMG]?)", (index / "size").read_text().strip())
+        except OSError:
+            found = None
+        if found:
+            sizes.append(int(found[1]) << units[found[2]])
+    return min(max(2 * max(sizes, default=128 << 20), 64 << 20), 512 << 20)
+
+
+def _copied(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with each tensor copied into storage of its own, strides, offset and ``requires_grad`` kept
+    (a transposed view stays transposed, a slice stays a slice of a copy of its base)."""
+    bases: dict[int, torch.Tensor] = {}
+
+    def copy(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        storage = a.untyped_storage()
+        if id(storage) not in bases:
+            flat = torch.empty(storage.nbytes(), dtype=torch.uint8, device=a.device)
+            flat.untyped_storage().copy_(storage)
+            bases[id(storage)] = flat
+        twin = bases[id(storage)].view(a.dtype).as_strided(a.size(), a.stride(), a.storage_offset())
+        return twin.detach().requires_grad_(a.requires_grad)
+
+    return tuple(copy(a) for a in args)
+
 
 def local_device_label(device: str) -> str:
     """What calibration calls the device: the GPU's name, or the CPU's model name."""
@@ -240,14 +289,26 @@ def _pow2(*exponents: int) -> tuple[int, ...]:
 
 
 class _Bench:
-    """The timer, the progress and the host overhead that rates on a CPU leave out (the model adds it per op)."""
+    """The timer, the progress, the host overhead that rates on a CPU leave out (the model adds it per op), and
+    the operands' rotation that keeps them out of the cache (Note: [cold operands])."""
 
-    def __init__(self, device: str, plan: _Plan, progress: Progress) -> None:
+    def __init__(self, device: str, plan: _Plan, progress: Progress, *, cold: bool = True) -> None:
         self.device, self.plan, self.progress = device, plan, progress
         self.timer = _timer(device, plan.batch_seconds)
         self.done = 0
         self.overhead = self._overhead()
         self.serial = 0.0 if device == "cuda" else self.overhead
+        self.pool = cold_pool_bytes() if cold and device != "cuda" else 0
+
+    def cold(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        """``fn(*args)`` as a call whose tensor operands rotate through copies, ``pool`` bytes of them with the
+        results kept as long, so that each call finds its operands and output out of the cache, as an op of a
+        training step does (Note: [cold operands]); with no pool, ``fn`` on ``args`` themselves."""
+        inputs, outputs = tensors_of(args, fn(*args))
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in inputs}
+        nbytes = sum(storages.values()) + sum(span(t) for t in outputs)
+        copies = min(_MAX_COPIES, -(-self.pool // max(nbytes, 1)))
+        return _Rotation(fn, args, copies) if copies > 1 else partial(fn, *args)
 
     def tick(self, what: str) -> None:
         self.done += 1
@@ -269,16 +330,44 @@ class _Bench:
         return seconds
 
     def rate(self, size: float, *calls: Callable[[], Any], kernels: int = 1) -> float:
-        """``size`` (FLOPs or bytes) per second of the calls together, each ``kernels`` kernels long."""
-        spent = sum(max(t - kernels * self.serial, t / 10) for t in (self.timer(call) for call in calls))
+        """``size`` (FLOPs or bytes) per second of the calls together, each ``kernels`` kernels long; a rotation's
+        copies are let go once it is timed, so that one pool at a time is held."""
+        spent = 0.0
+        for call in calls:
+            t = self.timer(call)
+            spent += max(t - kernels * self.serial, t / 10)
+            if isinstance(call, _Rotation):
+                call.close()
         return size / spent
 
 
-def calibrate(device: str = "cpu", *, quick: bool = False, progress: Progress = no_progress) -> Device:
+class _Rotation:
+    """``fn`` on the next of ``copies`` copies of ``args`` at each call, the last ``copies`` results kept; the
+    copies are made at the first call (Note: [cold operands])."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], copies: int) -> None:
+        self.fn, self.args, self.copies = fn, args, copies
+        self.turn: Iterator[tuple[Any, ...]] | None = None
+        self.kept: collections.deque[Any] = collections.deque(maxlen=copies)
+
+    def __call__(self) -> None:
+        if self.turn is None:
+            self.turn = itertools.cycle([_copied(self.args) for _ in range(self.copies)])
+        self.kept.append(self.fn(*next(self.turn)))
+
+    def close(self) -> None:
+        self.turn = None
+        self.kept.clear()
+
+
+def calibrate(
+    device: str = "cpu", *, quick: bool = False, cold: bool = True, progress: Progress = no_progress
+) -> Device:
     """Measure this machine's ``device`` (``cpu`` or ``cuda``) and return its profile.
 
     ``quick``: fewer sizes and shorter batches, the host timed on one model (seconds; ``bench`` uses it when
-    given no profile).
+    given no profile). ``cold=False``: a CPU's ops measured on the same operands call after call, warm in its
+    cache, as before Note: [cold operands] (``benchmarks/cold_operands.py`` compares the two).
 
     Raises:
         ConfigError: an unknown device, or CUDA asked for without CUDA.
@@ -286,7 +375,7 @@ def calibrate(device: str = "cpu", *, quick: bool = False, progress: Progress = 
     _require_device(device)
     gpu = device == "cuda"
     plan = _plan(gpu, quick)
-    bench = _Bench(device, plan, progress)
+    bench = _Bench(device, plan, progress, cold=cold)
     compute = _compute(bench)
     bandwidth = _bandwidth(bench)
     host_link = None
@@ -311,7 +400,13 @@ def calibrate(device: str = "cpu", *, quick: bool = False, progress: Progress = 
         source=f"calibrated by recompute calibrate{' --quick' if quick else ''} on {label}"
         + ("" if threads is None else f" with {threads} thread{'s' if threads != 1 else ''}"),
         threads=threads,
-        measured={"torch": torch.__version__, "quick": quick, "host": platform.node(), "cpus": os.cpu_count()},
+        measured={
+            "torch": torch.__version__,
+            "quick": quick,
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "operand_pool_bytes": bench.pool,  # 0: measured on warm operands (Note: [cold operands])
+        },
     )
     host = host_cost(rates, models=("gpt",) if quick else tuple(HOST_MODELS), seconds=20 * plan.batch_seconds)
     bench.tick("host dispatch")
@@ -335,13 +430,13 @@ def _compute(bench: _Bench) -> Points:
             pairs = [(randn(n, n), randn(n, n)), (randn(n, n // 4), randn(n // 4, 4 * n))]
             wide = randn(4 * n, n)
             pairs += [(wide, randn(n, n // 4)), (wide.t(), wide[:, : n // 4])]
-            calls = [partial(torch.mm, a, b) for a, b in pairs]
+            calls = [bench.cold(torch.mm, a, b) for a, b in pairs]
             out.setdefault(f"matmul.{dt}", []).append((2.0 * n**3, bench.rate(8.0 * n**3, *calls)))
             bench.tick(f"matmul {dt} {n}")
         for s in plan.seqs:  # per head: (s, d) x (d, s), then (s, s) x (s, d)
             q, p = randn(8, s, 64), randn(8, s, s)
             flops = 2.0 * 8 * s * s * 64
-            rate = bench.rate(2 * flops, partial(torch.bmm, q, q.mT), partial(torch.bmm, p, q))
+            rate = bench.rate(2 * flops, bench.cold(torch.bmm, q, q.mT), bench.cold(torch.bmm, p, q))
             out.setdefault(f"bmm.{dt}", []).append((flops, rate))
             bench.tick(f"bmm {dt} s={s}")
     heads, dim = (16, 128) if device == "cuda" else (4, 64)
@@ -350,14 +445,19 @@ def _compute(bench: _Bench) -> Points:
             shape = (1, heads, s, dim)
             q, k, v = (torch.randn(shape, device=device, dtype=_DTYPES[dt], requires_grad=True) for _ in range(3))
             grad = torch.randn(shape, device=device, dtype=_DTYPES[dt])
-
-            def step(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v, g: torch.Tensor = grad) -> None:
-                torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g)
-
             flops = float(sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape))
-            out.setdefault(f"attention.{dt}", []).append((flops, bench.rate(flops, step, kernels=2)))
+            rate = bench.rate(flops, bench.cold(_attention_step, q, k, v, grad), kernels=2)
+            out.setdefault(f"attention.{dt}", []).append((flops, rate))
             bench.tick(f"attention {dt} s={s}")
     return out
+
+
+def _attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+
+
+def _add_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.add(a, b, out=out)
 
 
 def _bandwidth(bench: _Bench) -> Points:
@@ -365,7 +465,7 @@ def _bandwidth(bench: _Bench) -> Points:
     out: Points = {"memory": [], "math": []}
     for n in bench.plan.elements:
         a, b, c = (torch.randn(n, device=bench.device) for _ in range(3))
-        out["memory"].append((12.0 * n, bench.rate(12.0 * n, partial(torch.add, a, b, out=c))))
+        out["memory"].append((12.0 * n, bench.rate(12.0 * n, bench.cold(_add_into, a, b, c))))
         bench.tick(f"memory {4 * n} B")
     fns: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (
         torch.exp,
@@ -376,7 +476,7 @@ def _bandwidth(bench: _Bench) -> Points:
     for n in bench.plan.elements:
         x = torch.randn(max(n // 256, 1), min(n, 256), device=bench.device)
         nbytes = 8.0 * x.numel()
-        out["math"].append((nbytes, bench.rate(len(fns) * nbytes, *(partial(f, x) for f in fns))))
+        out["math"].append((nbytes, bench.rate(len(fns) * nbytes, *(bench.cold(f, x) for f in fns))))
         bench.tick(f"math {4 * n} B")
     return out
 
@@ -388,7 +488,7 @@ def _named_ops(bench: _Bench) -> Points:
         x = torch.randn(max(n // 1024, 1), min(n, 1024), device=bench.device)
         for name, (fn, args) in _elementwise(x).items():
             nbytes = float(_op_bytes(fn, args))
-            out.setdefault(name, []).append((nbytes, bench.rate(nbytes, partial(fn, *args))))
+            out.setdefault(name, []).append((nbytes, bench.rate(nbytes, bench.cold(fn, *args))))
         bench.tick(f"element-wise ops {4 * n} B")
     return out
 
@@ -412,7 +512,8 @@ def cached_calibration(device: str, *, progress: Progress = no_progress) -> Devi
     threads = "" if device == "cuda" else f"-{torch.get_num_threads()}t"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{platform.node()}-{label}{threads}")
     found = store.load("devices", name, Device.from_dict)  # an unreadable entry is measured again
-    if found is None:
+    warm = found is not None and device == "cpu" and "operand_pool_bytes" not in found.measured
+    if found is None or warm:  # warm: a CPU timed on the same operands, before Note: [cold operands]
         found = calibrate(device, quick=True, progress=progress)
         store.save("devices", name, found.to_dict())
     return found

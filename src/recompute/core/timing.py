@@ -27,7 +27,8 @@ policy's backward of a layer runs the layer's backward, and its replay). Under `
 graphs (``Device.compiled``) the eager host work is gone: each kernel costs the host a bare launch
 (``Device.overhead``) and no more. What the model ignores, by construction: overlap of communication or
 copies with compute, the host running ahead across phases, kernel fusion (``torch.compile``), caches warmed
-by the previous op, clocks that change under load, and the allocator. ``docs/time.md`` gives the figures it
+by the previous op (a CPU's rates are measured on cold operands, a GPU's on warm ones: ``recompute calibrate``),
+clocks that change under load, and the allocator. ``docs/time.md`` gives the figures it
 was held to.
 
 Over 400 lines because it is one data model: the device (its rate curves, host costs and the schema its file is
