@@ -203,7 +203,7 @@ def test_estimate_and_plan_price_compiled_steps_and_say_so(tmp_path: Path, capsy
 
 def test_host_cost_calibrated_on_this_cpu_predicts_a_small_step() -> None:
     """Host costs calibrated on four-layer models predict another small model's step, plain and with every
-    layer checkpointed, where a bare launch per kernel misses most of it. Calibration and measurement alternate,
+    layer checkpointed, where a bare launch per kernel misses about half of it. Calibration and measurement alternate,
     each time the best of a few batches (as calibrate times), and the errors are medians over five rounds.
 
     Within 25 %, not the benchmark's 15 %: this 2-core machine is shared (load 7-8 while this was written), a
@@ -227,7 +227,9 @@ def test_host_cost_calibrated_on_this_cpu_predicts_a_small_step() -> None:
         errors["bare"].append(works["none"].seconds(dataclasses.replace(calibrated, host=None)) / measured["none"] - 1)
     median = {k: statistics.median(v) for k, v in errors.items()}
     assert abs(median["none"]) <= 0.25 and abs(median["block"]) <= 0.25, median
-    assert median["bare"] < -0.5, median  # the bare launch: most of a small eager step is the host's
+    # the bare launch misses about half of a small eager step: the host's (less than half on a CPU calibrated on
+    # cold operands, whose tiny kernels it prices slower than they run in a step this small: Note: [cold operands])
+    assert median["bare"] < -0.4, median
 
 
 # --- tensor-parallel steps (issue 25, 6b) ----------------------------------------------------------------------
