@@ -344,7 +344,9 @@ def test_calibrate_and_bench_predict_this_cpu(tmp_path: Path, capsys: pytest.Cap
     assert main(["calibrate", "--device", "cpu", "--threads", "1", "--quick", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "overhead per kernel" in printed and "us per replayed kernel" in printed
+    assert "operands: cold, each op rotated through" in printed  # Note: [cold operands]
     d = Device.load(out)
+    assert d.measured["operand_pool_bytes"] >= 64 << 20
     assert d.kind == "cpu" and d.threads == 1 and d.overhead > 0 and "gelu_backward" in d.ops
     assert d.host is not None and min(d.host.kernel, d.host.replay, d.host.optimizer) >= d.overhead
     assert "gpt: forward and backward" in d.host.source  # --quick times the host on one model

@@ -146,4 +146,9 @@ def render_device(d: Device) -> str:
     ]
     if d.host_link:
         lines.append(f"host to device (pinned): {d.host_link / 1e9:.3g} GB/s")
+    if pool := d.measured.get("operand_pool_bytes"):
+        lines.append(
+            f"operands: cold, each op rotated through {pool / 2**20:.0f} MiB of copies (a step's working set is "
+            "larger than the cache)"
+        )
     return "\n".join(lines)
