@@ -10,6 +10,10 @@ the same prediction without those two host costs ("before"). Writes benchmarks/r
 
     python benchmarks/tp_time.py [--ranks 2,4] [--steps 5] [--calibrate]
     python benchmarks/tp_time.py --reprice     # the measured steps of the last run, priced by this code
+    python benchmarks/tp_time.py --calibrate --warm --ranks 2 --out benchmarks/results/tp_time_cpu_warm_cold.json
+
+``--warm`` also calibrates each rank count on warm operands (``calibrate --operands warm``, the calibration before
+Note: [cold operands]) and prices the same measured steps on both. The device profiles lie beside ``--out``.
 """
 
 from __future__ import annotations
@@ -71,14 +75,22 @@ def without_parallel_host(profile: Path) -> Device:
 
 def rows_of(measured: dict[tuple[str, str], float], wl: Workload, profile: Path) -> list[dict[str, Any]]:
     """Each (mode, policy)'s measured step against the time model's prediction on ``profile`` (rank 0's trace, as
-    ``bench`` predicts it), and against the same prediction without the tensor-parallel host costs ("before")."""
+    ``bench`` predicts it), against the same prediction without the tensor-parallel host costs ("before"), and,
+    where a warm calibration lies beside the profile (``--warm``), against the prediction on it ("warm")."""
     spec, pols = ModelSpec.from_name("gpt2", **SIZE), [Policy.parse(p) for p in POLICIES.split(",")]
     now = predict_parallel(spec, wl, pols, choose_device(device_profile=profile), modes=(False, True))
     then = predict_parallel(spec, wl, pols, without_parallel_host(profile), modes=(False, True))
+    warm_profile = warm_of(profile)
+    warm = None
+    if warm_profile.exists():
+        warm = predict_parallel(spec, wl, pols, choose_device(device_profile=warm_profile), modes=(False, True))
     out = []
     for (mode, policy), step in measured.items():
         sp, ref = mode == "TP+SP", measured[mode, "none"]
         predicted, before = now[sp, policy].step, then[sp, policy].step
+        if warm is not None:
+            w = warm[sp, policy].step
+            extra = {"warm_s": w, "warm_step_error": w / step - 1, "warm_overhead": w / warm[sp, "none"].step - 1}
         out.append(
             {
                 "mode": mode,
@@ -91,9 +103,20 @@ def rows_of(measured: dict[tuple[str, str], float], wl: Workload, profile: Path)
                 "before_s": before,
                 "before_step_error": before / step - 1,
                 "before_overhead": before / then[sp, "none"].step - 1,
+                **(extra if warm is not None else {}),
             }
         )
     return out
+
+
+def profile_of(out: Path, ranks: int) -> Path:
+    """The device profile of ``ranks`` beside the results file ``out``: tp_time_cpu_device_2.json by default."""
+    return out.with_name(f"{out.stem}_device_{ranks}.json")
+
+
+def warm_of(profile: Path) -> Path:
+    """The calibration on warm operands (``calibrate --operands warm``) beside a profile."""
+    return profile.with_name(f"{profile.stem}_warm.json")
 
 
 def workload_of(flags: list[str]) -> Workload:
@@ -111,7 +134,10 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key, step, over in (
         ("", "step_error", "predicted_overhead"),
         ("before_", "before_step_error", "before_overhead"),
+        ("warm_", "warm_step_error", "warm_overhead"),
     ):
+        if any(step not in r for r in rows):
+            continue
         steps = [abs(r[step]) * 100 for r in rows]
         overheads = [abs(r[over] - r["measured_overhead"]) * 100 for r in rows if r["policy"] != "none"]
         out[f"{key}median_step_error_percent"] = statistics.median(steps)
@@ -146,6 +172,18 @@ def render(runs: list[dict[str, Any]], total: dict[str, Any]) -> str:
         f"{total['before_median_step_error_percent']:.1f} % and "
         f"{total['before_median_overhead_error_points']:.1f} points"
     )
+    if "warm_median_step_error_percent" in total:
+        lines.append(
+            f"on the warm calibration (the same ranks' steps, calibrated with --operands warm): median |step error| "
+            f"{total['warm_median_step_error_percent']:.1f} %, median |overhead error| "
+            f"{total['warm_median_overhead_error_points']:.1f} points; by case, step error warm: "
+            + ", ".join(
+                f"{run['ranks']} ranks {run['case']} {r['mode']} {100 * r['warm_step_error']:+.0f} %"
+                for run in runs
+                for r in run["rows"]
+                if r["policy"] == "none" and "warm_step_error" in r
+            )
+        )
     return "\n".join(lines)
 
 
@@ -162,6 +200,11 @@ def main() -> None:
         action="store_true",
         help="price the steps measured in --out again with this code and the profiles beside it (no torchrun)",
     )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="also calibrate with --operands warm (beside each profile, *_warm.json) and price the steps on it",
+    )
     args = parser.parse_args()
     runs = []
     start = time.perf_counter()
@@ -169,14 +212,16 @@ def main() -> None:
         runs = json.loads(args.out.read_text())["runs"]
         for run in runs:
             measured = {(r["mode"], r["policy"]): r["measured_s"] for r in run["rows"]}
-            run["rows"] = rows_of(measured, workload_of(run["flags"]), HERE / f"tp_time_cpu_device_{run['ranks']}.json")
+            run["rows"] = rows_of(measured, workload_of(run["flags"]), profile_of(args.out, run["ranks"]))
     for n in () if args.reprice else (int(x) for x in args.ranks.split(",")):
-        profile = HERE / f"tp_time_cpu_device_{n}.json"
-        if args.calibrate or not profile.exists():
-            profile.unlink(missing_ok=True)
-            flags = ["--quick"] if args.quick else []
-            torchrun(n, ["calibrate", "--collectives", *flags, "-o", str(profile), "--json"], timeout=3600, tries=2)
-            print(f"calibrated {n} ranks ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        profile = profile_of(args.out, n)
+        for path, operands in ((profile, "cold"), (warm_of(profile), "warm")):
+            if (args.calibrate or not path.exists()) and (operands == "cold" or args.warm):
+                path.unlink(missing_ok=True)
+                flags = ["--quick"] if args.quick else []
+                flags += ["--operands", operands, "-o", str(path), "--json"]
+                torchrun(n, ["calibrate", "--collectives", *flags], timeout=3600, tries=2)
+                print(f"calibrated {n} ranks, {operands} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
         for case in args.cases.split(","):
             flags = ["bench", "--tp", str(n), "--sp", *SIZE_FLAGS, *CASES[case], "--policies", POLICIES]
             flags += ["--steps", str(args.steps), "--json", "--device-profile", str(profile)]
@@ -187,7 +232,7 @@ def main() -> None:
             print(f"{n} ranks, {case} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     total = summary(runs)
     print(render(runs, total))
-    hosts = {n: Device.load(HERE / f"tp_time_cpu_device_{n}.json").host for n in {run["ranks"] for run in runs}}
+    hosts = {n: Device.load(profile_of(args.out, n)).host for n in {run["ranks"] for run in runs}}
     host = {n: None if h is None else h.to_dict() for n, h in hosts.items()}
     data = {"machine": platform.platform(), "cores": os.cpu_count(), "summary": total, "host": host, "runs": runs}
     args.out.write_text(json.dumps(data, indent=1) + "\n")

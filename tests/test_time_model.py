@@ -360,18 +360,21 @@ def test_calibrate_and_bench_predict_this_cpu(tmp_path: Path, capsys: pytest.Cap
 
 def test_calibration_rotates_copies_of_its_operands() -> None:
     """Note: [cold operands]: each call of a calibrated op takes the next copy of its operands (strides, offset,
-    values and requires_grad kept; views of one base copied together) and its results are kept as long."""
+    values and requires_grad kept, nested ones too; views of one storage copied together) and its results are kept
+    as long; with no pool (a GPU, --operands warm) the operands themselves."""
     import torch
 
-    from recompute.bench.calibrate import _Bench, _copied, cold_pool_bytes
+    from recompute.bench._cold import copied, pool_bytes, rotation
 
-    base = torch.randn(8, 6)
-    args = (base.t(), base[:, 2:4], 3, torch.ones(5, requires_grad=True))
-    copies = _copied(args)
-    for a, c in zip(args, copies):
+    base, odd = torch.randn(8, 6), torch.arange(10, dtype=torch.uint8)
+    args = (base.t(), base[:, 2:4], 3, torch.ones(5, requires_grad=True), [odd[:8].view(torch.float32)])
+    copies = copied(args)
+    pairs = [*zip(args[:4], copies[:4]), (args[4][0], copies[4][0])]
+    for a, c in pairs:
         if isinstance(a, torch.Tensor):
             assert (c.shape, c.stride(), c.storage_offset()) == (a.shape, a.stride(), a.storage_offset())
-            assert torch.equal(c, a) and c.requires_grad == a.requires_grad
+            assert torch.equal(c.detach().contiguous().view(torch.uint8), a.detach().contiguous().view(torch.uint8))
+            assert c.requires_grad == a.requires_grad
             assert c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
     assert copies[2] == 3 and copies[0].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr()
 
@@ -381,21 +384,18 @@ def test_calibration_rotates_copies_of_its_operands() -> None:
         seen.append(x.data_ptr())
         return x + y
 
-    bench = object.__new__(_Bench)
     x, y = torch.ones(256), torch.ones(256)  # 1 KiB each, 1 KiB out: a 12 KiB pool is 4 copies
-    bench.pool = 12 * 1024
-    call = bench.cold(add, x, y)
+    call = rotation(add, (x, y), pool=12 * 1024)
     seen.clear()
     for _ in range(8):
         call()
     assert len(set(seen)) == 4 and seen[:4] == seen[4:] and x.data_ptr() not in seen
-    bench.pool = 0  # a GPU, or calibrate(cold=False): the operands themselves
-    call = bench.cold(add, x, y)
+    call = rotation(add, (x, y), pool=0)
     seen.clear()
     call()
     call()
     assert seen == [x.data_ptr()] * 2
-    assert 64 << 20 <= cold_pool_bytes() <= 512 << 20
+    assert 64 << 20 <= pool_bytes() <= 512 << 20
 
 
 def test_the_offloaders_copies_are_not_kernels(tiny_profile: Profile) -> None:

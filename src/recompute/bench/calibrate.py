@@ -27,13 +27,16 @@ the ranks that finish first leave their core to the others). The CPU is measured
 threads torch uses (``torch.set_num_threads``): recorded, since a step with other threads runs at other rates.
 
 Note: [cold operands] On a CPU each call of a measured op takes its operands, and leaves its result, in copies
-it rotates through: twice the last-level cache of them (``cold_pool_bytes``), the results kept as long. An op
-called again and again on the same tensors finds them in the cache, and a training step's ops do not: their
-working set (the saved activations, the weights and their gradients) is larger than the cache. On this 2-core
-Xeon (``benchmarks/cold_operands.py``, fp32, one thread) an attention-shaped ``bmm`` (8 x 512 x 64 by 8 x 64 x
-512) reached 176 GFLOP/s on the same operands and 100 on rotated ones, and the same products ran at 108 inside a
-tensor-parallel step (``benchmarks/tp_profile.py``); an add of 3 x 16 MiB streamed 29 GB/s warm, 15 cold. GPUs
-keep their operands (their steps' ops are mostly larger than the L2 cache; not measured yet).
+it rotates through (``recompute.bench._cold``): twice the last-level cache the kernel reports, at most 512 MiB
+(here 512 MiB, about the L3 it reports; ops under 512 KiB rotate through 1024 copies, less), the results kept as
+long. An op called again and again on the same tensors finds them in the cache, and a training step's ops do
+not: their working set (the saved activations, the weights and their gradients) is larger than the cache. On
+this 2-core Xeon (``benchmarks/cold_operands.py``, fp32, one thread) an attention-shaped ``bmm`` (8 x 512 x 64
+by 8 x 64 x 512) reached 176 GFLOP/s on the same operands and 100 on rotated ones, and the same products ran at
+108 inside a tensor-parallel step (``benchmarks/tp_profile.py``); an add of 3 x 16 MiB streamed 29 GB/s warm, 15
+cold. ``--operands warm`` (``calibrate(cold=False)``) times them on the same operands, as before: for a model
+whose whole step stays in the cache. GPUs keep their operands (their steps' ops are mostly larger than the L2
+cache; not measured yet).
 
 Over 400 lines because the calibration of one device (compute, bandwidth, host costs per kernel, collectives) writes
 one device profile.
@@ -41,16 +44,13 @@ one device profile.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import os
 import platform
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from recompute.bench._cold import Rotation, pool_bytes, rotation
 from recompute.bench._host import HOST_MODELS, host_cost
 from recompute.core import store
 from recompute.core.errors import ConfigError
@@ -151,43 +152,6 @@ def _op_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-_MAX_COPIES = 1024
-"""At most so many copies of a small op's operands: 1024 calls of a 4 KiB add already leave the core's caches."""
-
-
-def cold_pool_bytes() -> int:
-    """Bytes of operand copies a CPU op rotates through: twice the largest cache the kernel reports, between
-    64 and 512 MiB (256 MiB where it reports none). Note: [cold operands]."""
-    units = {"": 0, "K": 10, "M": 20, "G": 30}
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            found = re.fullmatch(r"(\d+)([KMG]?)", (index / "size").read_text().strip())
-        except OSError:
-            found = None
-        if found:
-            sizes.append(int(found[1]) << units[found[2]])
-    return min(max(2 * max(sizes, default=128 << 20), 64 << 20), 512 << 20)
-
-
-def _copied(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``args`` with each tensor copied into storage of its own, strides, offset and ``requires_grad`` kept
-    (a transposed view stays transposed, a slice stays a slice of a copy of its base)."""
-    bases: dict[int, torch.Tensor] = {}
-
-    def copy(a: Any) -> Any:
-        if not isinstance(a, torch.Tensor):
-            return a
-        storage = a.untyped_storage()
-        if id(storage) not in bases:
-            flat = torch.empty(storage.nbytes(), dtype=torch.uint8, device=a.device)
-            flat.untyped_storage().copy_(storage)
-            bases[id(storage)] = flat
-        twin = bases[id(storage)].view(a.dtype).as_strided(a.size(), a.stride(), a.storage_offset())
-        return twin.detach().requires_grad_(a.requires_grad)
-
-    return tuple(copy(a) for a in args)
 
 
 def local_device_label(device: str) -> str:
@@ -298,17 +262,13 @@ class _Bench:
         self.done = 0
         self.overhead = self._overhead()
         self.serial = 0.0 if device == "cuda" else self.overhead
-        self.pool = cold_pool_bytes() if cold and device != "cuda" else 0
+        self.pool = pool_bytes() if cold and device != "cuda" else 0
 
     def cold(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-        """``fn(*args)`` as a call whose tensor operands rotate through copies, ``pool`` bytes of them with the
-        results kept as long, so that each call finds its operands and output out of the cache, as an op of a
-        training step does (Note: [cold operands]); with no pool, ``fn`` on ``args`` themselves."""
-        inputs, outputs = tensors_of(args, fn(*args))
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in inputs}
-        nbytes = sum(storages.values()) + sum(span(t) for t in outputs)
-        copies = min(_MAX_COPIES, -(-self.pool // max(nbytes, 1)))
-        return _Rotation(fn, args, copies) if copies > 1 else partial(fn, *args)
+        """``fn(*args)`` as a call on a ring of copies of its operands, ``pool`` bytes of them and its results, so
+        that each call finds them out of the cache as an op of a training step does (Note: [cold operands]);
+        with no pool, ``fn`` on ``args`` themselves."""
+        return rotation(fn, args, self.pool)
 
     def tick(self, what: str) -> None:
         self.done += 1
@@ -334,30 +294,13 @@ class _Bench:
         copies are let go once it is timed, so that one pool at a time is held."""
         spent = 0.0
         for call in calls:
-            t = self.timer(call)
+            try:
+                t = self.timer(call)
+            finally:
+                if isinstance(call, Rotation):
+                    call.close()
             spent += max(t - kernels * self.serial, t / 10)
-            if isinstance(call, _Rotation):
-                call.close()
         return size / spent
-
-
-class _Rotation:
-    """``fn`` on the next of ``copies`` copies of ``args`` at each call, the last ``copies`` results kept; the
-    copies are made at the first call (Note: [cold operands])."""
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], copies: int) -> None:
-        self.fn, self.args, self.copies = fn, args, copies
-        self.turn: Iterator[tuple[Any, ...]] | None = None
-        self.kept: collections.deque[Any] = collections.deque(maxlen=copies)
-
-    def __call__(self) -> None:
-        if self.turn is None:
-            self.turn = itertools.cycle([_copied(self.args) for _ in range(self.copies)])
-        self.kept.append(self.fn(*next(self.turn)))
-
-    def close(self) -> None:
-        self.turn = None
-        self.kept.clear()
 
 
 def calibrate(

@@ -39,6 +39,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter batches (seconds, less exact)")
     p.add_argument(
+        "--operands",
+        choices=("cold", "warm"),
+        default="cold",
+        help="CPU: time each op on a ring of copies of its operands, out of the cache as in a training step "
+        "(cold, the default), or on the same operands each call (warm: a model whose whole step stays in the cache)",
+    )
+    p.add_argument(
         "--collectives",
         action="store_true",
         help="under torchrun: measure all-reduce, all-gather, reduce-scatter and all-to-all over a size sweep on the "
@@ -58,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.collectives:
         return _collectives(args, output, device)
     with progress_bar("calibrate", enabled=not args.json) as progress:
-        result = calibrate(device, quick=args.quick, progress=progress)
+        result = calibrate(device, quick=args.quick, cold=args.operands == "cold", progress=progress)
     result.save(output)
     if args.json:
         emit_json(result.to_dict())
@@ -87,7 +94,7 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
     dist.barrier()  # every rank has looked before rank 0 writes
     if base is None:
         with progress_bar("calibrate", enabled=rank0 and not args.json) as progress:
-            base = calibrate(device, quick=args.quick, progress=progress)
+            base = calibrate(device, quick=args.quick, cold=args.operands == "cold", progress=progress)
     dist.barrier()
     with progress_bar("collectives", enabled=rank0 and not args.json) as progress:
         found = measure_collectives(quick=args.quick, progress=progress)
@@ -146,9 +153,12 @@ def render_device(d: Device) -> str:
     ]
     if d.host_link:
         lines.append(f"host to device (pinned): {d.host_link / 1e9:.3g} GB/s")
-    if pool := d.measured.get("operand_pool_bytes"):
+    pool = d.measured.get("operand_pool_bytes")
+    if pool:
         lines.append(
             f"operands: cold, each op rotated through {pool / 2**20:.0f} MiB of copies (a step's working set is "
             "larger than the cache)"
         )
+    elif pool == 0 and d.kind == "cpu":
+        lines.append("operands: warm, the same ones each call (--operands warm: a step that stays in the cache)")
     return "\n".join(lines)
