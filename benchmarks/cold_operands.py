@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from plan_vs_uniform import paired_overhead, use_allocator
 from time_model import models
+from tp_time import SIZE
 
 from recompute import ModelSpec, Workload
 from recompute.bench import bench
@@ -42,7 +43,7 @@ def configs() -> list[tuple[str, ModelSpec, Workload]]:
         for attention in ("eager", "flash"):
             for s, b in ((256, 4), (1024, 1)):
                 out.append((f"{name} {attention} s{s} b{b}", spec, _workload(b, s, attention)))
-    wide = ModelSpec.from_name("gpt2", n_layers=4, hidden=512, n_heads=8, vocab=8192)
+    wide = ModelSpec.from_name("gpt2", **SIZE)
     out.append(("gpt h512 flash s512 b2", wide, _workload(2, 512, "flash")))
     return out
 

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tp_time import SIZE
+
 HERE = Path(__file__).parent / "results"
 OUT = HERE / "tp_profile_cpu.json"
-SIZE = {"n_layers": 4, "hidden": 512, "n_heads": 8, "vocab": 8192}
 B, S = 2, 512
 
 

@@ -88,6 +88,7 @@ def rows_of(measured: dict[tuple[str, str], float], wl: Workload, profile: Path)
     for (mode, policy), step in measured.items():
         sp, ref = mode == "TP+SP", measured[mode, "none"]
         predicted, before = now[sp, policy].step, then[sp, policy].step
+        extra = {}
         if warm is not None:
             w = warm[sp, policy].step
             extra = {"warm_s": w, "warm_step_error": w / step - 1, "warm_overhead": w / warm[sp, "none"].step - 1}
@@ -103,7 +104,7 @@ def rows_of(measured: dict[tuple[str, str], float], wl: Workload, profile: Path)
                 "before_s": before,
                 "before_step_error": before / step - 1,
                 "before_overhead": before / then[sp, "none"].step - 1,
-                **(extra if warm is not None else {}),
+                **extra,
             }
         )
     return out

@@ -364,7 +364,7 @@ def test_calibration_rotates_copies_of_its_operands() -> None:
     as long; with no pool (a GPU, --operands warm) the operands themselves."""
     import torch
 
-    from recompute.bench._cold import copied, pool_bytes, rotation
+    from recompute.bench._cold import copied, rotation
 
     base, odd = torch.randn(8, 6), torch.arange(10, dtype=torch.uint8)
     args = (base.t(), base[:, 2:4], 3, torch.ones(5, requires_grad=True), [odd[:8].view(torch.float32)])
@@ -395,7 +395,19 @@ def test_calibration_rotates_copies_of_its_operands() -> None:
     call()
     call()
     assert seen == [x.data_ptr()] * 2
-    assert 64 << 20 <= pool_bytes() <= 512 << 20
+
+
+@pytest.mark.parametrize(
+    ("sizes", "pool"),
+    [(["48K", "2048K", "40M"], 80 << 20), (["32K", "16M"], 64 << 20), (["491520K"], 512 << 20), ([], 256 << 20)],
+)
+def test_the_operand_pool_is_twice_the_largest_cache_within_bounds(tmp_path: Path, sizes: list[str], pool: int) -> None:
+    from recompute.bench._cold import pool_bytes
+
+    for i, size in enumerate(sizes):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert pool_bytes(tmp_path) == pool
 
 
 def test_the_offloaders_copies_are_not_kernels(tiny_profile: Profile) -> None:

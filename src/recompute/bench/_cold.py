@@ -24,12 +24,12 @@ the pool (1024 copies of a 4 KiB add: 12 MiB, out of a core's L1 and L2, not out
 tensors of a step are mostly recent ones)."""
 
 
-def pool_bytes() -> int:
-    """Bytes of operand copies a CPU op rotates through: twice the largest cache the kernel reports, at least 64
-    and at most 512 MiB (256 MiB where it reports none)."""
+def pool_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """Bytes of operand copies a CPU op rotates through: twice the largest cache the kernel reports under
+    ``caches``, at least 64 and at most 512 MiB (256 MiB where it reports none)."""
     units = {"": 0, "K": 10, "M": 20, "G": 30}
     sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+    for index in caches.glob("index*"):
         try:
             found = re.fullmatch(r"(\d+)([KMG]?)", (index / "size").read_text().strip())
         except OSError:

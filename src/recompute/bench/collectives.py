@@ -39,8 +39,8 @@ def sizes(*, gpu: bool, quick: bool) -> tuple[int, ...]:
 def _op(kind: str, nbytes: int, n: int, device: str) -> Callable[[], Any]:
     """One collective of ``nbytes`` (fp32 elements, a multiple of the group size), run as a step runs it: through
     the functional collectives DTensor's redistributions call (out of place, then waited on), on the whole group.
-    On this CPU with gloo a 2 MiB all-reduce takes 2.4 ms that way and 1.2 ms as ``dist.all_reduce``
-    (``benchmarks/tp_profile.py``)."""
+    On this CPU with gloo a 2 MiB all-reduce takes 2.4-2.5 ms that way and 1.2-1.25 ms as ``dist.all_reduce``
+    (``python benchmarks/tp_profile.py``, two runs)."""
     count = max(n, nbytes // 4 // n * n)
     x = torch.ones(count, device=device)
     group = dist.group.WORLD
