@@ -147,6 +147,20 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(name in listed for name in COMMANDS)
 
 
+def test_top_level_help_loads_no_command() -> None:
+    """``recompute --help`` lists the commands without importing any of them (it took 10 s when it built them all,
+    issue 39), and ``import recompute`` loads neither torch nor the API until a name is used."""
+    code = (
+        "import sys, contextlib, io; import recompute; from recompute.cli import main\n"
+        "assert 'recompute.api' not in sys.modules, 'import recompute loaded the API'\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main(['--help'])\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('recompute.cli.') and m != 'recompute.cli._common')\n"
+        "assert 'torch' not in sys.modules and not loaded, loaded"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize("command", ["estimate", "plan", "report"])
 def test_torch_free_commands_import_no_torch(command: str) -> None:
     """Only the command asked for is loaded: estimate, plan and report start without torch."""

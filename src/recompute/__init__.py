@@ -12,20 +12,28 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from recompute.api import estimate, plan, profile
 from recompute.core import __version__
-from recompute.core.analytic import Estimate, estimate_policies
-from recompute.core.errors import ConfigError
-from recompute.core.plan import Plan
-from recompute.core.policy import POLICIES, Policy
-from recompute.core.profile import Profile
-from recompute.core.spec import ModelSpec
-from recompute.core.workload import Workload
 
-# Torch-using functions, imported on first access so that ``import recompute`` stays torch-free.
-_LAZY = {"apply": "recompute.checkpointing", "verify": "recompute.check_gradients"}
+# Every name is imported on first access: ``import recompute`` (and the CLI, which imports the package) stays light,
+# and torch is loaded only by the functions that need it.
+_LAZY = {
+    "estimate": "recompute.api",
+    "plan": "recompute.api",
+    "profile": "recompute.api",
+    "Estimate": "recompute.core.analytic",
+    "estimate_policies": "recompute.core.analytic",
+    "ConfigError": "recompute.core.errors",
+    "Plan": "recompute.core.plan",
+    "POLICIES": "recompute.core.policy",
+    "Policy": "recompute.core.policy",
+    "Profile": "recompute.core.profile",
+    "ModelSpec": "recompute.core.spec",
+    "Workload": "recompute.core.workload",
+    "apply": "recompute.checkpointing",
+    "verify": "recompute.check_gradients",
+}
 
 __all__ = [
     "POLICIES",
@@ -46,9 +54,24 @@ __all__ = [
 ]
 
 
+if TYPE_CHECKING:
+    from recompute.api import estimate, plan, profile
+    from recompute.check_gradients import verify
+    from recompute.checkpointing import apply
+    from recompute.core.analytic import Estimate, estimate_policies
+    from recompute.core.errors import ConfigError
+    from recompute.core.plan import Plan
+    from recompute.core.policy import POLICIES, Policy
+    from recompute.core.profile import Profile
+    from recompute.core.spec import ModelSpec
+    from recompute.core.workload import Workload
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # looked up once
+        return value
     raise AttributeError(f"module 'recompute' has no attribute {name!r}")
 
 

@@ -82,8 +82,9 @@ def _load(name: str) -> object:
     return importlib.import_module(f"recompute.cli.{COMMANDS[name].module}")
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; only ``command``'s options are built (and its module imported); ``None`` builds them all."""
+def build_parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s options are built (and its module imported); ``None`` builds them all, or
+    none with ``every=False`` (``recompute --help`` lists the commands without importing any of them)."""
     parser = Parser(
         prog="recompute",
         description="Know what activation recomputation saves and costs, plan it, apply it, check it.",
@@ -91,7 +92,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
-        if command is None or name == command:
+        if (command is None and every) or name == command:
             getattr(_load(name), cmd.add_args)(p)
     return parser
 
@@ -103,7 +104,8 @@ def _command_in(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (2 for bad input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(_command_in(argv))
+    command = _command_in(argv)
+    parser = build_parser(command, every=command is not None)
     args = parser.parse_args(argv)
     args.argv = argv  # to repeat in messages (the torchrun command)
     args.given = given_options(_subparser(parser, args.command), argv)
