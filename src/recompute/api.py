@@ -115,6 +115,11 @@ def plan(
         ConfigError: nothing fits (the message says the smallest achievable peak and what would fit), or bad input.
     """
     require(cost in ("time", "flops"), f"cost must be time or flops, got {cost!r}", fields=("cost",))
+    require(
+        isinstance(consider, (list, tuple, set, frozenset)) and all(isinstance(c, str) for c in consider),
+        f"consider must be a list of offload and chunked (or empty: recomputation alone), got {consider!r}",
+        fields=("consider",),
+    )
     unknown = set(consider) - {"offload", "chunked"}
     require(not unknown, f"consider takes offload and chunked, got {sorted(unknown)}", fields=("consider",))
     if budget is None and gpu is None:

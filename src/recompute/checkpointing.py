@@ -64,7 +64,7 @@ from torch.utils.hooks import RemovableHandle
 from recompute.chunked_loss import check_loss, chunked_replacements, loss_parts
 from recompute.core.errors import ConfigError
 from recompute.core.identity import require_same_model
-from recompute.core.plan_file import Plan, plan_loss, read_plan
+from recompute.core.plan_file import Plan, check_plan_dict, plan_loss, read_plan
 from recompute.core.policy import ALL_POLICIES, Policy
 from recompute.models.hf_attention import swap_changes
 from recompute.models.identity import model_identity
@@ -430,6 +430,7 @@ def _as_plan(policy: str | Policy | Plan | Mapping[str, Any] | os.PathLike[str])
     if isinstance(policy, Policy):
         return policy, None
     if isinstance(policy, Mapping):
+        check_plan_dict(policy)
         return Policy.from_dict(dict(policy)), plan_loss(policy)
     if isinstance(policy, str) and policy in ALL_POLICIES:
         return Policy(policy), None

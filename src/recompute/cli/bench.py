@@ -23,7 +23,8 @@ from recompute.bench.calibrate import cached_calibration
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
 from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, distinct, require, torch_seed
-from recompute.core.policy import Policy
+from recompute.core.plan_file import read_plan
+from recompute.core.policy import Policy, distinct_policies
 from recompute.core.pricing import choose_device, with_network
 from recompute.core.timing import Device
 from recompute.core.workload import Workload
@@ -77,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
     torch_seed("--seed", args.seed)
     source = bench_source(args.model, **size_overrides(args))
     policies = distinct("--policies", csv(args.policies) + ([args.plan] if args.plan else []))
-    for name in policies:
-        Policy.parse(name)
+    for name in policies:  # a plan file's figures checked too (check_plan_dict), a name's spelling
+        read_plan(name) if name.endswith(".json") or os.path.isfile(name) else Policy.parse(name)
+    distinct_policies("--policies", policies)
     wl = workload_from(args, source)
     if wl.tp > 1 or wl.dp > 1:
         return _run_parallel(args, source, wl, policies)

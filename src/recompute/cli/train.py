@@ -15,7 +15,7 @@ from recompute.core.errors import ConfigError, distinct, require
 from recompute.core.files import check_folder
 from recompute.core.identity import ModelId, require_same_model
 from recompute.core.plan_file import read_plan
-from recompute.core.policy import ALL_POLICIES, Policy
+from recompute.core.policy import ALL_POLICIES, Policy, distinct_policies
 from recompute.models.identity import source_identity
 from recompute.models.source import ModelSource, build_source
 from recompute.train import compare_train, plot_losses, render_compare, train
@@ -164,7 +164,7 @@ def run_compare(args: argparse.Namespace) -> int:
     policies = csv(args.policies)
     if not policies:
         raise ConfigError(f"--policies {args.policies!r} names no policy; e.g. --policies none,block")
-    distinct("--policies", policies)
+    distinct_policies("--policies", distinct("--policies", policies))
     _check_out_folder(args.out)
     _resolve_loss(args, policies)
     _check_policies(_config(args, "policy", "resume"), policies)

@@ -33,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
         if not csv(value):
             raise ConfigError(f"{flag} {value!r} names nothing to check; give a comma-separated list, or drop it")
         distinct(flag, csv(value))
-    if args.seq_lens:
+    if args.seq_lens is not None:
+        if not csv(args.seq_lens):
+            raise ConfigError(f"--seq-lens {args.seq_lens!r} names no length; give e.g. 512,1024, or drop it")
         distinct("--seq-lens", csv(args.seq_lens))
     for name in csv(args.models):
         if name not in PRESETS and ":" in name:  # a factory: resolve_model knows presets and config paths only

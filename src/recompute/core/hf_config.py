@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from recompute.core.errors import ConfigError
+from recompute.core.raw_config import check_config
 
 __all__ = ["FAMILIES", "MEASURE_INSTEAD", "spec_fields"]
 
@@ -180,6 +181,7 @@ def _pattern_problems(kind: str, raw: dict[str, Any]) -> set[str]:
 def spec_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """``ModelSpec`` keyword arguments for a covered config (``check_covered`` first)."""
     kind = check_covered(raw)
+    check_config(raw, kind)
     fam = FAMILIES[kind]
     hidden = _first(raw, "hidden_size", "n_embd")
     layers = _first(raw, "num_hidden_layers", "n_layer")

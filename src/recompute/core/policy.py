@@ -27,7 +27,16 @@ from recompute.core.files import atomic_write, is_path
 from recompute.core.identity import ModelId
 from recompute.core.results import read_json
 
-__all__ = ["ALIASES", "ALL_POLICIES", "MOE_POLICIES", "OFFLOAD_POLICIES", "POLICIES", "Policy", "check_analytic"]
+__all__ = [
+    "ALIASES",
+    "ALL_POLICIES",
+    "MOE_POLICIES",
+    "OFFLOAD_POLICIES",
+    "POLICIES",
+    "Policy",
+    "check_analytic",
+    "distinct_policies",
+]
 
 POLICIES: dict[str, str] = {
     "none": "store everything; recompute nothing",
@@ -113,8 +122,9 @@ class Policy:
             positive_int("every", self.every)
         if self.first is not None:
             require(
-                isinstance(self.first, int) and not isinstance(self.first, bool) and self.first >= 0,
-                f"first must be a non-negative integer, got {self.first!r}",
+                isinstance(self.first, int) and not isinstance(self.first, bool) and self.first > 0,
+                f"first must be a positive number of layers, got {self.first!r}"
+                + (" (first=0 recomputes nothing: use the policy none)" if self.first == 0 else ""),
             )
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(check_name(n) for n in self.layers))
@@ -257,3 +267,22 @@ def check_analytic(policy: Policy) -> None:
                 f"the analytic model has no costs for the mixture-of-experts policy {name!r} (it models dense "
                 f"layers); measure it with `recompute trace --model <config.json> --policy {name}`"
             )
+
+
+def distinct_policies(flag: str, values: list[str]) -> list[str]:
+    """Return ``values`` if no two name the same policy once aliases and files are read (``full`` is ``block``:
+    ``--policies full,block`` ran block twice and compared it with itself, issue 38), else refuse naming both.
+
+    Raises:
+        ConfigError: a value that is no policy, or the first pair that is one policy.
+    """
+    seen: dict[Policy, str] = {}
+    for value in values:
+        policy = Policy.parse(value)
+        if policy in seen:
+            raise ConfigError(
+                f"{flag} names {seen[policy]!r} and {value!r}, one policy ({policy.describe()}); give each once",
+                fields=(flag,),
+            )
+        seen[policy] = value
+    return values

@@ -114,7 +114,14 @@ def choose_device(
         ConfigError: a missing or unreadable device profile, an unknown GPU, or gpus_per_node < 1.
     """
     if device_profile:
-        device = with_network(Device.load(device_profile), gpu=gpu, gpus_per_node=gpus_per_node, path=device_profile)
+        measured = Device.load(device_profile)
+        require(
+            gpu is None or measured.name not in GPUS or gpu_by_name(gpu).name == measured.name,
+            f"gpu {gpu} and device_profile {str(device_profile)!r} (measured on {measured.label}) name two devices; "
+            "give one of them",
+            fields=("gpu", "device_profile"),
+        )
+        device = with_network(measured, gpu=gpu, gpus_per_node=gpus_per_node, path=device_profile)
     else:
         device = with_network(datasheet_device(gpu or DEFAULT_GPU), gpu=gpu, gpus_per_node=gpus_per_node)
     return dataclasses.replace(device, compiled=True) if compiled else device

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from recompute.core.errors import ConfigError, first_line
-from recompute.core.spec import SIZE_LIMITS
+from recompute.core.raw_config import SIZE_LIMITS
 from recompute.core.store import MEASURED_WORKLOAD
 from recompute.core.workload import Workload, workload_fields
 
@@ -61,15 +61,16 @@ def _int(where: str, value: Any, *, signed: bool = False) -> int:
 def _keys(where: str, data: Mapping[str, Any], required: Mapping[str, type], optional: Mapping[str, type]) -> None:
     """Every required key present, no unknown key, each of its JSON type."""
     known = {**required, **optional}
+    whose = f"the profile's {where}" if where else "the profile"
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(
-            f"the profile's {where} has an unknown key {unknown[0]!r} (known: {', '.join(known)}); "
+            f"{whose} has an unknown key {unknown[0]!r} (known: {', '.join(known)}); "
             "make it again with recompute profile"
         )
     missing = [k for k in required if k not in data]
     if missing:
-        raise ConfigError(f"the profile's {where} lacks {missing[0]!r}; make it again with recompute profile")
+        raise ConfigError(f"{whose} lacks {missing[0]!r}; make it again with recompute profile")
     for key, kind in known.items():
         value = data.get(key)
         if key not in data or (key in optional and value is None):

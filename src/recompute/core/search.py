@@ -274,10 +274,11 @@ class _States:
         settled = (ceiling <= peak) & (u + self.tail.host[i + 1] <= self.cap)
         if not settled.any():
             return ok
-        done = (peak[settled], c[settled] + self.tail.cost[i + 1], idx[settled])
-        done += (np.full(done[0].size, q), np.full(done[0].size, i))
+        count = int(settled.sum())
+        done: list[Any] = [peak[settled], c[settled] + self.tail.cost[i + 1], idx[settled]]
+        done += [np.full(count, q), np.full(count, i)]
         if self.done:
-            done = tuple(np.concatenate(pair) for pair in zip(self.done, done))
+            done = [np.concatenate(pair) for pair in zip(self.done, done)]
         keep = _pareto2(done[0], done[1])
         self.done = [a[keep] for a in done]
         return ok[~settled]

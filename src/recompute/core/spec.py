@@ -15,6 +15,7 @@ from recompute.core.errors import ConfigError, one_of, positive_int, require
 from recompute.core.files import is_path
 from recompute.core.hf_config import spec_fields
 from recompute.core.presets import PRESETS
+from recompute.core.raw_config import SIZE_LIMITS
 from recompute.core.results import read_json
 
 __all__ = ["ModelSpec", "analytic_model", "hf_config_dict", "resolve_model", "spec_from_config"]
@@ -30,9 +31,6 @@ NORMS: tuple[str, ...] = ("layernorm", "rmsnorm", "rmsnorm_fp32", "gemma_rmsnorm
 
 HF_SOURCE = "a transformers config"
 """How ``from_hf_config`` marks ``ModelSpec.source``."""
-
-SIZE_LIMITS = {"hidden": 2**20, "n_layers": 2**14, "n_heads": 2**16, "vocab": 2**24, "max_positions": 2**24}
-"""The largest value each size takes: far beyond any model (larger is a typo that would hang the work)."""
 
 
 @dataclass(frozen=True)

@@ -233,6 +233,12 @@ class Workload:
             + ("; use ep = 1 for a dense model" if spec.n_experts == 0 else ""),
             fields=("ep",),
         )
+        require(
+            self.capacity_factor == 1.0 or spec.n_experts > 0,
+            f"capacity_factor {self.capacity_factor:g} sizes the experts' load; {spec.name} is dense (no experts): "
+            "drop capacity_factor",
+            fields=("capacity_factor",),
+        )
 
     def routed_tokens(self, spec: ModelSpec) -> float:
         """Token copies one expert rank runs through its experts per MoE layer (Note: [expected load]).

@@ -39,7 +39,7 @@ except ImportError:  # transformers before 4.42: no callback state in checkpoint
 
 from recompute.checkpointing import HF_CHECKPOINTING, applied_policy, apply
 from recompute.core.errors import ConfigError
-from recompute.core.plan_file import Plan, plan_loss
+from recompute.core.plan_file import Plan, check_plan_dict, plan_loss
 from recompute.core.policy import Policy
 from recompute.core.results import read_json
 from recompute.core.table import gib
@@ -145,6 +145,7 @@ def _as_data(plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any]) -
         data = Policy.parse(plan).to_dict()
     else:
         raise ConfigError(f"expected a plan file, a Plan, a Policy or a policy name; got {type(plan).__name__}")
+    check_plan_dict(data)
     try:
         Policy.from_dict(data)
     except (TypeError, ValueError, AttributeError) as e:

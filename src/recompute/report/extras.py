@@ -16,6 +16,7 @@ from recompute.core.analytic import Estimate, estimate, layer_activations
 from recompute.core.errors import ConfigError, require
 from recompute.core.identity import ModelId, spec_id
 from recompute.core.plan import FORMAT
+from recompute.core.plan_file import check_plan_dict
 from recompute.core.policy import OFFLOAD_POLICIES, POLICIES, Policy
 from recompute.core.results import read_bench, read_json
 from recompute.core.spec import ModelSpec
@@ -77,6 +78,10 @@ def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     fix = "pass a file written by `recompute plan -o plan.json`"
     data = read_json(path, "plan file", fix)
     require(data.get("format") in PLAN_FORMATS, f"{str(path)!r} is not a recompute plan file; {fix}")
+    try:
+        check_plan_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"plan file {str(path)!r}: {e}") from None
     _check_model(data.get("model"), spec, "plan file", path)
     policy = Policy.from_dict(data)
     if policy.model is not None:

@@ -101,6 +101,7 @@ def cached_profiles(
     """``cached_profile`` under each loss mode in ``losses``: those not cached are measured together
     (``profiles``) and cached, each under its own key (the loss mode is part of it)."""
     source = _source_of(model, False)
+    _one_device(wl)  # before the store is read: its key does not hold the parallel sizes (issue 38)
     workloads = {loss: with_loss(wl, loss) for loss in dict.fromkeys(losses)}
     keys = {loss: profile_key(source, w) for loss, w in workloads.items()}
     found = {loss: _cached(key) if key else None for loss, key in keys.items()}
@@ -116,6 +117,14 @@ def cached_profiles(
             store.save("profiles", key, measured[loss].to_dict())
         out[loss] = measured[loss], False
     return out
+
+
+def _one_device(wl: Workload) -> None:
+    require(
+        wl.tp == wl.pp == wl.dp == 1,
+        "a profile measures one device's step; drop tp, pp and dp (recompute estimate --analytic models them)",
+        fields=("tp", "pp", "dp"),
+    )
 
 
 def _cached(key: str) -> Profile | None:
@@ -148,11 +157,7 @@ def profiles(
         ConfigError: as ``profile``; a loss mode the workload cannot take (the chunked loss in fp16).
     """
     source = _source_of(model, False)
-    require(
-        wl.tp == wl.pp == wl.dp == 1,
-        "a profile measures one device's step; drop tp, pp and dp (recompute estimate --analytic models them)",
-        fields=("tp", "pp", "dp"),
-    )
+    _one_device(wl)
     workloads = {loss: with_loss(wl, loss) for loss in dict.fromkeys(losses)}
     for w in workloads.values():
         _check_traceable(source, w)
