@@ -1,7 +1,8 @@
 """Progress for the long commands (trace, validate, bench, train): a rich bar on a terminal, plain lines in a log.
 
 On a terminal (stderr is a TTY) the bar redraws in place; otherwise a line goes to stderr at most every
-``PLAIN_EVERY_S`` seconds and at the end, so that a log holds no carriage returns and no flood.
+``PLAIN_EVERY_S`` seconds and at the end, so that a log holds no carriage returns and no flood. Both say how long
+the rest should take, at the pace so far (a first calibration under load took minutes without a word, issue 38).
 """
 
 from __future__ import annotations
@@ -34,9 +35,22 @@ def progress_bar(name: str, *, enabled: bool = True) -> Iterator[Progress]:
 @contextlib.contextmanager
 def _rich_bar(name: str) -> Iterator[Progress]:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    columns = (TextColumn(f"{name}: {{task.description}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn(f"{name}: {{task.description}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("", total=None)
 
@@ -47,16 +61,18 @@ def _rich_bar(name: str) -> Iterator[Progress]:
 
 
 def _plain_lines(name: str) -> Progress:
-    last = [0.0]
+    last, start = [0.0], [time.monotonic()]
 
     def show(label: str, done: int, total: int) -> None:
         now = time.monotonic()
         if done == 0:
-            last[0] = now  # nothing done yet: a line now would say nothing (and would precede a refusal)
+            last[0] = start[0] = now  # nothing done yet: a line now would say nothing (and would precede a refusal)
         elif now - last[0] >= PLAIN_EVERY_S or done >= total:
             last[0] = now
+            left = (now - start[0]) * (total - done) / done
+            pace = f" (about {left:.0f} s left)" if done < total and now - start[0] >= PLAIN_EVERY_S else ""
             try:
-                print(f"{name}: {done}/{total} {label}", file=sys.stderr, flush=True)
+                print(f"{name}: {done}/{total} {label}{pace}", file=sys.stderr, flush=True)
             except BrokenPipeError:
                 # The reader has gone (``2>&1 | head``): the work goes on (a training run must reach its
                 # checkpoint), and this and later lines go to /dev/null, as ``main_exit`` does for stdout.
