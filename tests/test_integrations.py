@@ -246,3 +246,32 @@ def test_apply_then_compile_then_fsdp2_matches_one_process(tmp_path: Path) -> No
     """Each layer compiled (aot_eager) between ``apply`` and ``fully_shard``, as torchtitan orders them."""
     checks = run_worker(tmp_path, "--compile")
     assert len(checks) == 4 and [c["detail"] for c in checks if not c["ok"]] == []
+
+
+def test_evaluation_and_prediction_get_the_logits_under_a_chunked_plan(
+    planned: tuple[Path, Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A chunked-loss plan's training forward returns no logits; ``evaluate`` and ``predict`` (eval mode, no
+    autograd) get them, so ``compute_metrics`` works (it died with a TypeError on ``logits=None``, issue 36), with
+    the loss and logits of a run without the plan."""
+    folder, plan_path, plan = planned
+    assert plan["loss"]["mode"] == "chunked"
+
+    def accuracy(pred: Any) -> dict[str, float]:
+        logits, labels = pred.predictions, pred.label_ids
+        return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean())}
+
+    runs = {}
+    for name, callbacks in (("ref", []), ("plan", [RecomputeCallback(plan_path)])):
+        args = training_args(tmp_path / name, per_device_eval_batch_size=B)
+        trainer = transformers.Trainer(
+            model=build(folder), args=args, eval_dataset=dataset(), compute_metrics=accuracy, callbacks=callbacks
+        )
+        metrics = trainer.evaluate()
+        predicted = trainer.predict(dataset())
+        assert predicted.predictions.shape == (B * STEPS, S, 128)
+        runs[name] = (metrics, predicted.predictions)
+    (ref, ref_logits), (got, got_logits) = runs["ref"], runs["plan"]
+    assert got["eval_accuracy"] == ref["eval_accuracy"]
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
+    torch.testing.assert_close(torch.as_tensor(got_logits), torch.as_tensor(ref_logits))

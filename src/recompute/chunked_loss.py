@@ -8,8 +8,9 @@ input and of the head's weights) right away, in the forward, while that chunk's 
 and nothing is replayed: the step's FLOPs are the plain loss's. The backward only hands the gradients out,
 scaled by the loss's incoming gradient (Liger-Kernel's fused linear cross-entropy works the same way, with
 hand-written kernels; here each chunk runs the model's own head and loss under autograd). Such a forward
-returns no logits: ``(None, loss)``, or transformers' output with ``logits=None``; without targets or labels
-(or with autograd off) the model runs as it always did. What it costs: the head's weight gradient exists from
+returns no logits: ``(None, loss)``, or transformers' output with ``logits=None``; without targets or labels,
+with autograd off or in eval mode (an evaluation or a prediction: ``Trainer.evaluate`` and ``predict`` hand the
+logits to ``compute_metrics``) the model runs as it always did, logits and all. What it costs: the head's weight gradient exists from
 the loss's forward on, summed over the chunks in place (two at once while a chunk's is added); the
 backward runs once (``retain_graph=True`` and a second backward are refused); and fp16 is refused, as its
 gradients, taken before a loss scaler scales them, would underflow (bf16 needs no scaler).
@@ -211,8 +212,9 @@ def _chunked_forward(parts: LossParts, original: Callable[..., Any], *args: Any,
         targets = parts.signature.bind_partial(*args, **kwargs).arguments.get(parts.targets)
     except TypeError:  # arguments the forward does not take: let it say so
         targets = None
-    if targets is None:
-        return original(*args, **kwargs)
+    model = getattr(original, "__self__", None)
+    if targets is None or not torch.is_grad_enabled() or (isinstance(model, nn.Module) and not model.training):
+        return original(*args, **kwargs)  # evaluation and prediction ask for the logits (issue 36)
     deferred = _Deferred(parts.head)
     token = _DEFERRED.set(deferred)
     try:
