@@ -1,19 +1,19 @@
 """Chunked cross-entropy: the output layer and the loss over chunks of tokens, never all the logits at once.
 
-``recompute.apply(model, policy, loss="chunked", loss_chunk=N)`` makes a forward given targets (recompute's
-models: ``model(idx, targets)``) or labels (transformers': ``model(input_ids=..., labels=...)``) run the
-output layer (the head) and the cross-entropy N tokens at a time, and take each chunk's gradients (of the head
-input and of the head's weights) right away, in the forward, while that chunk's logits are alive. So the
-(b, s, v) logits, their fp32 log-probabilities and their gradients are never alive at once (one chunk's are),
-and nothing is replayed: the step's FLOPs are the plain loss's. The backward only hands the gradients out,
-scaled by the loss's incoming gradient (Liger-Kernel's fused linear cross-entropy works the same way, with
-hand-written kernels; here each chunk runs the model's own head and loss under autograd). Such a forward
-returns no logits: ``(None, loss)``, or transformers' output with ``logits=None``; without targets or labels,
-with autograd off or in eval mode (an evaluation or a prediction: ``Trainer.evaluate`` and ``predict`` hand the
-logits to ``compute_metrics``) the model runs as it always did, logits and all. What it costs: the head's weight gradient exists from
-the loss's forward on, summed over the chunks in place (two at once while a chunk's is added); the
-backward runs once (``retain_graph=True`` and a second backward are refused); and fp16 is refused, as its
-gradients, taken before a loss scaler scales them, would underflow (bf16 needs no scaler).
+``recompute.apply(model, policy, loss="chunked", loss_chunk=N)`` makes a forward given targets (recompute's models:
+``model(idx, targets)``) or labels (transformers': ``model(input_ids=..., labels=...)``) run the output layer (the
+head) and the cross-entropy N tokens at a time, and take each chunk's gradients (of the head input and of the
+head's weights) right away, in the forward, while that chunk's logits are alive. So the (b, s, v) logits, their
+fp32 log-probabilities and their gradients are never alive at once (one chunk's are), and nothing is replayed: the
+step's FLOPs are the plain loss's. The backward only hands the gradients out, scaled by the loss's incoming
+gradient (Liger-Kernel's fused linear cross-entropy works the same way, with hand-written kernels; here each chunk
+runs the model's own head and loss under autograd). Such a forward returns no logits: ``(None, loss)``, or
+transformers' output with ``logits=None``; without targets or labels, with autograd off or in eval mode (an
+evaluation or a prediction: ``Trainer.evaluate`` and ``predict`` hand the logits to ``compute_metrics``) the model
+runs as it always did, logits and all. What it costs: the head's weight gradient exists from the loss's forward on,
+summed over the chunks in place (two at once while a chunk's is added); the backward runs once
+(``retain_graph=True`` and a second backward are refused); and fp16 is refused, as its gradients, taken before a
+loss scaler scales them, would underflow (bf16 needs no scaler).
 
 How: three instance-level replacements, which the next ``apply`` restores (``apply(model, "none")`` too):
 
