@@ -6,15 +6,16 @@ be run through recompute's reference models and through transformers. Needs ``tr
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from recompute.core.errors import ConfigError, one_of
+from recompute.core.errors import ConfigError, first_line, one_of
 from recompute.core.spec import ModelSpec
 
-__all__ = ["HF_ALIASES", "HF_ATTENTION", "build_hf_model", "hf_class_name", "hf_config"]
+__all__ = ["HF_ALIASES", "HF_ATTENTION", "build_hf_model", "hf_class_name", "hf_config", "transformers_module"]
 
 HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
 """recompute's attention names and the ``attn_implementation`` they map to."""
@@ -23,13 +24,30 @@ HF_ALIASES = {"llama": "llama3.1-8b"}
 """``hf:NAME`` shorthands for a preset."""
 
 
+def transformers_module() -> ModuleType:
+    """``transformers``, or one line naming the extra that installs it (a config.json ended in a raw
+    ModuleNotFoundError after the README's install line, issue 36).
+
+    Raises:
+        ConfigError: transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConfigError(
+            f"a transformers model (a config.json, hf:NAME) needs the transformers package ({first_line(e)}); "
+            "install it with: pip install 'recompute[hf]'"
+        ) from None
+    return transformers
+
+
 def hf_config(spec: ModelSpec, *, attention: str = "flash") -> Any:
     """A ``GPT2Config`` (GELU, LayerNorm, learned positions) or ``LlamaConfig`` (SwiGLU, RMSNorm, RoPE).
 
     Raises:
         ConfigError: a spec that is neither GPT-2 nor Llama shaped.
     """
-    import transformers
+    transformers = transformers_module()
 
     # Not in the config classes' typed signatures, but every PretrainedConfig takes it.
     extra: dict[str, Any] = {"attn_implementation": HF_ATTENTION[one_of("attention", attention, tuple(HF_ATTENTION))]}
@@ -92,7 +110,7 @@ def build_hf_model(
 
     ``attention`` is ``eager`` or ``flash`` (HF's ``sdpa``).
     """
-    import transformers
+    transformers = transformers_module()
 
     config = hf_config(spec, attention=attention)
     cls = getattr(transformers, hf_class_name(spec))

@@ -37,7 +37,7 @@ from recompute.core.raw_config import check_config
 from recompute.core.spec import ModelSpec, hf_config_dict
 from recompute.core.workload import ATTENTIONS
 from recompute.models import build_model, model_class
-from recompute.models.hf import HF_ALIASES, HF_ATTENTION, build_hf_model, hf_class_name
+from recompute.models.hf import HF_ALIASES, HF_ATTENTION, build_hf_model, hf_class_name, transformers_module
 from recompute.models.loss import LossFn, hf_loss, lm_loss
 
 __all__ = ["BuiltModel", "ModelSource", "build_source", "load_hf_config", "meta_copy", "resolve_source"]
@@ -193,7 +193,7 @@ def load_hf_config(config: Any) -> Any:
         ConfigError: unreadable, an encoder-only, encoder-decoder or multimodal model, a model_type without a
             causal-LM class in transformers, or a config.json missing the hidden size, layers, heads or vocab.
     """
-    import transformers
+    transformers = transformers_module()
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -265,7 +265,7 @@ def _build_preset(
 def _build_config(
     source: ModelSource, attention: str, dtype: torch.dtype, device: str | torch.device, n: int | None
 ) -> BuiltModel:
-    import transformers
+    transformers = transformers_module()
 
     cfg = copy.deepcopy(source.config)
     if n is not None and n != cfg.num_hidden_layers:

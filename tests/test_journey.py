@@ -1,0 +1,51 @@
+"""Issue 36: what a new user trips on between the README and a run (the install, the outputs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "main(['plan', '--model', CONFIG, '--seq-len', '64', '--budget', '1GiB'])",
+        "main(['estimate', '--model', CONFIG, '--seq-len', '64'])",
+        "main(['trace', '--model', CONFIG, '--seq-len', '64'])",
+        "recompute.plan(CONFIG, '1GiB', seq_len=64)",
+    ],
+    ids=["plan", "estimate", "trace", "api plan"],
+)
+def test_a_config_without_transformers_names_the_extra(call: str, tmp_path: Path) -> None:
+    """After the README's install line (no ``[hf]`` extra), a config.json ended in a ModuleNotFoundError traceback."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"  # as if it were not installed
+        "import recompute; from recompute.cli import main\n"
+        f"CONFIG = {str(config)!r}\n"
+        "try:\n"
+        f"    rc = {call}\n"
+        "except recompute.ConfigError as e:\n"
+        "    print(f'error: {e}', file=sys.stderr); rc = 2\n"
+        "sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "needs the transformers package" in lines[0] and "pip install 'recompute[hf]'" in lines[0]
