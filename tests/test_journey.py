@@ -49,3 +49,22 @@ def test_a_config_without_transformers_names_the_extra(call: str, tmp_path: Path
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "needs the transformers package" in lines[0] and "pip install 'recompute[hf]'" in lines[0]
+
+
+def test_results_print_in_one_short_line() -> None:
+    """``print(plan)`` ran to 94,319 characters (every frontier point, ``held=-30009985024.0`` inside); each result
+    now prints one line with its headline figures, the whole of it behind ``to_dict()``."""
+    import recompute
+    from recompute.core.policy import Policy
+
+    plan = recompute.plan("llama3.1-8b", "70GiB", seq_len=8192, precision="distributed", dp=8)
+    shown = {
+        "plan": repr(plan),
+        "policy": repr(plan.policy),
+        "estimate": repr(recompute.estimate("llama3.1-8b", 4096, "block")),
+        "every": repr(Policy("block", every=2)),
+    }
+    assert all(len(text) < 200 and "\n" not in text for text in shown.values()), shown
+    assert shown["plan"].startswith("Plan('llama3.1-8b', b=1 s=8192: ") and " of 70.00 GiB, +" in shown["plan"]
+    assert shown["every"] == "Policy(name='block', every=2)"
+    assert len(plan.to_dict()["frontier"]) == len(plan.frontier) > 1

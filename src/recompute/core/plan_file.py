@@ -22,7 +22,7 @@ from recompute.core.hardware import GPUS, gpu_by_name, usable_bytes
 from recompute.core.identity import ModelId
 from recompute.core.policy import Policy
 from recompute.core.results import read_json
-from recompute.core.table import GiB, MiB
+from recompute.core.table import GiB, MiB, gib
 from recompute.core.workload import LOSSES, build_workload
 
 __all__ = ["FORMAT", "Plan", "PlanPoint", "check_plan_dict", "parse_budget", "plan_loss", "read_plan"]
@@ -120,6 +120,15 @@ class Plan:
     notes: tuple[str, ...] = ()
     model_hash: str = ""
     """The hash of the model's architecture (``recompute.core.identity``); empty where it is not known."""
+
+    def __repr__(self) -> str:
+        """One line (the whole plan, frontier and all, is ``to_dict()``: its repr ran to 94,319 characters)."""
+        w = self.workload
+        return (
+            f"Plan({self.model!r}, b={w.get('micro_batch')} s={w.get('seq_len')}: {self.policy.describe()}"
+            f"{', chunked loss' if self.loss == 'chunked' else ''}, peak {gib(self.peak)} of {gib(self.budget)}, "
+            f"+{100 * self.overhead:.1f}% {'time' if self.timed else 'FLOPs'}; {len(self.frontier)} frontier points)"
+        )
 
     @property
     def identity(self) -> ModelId:

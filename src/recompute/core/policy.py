@@ -178,6 +178,17 @@ class Policy:
         """True when every layer gets ``name``."""
         return self.every is None and self.first is None and self.layers is None
 
+    def __repr__(self) -> str:
+        """Short: a plan's policy of 126 layers spelled every layer (``describe`` counts them)."""
+        if self.layers is None:
+            fields = ("name", "every", "first", "save_ops", "offload")
+            given = [f"{k}={getattr(self, k)!r}" for k in fields if getattr(self, k) not in (None, False)]
+        else:
+            given = [repr(self.describe())]
+        if self.model is not None:
+            given.append(f"model={self.model.describe()!r}")
+        return f"Policy({', '.join(given)})"
+
     def describe(self) -> str:
         """A short human label, e.g. ``block every 2nd layer``."""
         if self.layers is not None:

@@ -213,6 +213,15 @@ class Profile:
     def n_layers(self) -> int:
         return len(self.layer_kind)
 
+    def __repr__(self) -> str:
+        """One line; every figure is ``to_dict()``'s."""
+        w = self.workload
+        kinds = ", ".join(k.name for k in self.kinds)
+        return (
+            f"Profile({self.model!r}, {self.n_layers} layers of {len(self.kinds)} kind(s): {kinds}; "
+            f"b={w.get('micro_batch')} s={w.get('seq_len')} {w.get('dtype')} on {w.get('device')})"
+        )
+
     def kind_of(self, layer: int) -> LayerKind:
         return self.kinds[self.layer_kind[layer]]
 

@@ -107,6 +107,11 @@ class BenchResult:
     def reference(self) -> BenchRow:
         return self.rows[0]
 
+    def __repr__(self) -> str:
+        """One line per policy's headline figures; everything is ``to_dict()``'s."""
+        rows = "; ".join(f"{r.policy} {r.peak / 2**30:.2f} GiB {1e3 * r.step_s:.0f} ms" for r in self.rows)
+        return f"BenchResult({self.model!r} on {self.device}: {rows})"
+
     def overhead(self, row: BenchRow) -> float:
         """Measured step-time increase over the reference policy."""
         return row.step_s / self.reference.step_s - 1

@@ -93,6 +93,13 @@ class TraceResult:
         """Bytes saved for the backward: layers, embedding, head and loss."""
         return self.layer_activations + self.embedding.total + self.head.total
 
+    def __repr__(self) -> str:
+        """One line; every figure is ``to_dict()``'s."""
+        return (
+            f"TraceResult({self.model!r}, {self.policy}: peak {self.peak / 2**30:.2f} GiB ({self.peak_phase}), "
+            f"activations {self.activations / 2**30:.2f} GiB, {self.n_layers} layers)"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         for key in ("layers",):

@@ -20,6 +20,7 @@ from recompute.core.analytic.memory import (
 from recompute.core.analytic.params import ModelStates, layer_params, model_states, norm_params
 from recompute.core.policy import POLICIES, Policy, check_analytic
 from recompute.core.spec import ModelSpec
+from recompute.core.table import gib
 from recompute.core.workload import Workload
 
 __all__ = [
@@ -67,6 +68,13 @@ class Estimate:
     @property
     def activation_bytes(self) -> float:
         return sum(self.activations.values())
+
+    def __repr__(self) -> str:
+        """One line; every field is ``to_dict()``'s."""
+        return (
+            f"Estimate({self.model!r}, {self.policy}: peak {gib(self.peak)}, activations "
+            f"{gib(self.activation_bytes)}, recompute {100 * self.overhead:.1f}% of the step's FLOPs)"
+        )
 
     @property
     def total(self) -> float:
