@@ -68,3 +68,15 @@ def test_results_print_in_one_short_line() -> None:
     assert shown["plan"].startswith("Plan('llama3.1-8b', b=1 s=8192: ") and " of 70.00 GiB, +" in shown["plan"]
     assert shown["every"] == "Policy(name='block', every=2)"
     assert len(plan.to_dict()["frontier"]) == len(plan.frontier) > 1
+
+
+def test_a_dense_model_is_not_told_that_experts_do_not_apply(tmp_path: Path) -> None:
+    """Every dense profile said 'note: experts does not apply ...': notes only where they say something."""
+    from recompute.core.workload import Workload
+    from recompute.models.source import ModelSource
+    from recompute.trace import profile
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    notes = profile(ModelSource.from_config(str(config)), Workload(seq_len=16, device="cpu", dtype="fp32")).notes
+    assert not any("experts does not apply" in n for n in notes), notes

@@ -532,9 +532,11 @@ def _assemble(
         f"{len(kinds)} kind{'s' if len(kinds) != 1 else ''} of layer: "
         + "; ".join(f"{k.name} ({ranges(k.layers)})" for k in kinds),
     ]
+    dense = all(name in k.refused for k in kinds for name in MOE_POLICIES)
     for k in kinds:
         for name, why in k.refused.items():
-            notes.append(f"{name} does not apply to {k.name}: {why}")
+            if not (dense and name in MOE_POLICIES):  # a dense model has no experts: nothing to say
+                notes.append(f"{name} does not apply to {k.name}: {why}")
     return Profile(
         model=source.name,
         origin=source.origin,
