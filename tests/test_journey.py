@@ -80,3 +80,17 @@ def test_a_dense_model_is_not_told_that_experts_do_not_apply(tmp_path: Path) -> 
     config.write_text(json.dumps(LLAMA))
     notes = profile(ModelSource.from_config(str(config)), Workload(seq_len=16, device="cpu", dtype="fp32")).notes
     assert not any("experts does not apply" in n for n in notes), notes
+
+
+def test_a_cpu_step_is_planned_in_flops_without_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``--device cpu`` plan was priced on an H100's datasheet row and offered offload."""
+    import recompute
+    from recompute.cli import main
+    from recompute.core.pricing import CPU_IN_FLOPS
+
+    assert main(["plan", "--model", "gpt2", "--seq-len", "256", "--device", "cpu", "--budget", "3GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cost_kind"] == "FLOPs" and CPU_IN_FLOPS in data["notes"]
+    assert not any("offload" in p["layers"] for p in data["frontier"]) and "offload" not in data["uniform"]
+    plan = recompute.plan("gpt2", "3GiB", seq_len=256, device="cpu")
+    assert plan.cost_kind == "FLOPs" and CPU_IN_FLOPS in plan.notes

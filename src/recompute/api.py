@@ -29,7 +29,7 @@ from recompute.core.plan import Plan, parse_budget, require_fits
 from recompute.core.plan import plan as plan_tables
 from recompute.core.policy import Policy
 from recompute.core.presets import PRESETS
-from recompute.core.pricing import choose_device
+from recompute.core.pricing import choose_device, priced_on
 from recompute.core.profile import Profile
 from recompute.core.spec import ModelSpec, analytic_model
 from recompute.core.workload import Workload
@@ -129,12 +129,13 @@ def plan(
     device = choose_device(gpu=gpu, device_profile=device_profile, compiled=compiled) if cost == "time" else None
     name = _name(model)
     wl = _workload(seq_len, workload, max_positions(name) if name is not None else _source(model).max_positions)
+    device, said = priced_on(wl, device, asked=bool(gpu or device_profile))
     losses = ("chunked",) if "chunked" in consider else ()
     target: Any = name if name is not None else _source(model)
     if device is not None and name in PRESETS:  # refuse before pricing (tracing) time
-        found = cost_tables(name, wl, losses=losses, offload="offload" in consider)
+        found = cost_tables(name, wl, losses=losses, offload="offload" in consider and not said)
         require_fits(found.tables, limit, host_budget=host, alternatives=found.alternatives)
-    found = cost_tables(target, wl, device=device, losses=losses, offload="offload" in consider)
+    found = cost_tables(target, wl, device=device, losses=losses, offload="offload" in consider and not said)
     checked = None
     if trace:
         run = importlib.import_module("recompute.trace").trace
@@ -144,7 +145,12 @@ def plan(
             return float(run(subject, w, policy).peak)
 
     return plan_tables(
-        found.tables, limit, host_budget=host, traced_peak=checked, alternatives=found.alternatives, notes=found.notes
+        found.tables,
+        limit,
+        host_budget=host,
+        traced_peak=checked,
+        alternatives=found.alternatives,
+        notes=(*said, *found.notes),
     )
 
 

@@ -34,6 +34,7 @@ from recompute.core.export import STACKS, Export, export
 from recompute.core.files import atomic_write
 from recompute.core.plan import Plan, parse_budget, plan, require_fits
 from recompute.core.policy import Policy
+from recompute.core.pricing import priced_on
 from recompute.core.profile import Profile
 from recompute.core.table import gib
 from recompute.core.workload import Workload, build_workload
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         fields=("trace",),
     )
     wl = _workload(args)
+    device, said = priced_on(wl, device, asked=bool(args.gpu or args.device_profile))
     require(
         args.export is None or wl.loss == "full",
         f"--export {args.export} prices the stack's settings with the full loss (it has no chunked loss): plan "
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     source = {"analytic": args.analytic, "profile": args.profile}
     with progress_bar("plan", enabled=not args.json) as progress:
         if device is not None and not is_profiled(args.model, **source):  # refuse before pricing (tracing) time
-            unpriced = cost_tables(args.model, wl, losses=losses, offload="offload" in consider, **source)
+            unpriced = cost_tables(args.model, wl, losses=losses, offload="offload" in consider and not said, **source)
             require_fits(unpriced.tables, budget, host_budget=host_budget, alternatives=unpriced.alternatives)
         found = cost_tables(
             args.model,
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             device=device,
             measured=args.bench,
             losses=() if args.bench else losses,
-            offload="offload" in consider,
+            offload="offload" in consider and not said,
             progress=progress,
             **source,
         )
@@ -139,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             host_budget=host_budget,
             traced_peak=traced,
             alternatives=found.alternatives,
-            notes=found.notes,
+            notes=(*said, *found.notes),
         )
     notes = list(result.notes) + _notes(result, wl, host_budget)
     data = result.to_dict() | {"notes": notes}

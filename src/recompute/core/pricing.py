@@ -127,6 +127,23 @@ def choose_device(
     return dataclasses.replace(device, compiled=True) if compiled else device
 
 
+CPU_IN_FLOPS = (
+    "a CPU step (device cpu) is planned in FLOPs, not on a GPU's times (nor with offload, which moves tensors to "
+    "the host it already runs on); to plan it on time, calibrate this CPU (recompute calibrate --device cpu -o "
+    "cpu.json) and pass that file as device_profile"
+)
+"""Why a CPU workload's plan is priced in FLOPs without a CPU's device profile (issue 36: it was priced on an
+H100's datasheet row and offered offload)."""
+
+
+def priced_on(wl: Workload, device: Device | None, *, asked: bool) -> tuple[Device | None, tuple[str, ...]]:
+    """The device a plan of ``wl`` is priced on, and what to say of it: ``device``, or None (FLOPs) where ``wl``
+    runs on the CPU and ``device`` is the default GPU's row (not ``asked`` for: no gpu, no device profile)."""
+    if device is not None and wl.device == "cpu" and device.kind != "cpu" and not asked:
+        return None, (CPU_IN_FLOPS,)
+    return device, ()
+
+
 def with_network(
     device: Device,
     *,
