@@ -33,13 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
+from recompute.core.allocator import AllocationStream, stream_of
 from recompute.offload import copying_to_host
-from recompute.trace._cuda import BLOCK, fp32_statistics
+from recompute.trace._cuda import BLOCK, fp32_statistics, kernel_scratch
 
 __all__ = ["Phase", "SavedRecord", "StepTracker", "component_of", "python_saver", "storages"]
 
@@ -144,6 +145,40 @@ class StepTracker(MemTracker):
         """Bytes alive now of what the forward allocated before the first layer (``track_owners``)."""
         self.phase_shared: dict[Phase, int] = {}
         """``shared_bytes`` at each phase's peak (``track_owners``)."""
+        self._events: list[tuple[int, int]] | None = None  # ``record_allocations``
+        self._marks: dict[str, int] = {}
+        self._lazy: set[int] = set()
+        self._rounding = False
+        self._scratches = 0
+
+    def record_allocations(self) -> None:
+        """Record every device storage allocated and freed, in order, for ``allocation_stream`` (call before
+        ``track_external``: what exists before the step is its resident part)."""
+        self._events = []
+
+    def allocation_stream(self) -> AllocationStream | None:
+        """What was recorded since ``record_allocations`` (None without it): the storages that existed before the
+        forward (the optimizer's state apart), then the step, marked where its optimizer step began."""
+        if self._events is None:
+            return None
+        n = len(self._events)
+        start = self._marks.get("forward", n)
+        return stream_of(self._events, start=start, optimizer_at=self._marks.get("optimizer", n), lazy=self._lazy)
+
+    def _update_snap(
+        self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None
+    ) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+        events = self._events
+        if events is None or u_type == _UpdateType.REF or (u_type == _UpdateType.SIZE and self._rounding):
+            return
+        key = id(winfo)
+        if u_type != _UpdateType.ADD:  # freed, or resized (``UntypedStorage.resize_``: freed and allocated anew)
+            events.append((key, 0))
+        if u_type != _UpdateType.DEL and winfo.mem_consumed > 0:
+            events.append((key, winfo.mem_consumed))
+            if self.stage == "setup" and winfo.reftype == _MemRefType.OPT:
+                self._lazy.add(key)
 
     def track_owners(self) -> None:
         """Also note which layer's forward allocated each storage (``left_by_layer``), and follow what the
@@ -182,6 +217,8 @@ class StepTracker(MemTracker):
         """Enter ``forward``, ``backward`` or ``optimizer``."""
         self.stage = stage
         self._layers_done = set()
+        if self._events is not None:
+            self._marks.setdefault(stage, len(self._events))
 
     def current_total(self) -> int:
         """Bytes tracked right now, over all devices."""
@@ -248,9 +285,36 @@ class StepTracker(MemTracker):
             out = super().__torch_dispatch__(run, types, args, kwargs)
         finally:
             self._fetching = None
+        if out is not NotImplemented and active_fake_mode() is self._fake_mode_on_entry and self._on_cuda(args):
+            self._scratch(kernel_scratch(func, args), args)
         if self.counter is not None and out is not NotImplemented:
             self.counter.count(self.phase(), func, args, kwargs or {}, out)
         return out
+
+    def _on_cuda(self, args: Any) -> bool:
+        """Whether an op on ``args`` runs CUDA's kernel: under CUDA's rules, or on CUDA tensors (real ones too:
+        MemTracker sees what a kernel returns, never what it allocates inside)."""
+        first = args[0] if args else None
+        return self.cuda or (isinstance(first, torch.Tensor) and first.device.type == "cuda")
+
+    def _scratch(self, nbytes: int, args: Any) -> None:
+        """Count ``nbytes`` that a kernel allocates and frees inside one call (``kernel_scratch``), on top of
+        what is alive now and its outputs, at the peak of the moment (on the device of its first input)."""
+        if nbytes <= 0:
+            return
+        device = args[0].device
+        nbytes = -(-nbytes // BLOCK) * BLOCK
+        snap = self._curr_mem_snap.setdefault(device, dict.fromkeys(self._ref_class, 0))
+        for key in (_MemRefType.TEMP, "Total"):
+            snap[key] = snap.get(key, 0) + nbytes
+        try:
+            self._update_peak_stats(None)
+        finally:
+            for key in (_MemRefType.TEMP, "Total"):
+                snap[key] -= nbytes
+        if self._events is not None:
+            self._scratches -= 1  # negative keys: never an ``id``
+            self._events += [(self._scratches, nbytes), (self._scratches, 0)]
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         """MemTracker's, but for frozen parameters (``requires_grad=False``, such as a router's correction bias):
@@ -290,7 +354,11 @@ class StepTracker(MemTracker):
                 continue
             winfo, old = info[0], info[0].mem_consumed
             winfo.mem_consumed = -(-old // BLOCK) * BLOCK
-            self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
+            self._rounding = True  # the allocator rounds requests itself: no new event
+            try:
+                self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
+            finally:
+                self._rounding = False
 
     def _track_host(self, t: torch.Tensor) -> None:
         for st in storages(t):
