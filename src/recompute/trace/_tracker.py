@@ -285,11 +285,17 @@ class StepTracker(MemTracker):
             out = super().__torch_dispatch__(run, types, args, kwargs)
         finally:
             self._fetching = None
-        if out is not NotImplemented and active_fake_mode() is self._fake_mode_on_entry and self._on_cuda(args):
+        if out is not NotImplemented and self._tracks_now() and self._on_cuda(args):
             self._scratch(kernel_scratch(func, args), args)
         if self.counter is not None and out is not NotImplemented:
             self.counter.count(self.phase(), func, args, kwargs or {}, out)
         return out
+
+    def _tracks_now(self) -> bool:
+        """Whether MemTracker filed the op just dispatched: from torch 2.13 only ops run under the fake mode it was
+        entered in (DTensor's shape propagation runs under another), before that every op."""
+        entry = getattr(self, "_fake_mode_on_entry", _UNSET)
+        return entry is _UNSET or active_fake_mode() is entry
 
     def _on_cuda(self, args: Any) -> bool:
         """Whether an op on ``args`` runs CUDA's kernel: under CUDA's rules, or on CUDA tensors (real ones too:
@@ -304,7 +310,10 @@ class StepTracker(MemTracker):
             return
         device = args[0].device
         nbytes = -(-nbytes // BLOCK) * BLOCK
-        snap = self._curr_mem_snap.setdefault(device, dict.fromkeys(self._ref_class, 0))
+        snap = self._curr_mem_snap.get(device)
+        empty = snap is None  # nothing else on the device: a snapshot only while the scratch lives
+        if snap is None:
+            snap = self._curr_mem_snap[device] = {}
         for key in (_MemRefType.TEMP, "Total"):
             snap[key] = snap.get(key, 0) + nbytes
         try:
@@ -312,6 +321,8 @@ class StepTracker(MemTracker):
         finally:
             for key in (_MemRefType.TEMP, "Total"):
                 snap[key] -= nbytes
+            if empty:
+                del self._curr_mem_snap[device]
         if self._events is not None:
             self._scratches -= 1  # negative keys: never an ``id``
             self._events += [(self._scratches, nbytes), (self._scratches, 0)]
@@ -480,6 +491,7 @@ class _NoHook:
 
 
 _NO_HOOK = _NoHook()
+_UNSET = object()
 
 
 @dataclass
