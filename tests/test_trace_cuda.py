@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import recompute.trace._tracker as tracker_module
+import recompute.trace._events as events_module
 from recompute import ModelSpec, Workload
 from recompute.check_formulas import COMPARED, analytic_components
 from recompute.cli import main
@@ -141,7 +141,7 @@ def test_eager_attention_on_cuda_holds_softmax_backward_scratch(monkeypatch: pyt
     one (b, a, s, s) bf16 tensor, 4096^2 * 32 * 2 B."""
     policies = ("none", "core_attn", "block")
     peaks = {p: trace(ISSUE_34, issue_34("eager"), p).peak for p in policies}
-    monkeypatch.setattr(tracker_module, "kernel_scratch", lambda func, args: 0)
+    monkeypatch.setattr(events_module, "kernel_scratch", lambda func, args: 0)
     before = {p: trace(ISSUE_34, issue_34("eager"), p).peak for p in policies}
     assert {p: peaks[p] - before[p] for p in policies} == dict.fromkeys(policies, 4096 * 4096 * 32 * 2)
 

@@ -17,15 +17,15 @@ Note: [lean peak tracking] MemTracker updates a peak snapshot for every module i
 which is quadratic in the layer count (minutes for a 32-layer model); only the global and per-phase peaks are
 kept here.
 
-Over 400 lines because it is one ``MemTracker`` subclass: phases, saved-tensor owners, host memory and CUDA's block
-rounding all hook the same dispatch.
+Over 400 lines because it is one ``MemTracker`` subclass: phases, saved-tensor owners and host memory all hook the
+same dispatch (CUDA's blocks, kernel scratch and the allocation stream are ``DeviceEvents``', its base).
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -33,14 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
-from recompute.core.allocator import AllocationStream, stream_of
 from recompute.offload import copying_to_host
-from recompute.trace._cuda import BLOCK, fp32_statistics, kernel_scratch
+from recompute.trace._cuda import fp32_statistics
+from recompute.trace._events import DeviceEvents, storages
 
 __all__ = ["Phase", "SavedRecord", "StepTracker", "component_of", "python_saver", "storages"]
 
@@ -106,7 +104,7 @@ def component_of(child: str) -> str:
     return "other"
 
 
-class StepTracker(MemTracker):
+class StepTracker(DeviceEvents):
     """MemTracker with per-phase peaks and attribution of saved tensors; see the module docstring.
 
     Call ``set_stage`` with ``forward``, ``backward`` and ``optimizer`` as the step goes; install ``pack`` and
@@ -114,10 +112,7 @@ class StepTracker(MemTracker):
     """
 
     def __init__(self, layers: Iterable[nn.Module], *, cuda: bool = False) -> None:
-        super().__init__()
-        self.cuda = cuda
-        """CUDA's rules on fake CPU tensors (``recompute.trace._cuda``): 512-byte blocks, fp32 LayerNorm
-        statistics."""
+        super().__init__(cuda=cuda)
         self.stage = "setup"
         self.layers = list(layers)
         self.phase_peaks: dict[Phase, tuple[int, dict[str, int]]] = {}
@@ -145,40 +140,6 @@ class StepTracker(MemTracker):
         """Bytes alive now of what the forward allocated before the first layer (``track_owners``)."""
         self.phase_shared: dict[Phase, int] = {}
         """``shared_bytes`` at each phase's peak (``track_owners``)."""
-        self._events: list[tuple[int, int]] | None = None  # ``record_allocations``
-        self._marks: dict[str, int] = {}
-        self._lazy: set[int] = set()
-        self._rounding = False
-        self._scratches = 0
-
-    def record_allocations(self) -> None:
-        """Record every device storage allocated and freed, in order, for ``allocation_stream`` (call before
-        ``track_external``: what exists before the step is its resident part)."""
-        self._events = []
-
-    def allocation_stream(self) -> AllocationStream | None:
-        """What was recorded since ``record_allocations`` (None without it): the storages that existed before the
-        forward (the optimizer's state apart), then the step, marked where its optimizer step began."""
-        if self._events is None:
-            return None
-        n = len(self._events)
-        start = self._marks.get("forward", n)
-        return stream_of(self._events, start=start, optimizer_at=self._marks.get("optimizer", n), lazy=self._lazy)
-
-    def _update_snap(
-        self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None
-    ) -> None:
-        super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
-        events = self._events
-        if events is None or u_type == _UpdateType.REF or (u_type == _UpdateType.SIZE and self._rounding):
-            return
-        key = id(winfo)
-        if u_type != _UpdateType.ADD:  # freed, or resized (``UntypedStorage.resize_``: freed and allocated anew)
-            events.append((key, 0))
-        if u_type != _UpdateType.DEL and winfo.mem_consumed > 0:
-            events.append((key, winfo.mem_consumed))
-            if self.stage == "setup" and winfo.reftype == _MemRefType.OPT:
-                self._lazy.add(key)
 
     def track_owners(self) -> None:
         """Also note which layer's forward allocated each storage (``left_by_layer``), and follow what the
@@ -217,8 +178,7 @@ class StepTracker(MemTracker):
         """Enter ``forward``, ``backward`` or ``optimizer``."""
         self.stage = stage
         self._layers_done = set()
-        if self._events is not None:
-            self._marks.setdefault(stage, len(self._events))
+        self.mark(stage)
 
     def current_total(self) -> int:
         """Bytes tracked right now, over all devices."""
@@ -285,47 +245,11 @@ class StepTracker(MemTracker):
             out = super().__torch_dispatch__(run, types, args, kwargs)
         finally:
             self._fetching = None
-        if out is not NotImplemented and self._tracks_now() and self._on_cuda(args):
-            self._scratch(kernel_scratch(func, args), args)
+        if out is not NotImplemented:
+            self.count_scratch(func, args)
         if self.counter is not None and out is not NotImplemented:
             self.counter.count(self.phase(), func, args, kwargs or {}, out)
         return out
-
-    def _tracks_now(self) -> bool:
-        """Whether MemTracker filed the op just dispatched: from torch 2.13 only ops run under the fake mode it was
-        entered in (DTensor's shape propagation runs under another), before that every op."""
-        entry = getattr(self, "_fake_mode_on_entry", _UNSET)
-        return entry is _UNSET or active_fake_mode() is entry
-
-    def _on_cuda(self, args: Any) -> bool:
-        """Whether an op on ``args`` runs CUDA's kernel: under CUDA's rules, or on CUDA tensors (real ones too:
-        MemTracker sees what a kernel returns, never what it allocates inside)."""
-        first = args[0] if args else None
-        return self.cuda or (isinstance(first, torch.Tensor) and first.device.type == "cuda")
-
-    def _scratch(self, nbytes: int, args: Any) -> None:
-        """Count ``nbytes`` that a kernel allocates and frees inside one call (``kernel_scratch``), on top of
-        what is alive now and its outputs, at the peak of the moment (on the device of its first input)."""
-        if nbytes <= 0:
-            return
-        device = args[0].device
-        nbytes = -(-nbytes // BLOCK) * BLOCK
-        snap = self._curr_mem_snap.get(device)
-        empty = snap is None  # nothing else on the device: a snapshot only while the scratch lives
-        if snap is None:
-            snap = self._curr_mem_snap[device] = {}
-        for key in (_MemRefType.TEMP, "Total"):
-            snap[key] = snap.get(key, 0) + nbytes
-        try:
-            self._update_peak_stats(None)
-        finally:
-            for key in (_MemRefType.TEMP, "Total"):
-                snap[key] -= nbytes
-            if empty:
-                del self._curr_mem_snap[device]
-        if self._events is not None:
-            self._scratches -= 1  # negative keys: never an ``id``
-            self._events += [(self._scratches, nbytes), (self._scratches, 0)]
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         """MemTracker's, but for frozen parameters (``requires_grad=False``, such as a router's correction bias):
@@ -350,26 +274,6 @@ class StepTracker(MemTracker):
             self._own(new)
         if new and self._fetching is not None:
             self._fetched_back(new, self._fetching)
-
-    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: Any, update_existing: bool = False) -> Any:
-        new = [st for st in storages(t) if st not in self._WINFO] if self.cuda else []
-        out = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-        self._blocks(new)
-        return out
-
-    def _blocks(self, new: list[torch.UntypedStorage]) -> None:
-        """Round storages just tracked up to CUDA's 512-byte blocks (MemTracker does for CUDA tensors)."""
-        for st in new:
-            info = self._WINFO.get(st)
-            if info is None or info[0].mem_consumed % BLOCK == 0:
-                continue
-            winfo, old = info[0], info[0].mem_consumed
-            winfo.mem_consumed = -(-old // BLOCK) * BLOCK
-            self._rounding = True  # the allocator rounds requests itself: no new event
-            try:
-                self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
-            finally:
-                self._rounding = False
 
     def _track_host(self, t: torch.Tensor) -> None:
         for st in storages(t):
@@ -472,17 +376,6 @@ class StepTracker(MemTracker):
         return phase.layer, (named[0] if named else None)
 
 
-def storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages holding ``t``'s data in this process: a DTensor's local shard, any wrapper's inner tensors."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for inner in (getattr(t, name) for name in names):
-            if isinstance(inner, torch.Tensor):  # DTensor also flattens its DeviceMesh
-                yield from storages(inner)
-    else:
-        yield t.untyped_storage()
-
-
 class _NoHook:
     """A hook handle for a hook never registered (``StepTracker._track_module_params_and_buffers``)."""
 
@@ -491,7 +384,6 @@ class _NoHook:
 
 
 _NO_HOOK = _NoHook()
-_UNSET = object()
 
 
 @dataclass
