@@ -58,11 +58,12 @@ def test_the_cuda_step_peak_matches_the_estimate(name: str, attention: str, seq_
     assert predicted.peak == pytest.approx(traced.peak, rel=1e-4)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
-def test_the_estimate_counts_cuda_foreach_adamw_and_the_kept_logits(precision: str) -> None:
+@pytest.mark.parametrize(("precision", "dp"), [("bf16", 1), ("mixed", 1), ("distributed", 8)])
+def test_the_estimate_counts_cuda_foreach_adamw_and_the_kept_logits(precision: str, dp: int) -> None:
     """CUDA's default AdamW is the foreach one, whose ``_foreach_sqrt`` holds one moment of every parameter at
-    once, while the training loop still holds its logits: the optimizer step's peak, on both sides."""
-    spec, wl = cuda("llama3.1-8b", 0.0, "flash", device="cuda", precision=precision)
+    once (of its shard under the distributed optimizer), while the training loop still holds its logits: the
+    optimizer step's peak, on both sides."""
+    spec, wl = cuda("llama3.1-8b", 0.0, "flash", device="cuda", precision=precision, dp=dp)
     predicted, traced = estimate(spec, wl, "block"), trace(spec, wl, "block", layers=2)
     assert traced.peak_phase == "optimizer step" == predicted.peak_phase
     assert predicted.peak == pytest.approx(traced.peak, rel=1e-4)  # the rest: small tensors' 512-byte blocks

@@ -69,8 +69,9 @@ class Restate:
         was, now = bytes_per_param(self.traced), bytes_per_param(self.wanted, self.dp)
         out = total + self.params * (now["parameters"] - was["parameters"] + now["optimizer"] - was["optimizer"])
         out += breakdown.get("Gradient", 0.0) * (now["gradients"] / was["gradients"] - 1)
-        if optimizer:
-            out += self.temporaries(breakdown) * (_moment(self.wanted) / _moment(self.traced) - 1)
+        if optimizer:  # the distributed optimizer steps its shard of the parameters, 1/d of them
+            shard = self.dp if self.wanted == "distributed" else 1
+            out += self.temporaries(breakdown) * (_moment(self.wanted) / _moment(self.traced) / shard - 1)
         return out
 
     def temporaries(self, breakdown: Mapping[str, float]) -> float:

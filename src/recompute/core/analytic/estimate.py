@@ -269,12 +269,13 @@ def _optimizer_phase(spec: ModelSpec, wl: Workload, states: ModelStates, logits:
     Note: [AdamW's temporaries] PyTorch's single-tensor AdamW (its default on the CPU) makes two temporaries of
     one parameter's moment at a time (``exp_avg_sq.sqrt() / bias_correction``): twice the largest parameter.
     On CUDA PyTorch defaults to the foreach implementation, whose ``_foreach_sqrt`` holds the square root of
-    every parameter's second moment at once: one moment of the whole rank (both held to the trace, which runs
-    each device's default). Fused or distributed optimizers (Megatron's, ``fused=True``) make neither.
+    every parameter's second moment at once: one moment of the whole rank, or of its shard under the distributed
+    optimizer (both held to the trace, which runs each device's default). Fused optimizers (Megatron's,
+    ``fused=True``) make neither.
     """
     moment = 2 if wl.precision == "bf16" else 4  # Adam moments: fp32, or bf16 in the bf16 mode
-    if wl.device == "cuda":
-        temporaries = float(states.params * moment)
+    if wl.device == "cuda":  # the distributed optimizer steps its shard, 1/d of the rank's parameters
+        temporaries = states.params * moment / (wl.dp if wl.precision == "distributed" else 1)
     else:
         largest = max(spec.vocab * spec.hidden, spec.hidden * spec.d_ff, spec.hidden * (spec.q_dim + 2 * spec.kv_dim))
         temporaries = 2 * largest / wl.tp * moment
