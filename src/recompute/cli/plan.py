@@ -215,6 +215,11 @@ def _considered(text: str) -> set[str]:
 def _notes(result: Plan, wl: Workload, host_budget: float | None) -> list[str]:
     """What the plan takes besides device memory, and how to apply what it chose."""
     notes = []
+    if result.traced_reserved is not None:
+        notes.append(
+            "checked by what CUDA's caching allocator reserves over the plan's steps (replayed from its trace); a "
+            "GPU's budget then leaves out its fragmentation allowance"
+        )
     if result.host:
         notes.append(
             f"the offloaded layers take {gib(result.host)} of pinned host memory per GPU"
