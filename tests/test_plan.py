@@ -243,6 +243,31 @@ def test_the_trace_check_replaces_an_analytic_plan_that_is_over_the_budget() -> 
     assert checked.policy != analytic.policy and checked.traced_peak is not None and checked.traced_peak <= budget
 
 
+def test_on_cuda_the_trace_check_fits_what_the_caching_allocator_reserves() -> None:
+    """A CUDA plan checked by its trace must fit what PyTorch's caching allocator reserves over its steps (replayed
+    from the trace, ``recompute.core.allocator``), not only the allocated peak: here the analytic plan's traced peak
+    fits the budget and its reserve does not, so a smaller plan is chosen."""
+    from recompute.trace import step_needs, trace
+
+    spec = tiny_llama(6, hidden=512, vocab=4096, max_positions=512)
+    wl = Workload(seq_len=512, micro_batch=4, dtype="bf16", precision="bf16", device="cuda", attention="flash")
+    none, block = estimate(spec, wl, "none"), estimate(spec, wl, "block")
+    budget = block.peak + 0.8 * (none.peak - block.peak)
+    analytic = trace(spec, wl, plan(analytic_table(spec, wl), budget).policy)
+    assert analytic.reserved is not None and analytic.peak <= budget < analytic.reserved
+    checked = plan(analytic_table(spec, wl), budget, traced_peak=step_needs(spec))
+    assert checked.traced_peak is not None and checked.traced_reserved is not None
+    assert checked.traced_peak < checked.traced_reserved <= budget
+    assert trace(spec, wl, checked.policy).reserved == checked.traced_reserved  # an independent trace
+    assert checked.to_dict()["predicted"]["traced_reserved"] == checked.traced_reserved
+
+
+def test_a_budget_checked_by_the_reserve_leaves_out_the_fragmentation_allowance() -> None:
+    replayed = parse_budget("h100-80gb", replayed=True)
+    assert replayed == usable_bytes("h100-80gb", fragmentation=0.0) > parse_budget("h100-80gb")
+    assert parse_budget("70GiB", replayed=True) == parse_budget("70GiB") == 70 * 2**30
+
+
 def test_nothing_fits_names_the_smallest_peak_and_a_fix() -> None:
     spec, wl = ModelSpec.from_name("llama3.1-8b"), Workload(seq_len=8192)
     smallest = frontier(analytic_table(spec, wl))[0].peak / 2**30

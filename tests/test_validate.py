@@ -88,7 +88,9 @@ def test_step_peak_matches_the_estimate(keep_grads: bool) -> None:
         assert r.analytic == pytest.approx(r.traced, rel=1e-4), (r.model, r.policy)
         assert PHASES.get(r.analytic_phase, r.analytic_phase) == r.traced_phase, (r.model, r.policy)
     assert "gpt peaks: max |error| 0.00%" in render_validation(v)
-    assert {r.analytic_phase for r in v.peaks} == ({"loss"} if keep_grads else {"loss", "optimizer step"})
+    # Llama's block step peaks in the optimizer step either way: every gradient, AdamW's temporaries and the logits
+    # the training loop holds until the step ends (0.24 GiB at s = 1024) outweigh its loss phase.
+    assert {r.analytic_phase for r in v.peaks} == {"loss", "optimizer step"}
 
 
 def test_render_and_cli(table: Validation, capsys: pytest.CaptureFixture[str]) -> None:

@@ -108,7 +108,9 @@ def plan(
         cost: ``time`` (predicted on the device) or ``flops``.
         consider: besides recomputation, ``offload`` and ``chunked`` (the chunked loss).
         host_budget: host memory per GPU the offloaded layers may take.
-        trace: check the chosen plan's peak on the real step (fake tensors) and re-plan until it fits.
+        trace: check the chosen plan's peak on the real step (fake tensors) and re-plan until it fits; on CUDA
+            what must fit is what the caching allocator reserves over its steps (a GPU's budget then leaves out
+            its fragmentation allowance, which that replay measures).
         **workload: any other ``Workload`` field.
 
     Raises:
@@ -124,12 +126,12 @@ def plan(
     require(not unknown, f"consider takes offload and chunked, got {sorted(unknown)}", fields=("consider",))
     if budget is None and gpu is None:
         raise ConfigError("plan needs a budget: give budget= (e.g. '70GiB') or gpu= (its usable memory)")
-    limit = parse_budget(budget if budget is not None else str(gpu))
     host = parse_budget(host_budget, "host_budget") if host_budget is not None else None
     device = choose_device(gpu=gpu, device_profile=device_profile, compiled=compiled) if cost == "time" else None
     name = _name(model)
     wl = _workload(seq_len, workload, max_positions(name) if name is not None else _source(model).max_positions)
     device, said = priced_on(wl, device, asked=bool(gpu or device_profile))
+    limit = parse_budget(budget if budget is not None else str(gpu), replayed=trace and wl.device == "cuda")
     losses = ("chunked",) if "chunked" in consider else ()
     target: Any = name if name is not None else _source(model)
     if device is not None and name in PRESETS:  # refuse before pricing (tracing) time
@@ -138,12 +140,9 @@ def plan(
     found = cost_tables(target, wl, device=device, losses=losses, offload="offload" in consider and not said)
     checked = None
     if trace:
-        run = importlib.import_module("recompute.trace").trace
-        subject = found.spec if found.spec is not None else target
-
-        def checked(policy: Policy, w: Workload) -> float:
-            return float(run(subject, w, policy).peak)
-
+        checked = importlib.import_module("recompute.trace").step_needs(
+            found.spec if found.spec is not None else target
+        )
     return plan_tables(
         found.tables,
         limit,

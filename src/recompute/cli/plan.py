@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from recompute.cli._common import (
@@ -33,7 +33,6 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.export import STACKS, Export, export
 from recompute.core.files import atomic_write
 from recompute.core.plan import Plan, parse_budget, plan, require_fits
-from recompute.core.policy import Policy
 from recompute.core.pricing import priced_on
 from recompute.core.profile import Profile
 from recompute.core.table import gib
@@ -76,7 +75,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace",
         action="store_true",
-        help="trace the chosen plan's step on fake tensors and re-plan until its traced peak fits (needs torch)",
+        help="trace the chosen plan's step on fake tensors and re-plan until its traced peak fits (needs torch); on "
+        "CUDA what the caching allocator reserves must fit, and a GPU's budget drops its fragmentation allowance",
     )
     p.add_argument("-o", "--output", help="write the plan file here (apply, bench, train and verify take it as is)")
     p.add_argument("--frontier", action="store_true", help="show every plan of the frontier (default: a dozen)")
@@ -90,7 +90,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    budget = _budget(args)
+    _budget(args)  # checked before any work
     if (args.cost == "measured") != (args.bench is not None):
         raise ConfigError("--cost measured needs --bench RESULTS.json (and --bench needs --cost measured)")
     require(
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     )
     wl = _workload(args)
     device, said = priced_on(wl, device, asked=bool(args.gpu or args.device_profile))
+    budget = _budget(args, replayed=args.trace and wl.device == "cuda")
     require(
         args.export is None or wl.loss == "full",
         f"--export {args.export} prices the stack's settings with the full loss (it has no chunked loss): plan "
@@ -134,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             **source,
         )
-        traced = _traced_peak(args.model, found.spec) if args.trace else None
+        traced = (
+            torch_floor("recompute.trace").step_needs(found.spec if found.spec is not None else args.model)
+            if args.trace
+            else None
+        )
         result = plan(
             found.tables,
             budget,
@@ -182,12 +187,13 @@ def _export(
     return exported
 
 
-def _budget(args: argparse.Namespace) -> float:
-    """``--budget`` (a size or a GPU name), else the ``--gpu``'s usable memory."""
+def _budget(args: argparse.Namespace, *, replayed: bool = False) -> float:
+    """``--budget`` (a size or a GPU name), else the ``--gpu``'s usable memory (``replayed``: without the
+    fragmentation allowance, which ``--trace`` measures on CUDA by replaying the caching allocator)."""
     if args.budget is not None:
-        return parse_budget(args.budget)
+        return parse_budget(args.budget, replayed=replayed)
     if args.gpu is not None:
-        return parse_budget(args.gpu, "gpu")
+        return parse_budget(args.gpu, "gpu", replayed=replayed)
     raise ConfigError("plan needs a memory budget: give --budget (e.g. 70GiB) or --gpu (its usable memory)")
 
 
@@ -211,6 +217,11 @@ def _considered(text: str) -> set[str]:
 def _notes(result: Plan, wl: Workload, host_budget: float | None) -> list[str]:
     """What the plan takes besides device memory, and how to apply what it chose."""
     notes = []
+    if result.traced_reserved is not None:
+        notes.append(
+            "checked by what CUDA's caching allocator reserves over the plan's steps (replayed from its trace); a "
+            "GPU's budget then leaves out its fragmentation allowance"
+        )
     if result.host:
         notes.append(
             f"the offloaded layers take {gib(result.host)} of pinned host memory per GPU"
@@ -219,14 +230,3 @@ def _notes(result: Plan, wl: Workload, host_budget: float | None) -> list[str]:
     elif host_budget is not None:
         notes.append("--host-budget unused: the plan offloads nothing")
     return notes
-
-
-def _traced_peak(model: str, spec: object) -> Callable[[Policy, Workload], float]:
-    """A policy's peak by ``recompute.trace``: the real step on fake tensors (a preset's spec, or the model)."""
-    trace = torch_floor("recompute.trace").trace
-    target = spec if spec is not None else model
-
-    def peak(policy: Policy, wl: Workload) -> float:
-        return float(trace(target, wl, policy).peak)
-
-    return peak

@@ -194,7 +194,8 @@ def render_plan(
         describe_workload(plan.model, build_workload(**plan.workload)),
         f"plan: {layer_runs(plan.layers)}" + ("; chunked loss" if plan.loss == "chunked" else ""),
         f"fits: predicted peak {gib(plan.peak)} of the {gib(plan.budget)} budget ({plan.peak_phase})"
-        + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else ""),
+        + (f"; traced peak {gib(plan.traced_peak)}" if plan.traced_peak is not None else "")
+        + (f", reserved {gib(plan.traced_reserved)} (CUDA's caching allocator)" if plan.traced_reserved else ""),
         "cost: " + _plan_cost(plan),
         "apply: " + apply_line(plan, output),
     ]

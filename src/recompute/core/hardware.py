@@ -41,7 +41,9 @@ measurement of any one machine; NCCL buffers of a multi-GPU job come on top."""
 
 FRAGMENTATION = 0.05
 """Share of the memory that PyTorch's caching allocator loses to fragmentation in a long training run: blocks
-cached but not reusable for the next size asked for. An allowance; ``expandable_segments`` lowers it."""
+cached but not reusable for the next size asked for. An allowance; ``expandable_segments`` lowers it. The
+allocator's replay on traced steps (``recompute.core.allocator``, docs/validation.md) predicts 2-31 % above the
+allocated peak; ``plan --trace`` on CUDA checks that replay instead of this allowance."""
 
 _SMI = "nvidia-smi memory.total as logged publicly"
 _MODAL = "nvidia-smi memory.total per GPU type, modal-labs/modal-client PR #2797"

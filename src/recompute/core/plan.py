@@ -6,7 +6,8 @@ exact Pareto frontier of (peak, cost); the loss mode is a global choice on top: 
 own (a predicted step time, or in FLOPs nothing, as the chunked loss replays nothing), the cheapest plan that
 fits wins and, at equal cost, the workload's own mode (another changes the training loop). Offload is an
 option per layer where the table prices it; a host budget caps the host bytes of the offloaded layers. With
-``traced_peak`` the chosen plan is checked by the real step's peak (``recompute.trace``) and replaced by the
+``traced_peak`` the chosen plan is checked by the real step's peak (``recompute.trace``; on CUDA what the caching
+allocator reserves over its steps, replayed from the trace) and replaced by the
 next cheaper one while it is over. When nothing fits, the message gives the smallest achievable peak and the
 least invasive workload change that would fit (``recompute.core.advice``). The result and the file it writes
 are ``recompute.core.plan_file``'s. Torch-free.
@@ -21,7 +22,7 @@ from recompute.core.analytic.estimate import Estimate, estimate
 from recompute.core.costs import Composed, CostTable
 from recompute.core.errors import ConfigError, require
 from recompute.core.identity import ModelId
-from recompute.core.plan_file import FORMAT, Plan, PlanPoint, parse_budget
+from recompute.core.plan_file import FORMAT, Plan, PlanPoint, Traced, parse_budget
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.search import search, smallest_peak
 from recompute.core.spec import ModelSpec
@@ -34,6 +35,7 @@ __all__ = [
     "NothingFits",
     "Plan",
     "PlanPoint",
+    "Traced",
     "best_uniform",
     "frontier",
     "parse_budget",
@@ -48,7 +50,7 @@ def plan(
     budget: float,
     *,
     host_budget: float | None = None,
-    traced_peak: Callable[[Policy, Workload], float] | None = None,
+    traced_peak: Callable[[Policy, Workload], float | Traced] | None = None,
     alternatives: Callable[[Workload], float | None] | None = None,
     notes: Sequence[str] = (),
 ) -> Plan:
@@ -58,8 +60,9 @@ def plan(
         tables: the model's cost table in each loss mode to choose from, the workload's own mode first.
         host_budget: host-memory bytes per rank that offloaded layers may take; None: unchecked.
         traced_peak: the peak of a policy's real step at a workload, e.g. ``recompute.trace``'s on fake tensors
-            (``plan --trace``): while the chosen plan's is over the budget, the next cheaper plan under a budget
-            lowered by the overshoot is traced in turn.
+            (``plan --trace``), or a ``Traced`` with what the CUDA caching allocator reserves over its steps,
+            which is then what must fit: while the chosen plan's is over the budget, the next cheaper plan under
+            a budget lowered by the overshoot is traced in turn.
         alternatives: the smallest achievable peak of the model at another workload (None where it is not known
             without measuring): the advice when nothing fits.
 
@@ -72,7 +75,7 @@ def plan(
     chosen = _choose(points, own, budget)
     if chosen is None:
         raise NothingFits(_nothing_fits(tables, budget, points, alternatives, host_budget))
-    traced = None
+    traced: Traced | None = None
     if traced_peak is not None:
         chosen, traced = _fit_traced(tables, (points, own), chosen, budget, traced_peak)
     if chosen not in points:  # the workload's own loss mode, at the cost of a point of another's
@@ -96,7 +99,8 @@ def plan(
         frontier=tuple(points),
         uniform={o: _point(base, base.compose((o,) * base.n), tables) for o in base.options()},
         host_budget=host_budget,
-        traced_peak=traced,
+        traced_peak=traced.peak if traced is not None else None,
+        traced_reserved=traced.reserved if traced is not None else None,
         device=base.device,
         source=base.source,
         notes=tuple(notes) + table.notes,
@@ -214,29 +218,32 @@ def _fit_traced(
     fronts: tuple[Sequence[PlanPoint], Sequence[PlanPoint]],
     chosen: PlanPoint,
     budget: float,
-    traced_peak: Callable[[Policy, Workload], float],
-) -> tuple[PlanPoint, float]:
-    """The cheapest frontier point whose traced peak fits ``budget``, and that peak.
+    traced_peak: Callable[[Policy, Workload], float | Traced],
+) -> tuple[PlanPoint, Traced]:
+    """The cheapest frontier point whose traced step fits ``budget`` (its reserve where known), and that step.
 
     Each round traces the candidate in its loss mode; an overshoot lowers the target by that much (the
     predicted error is nearly the same for neighbouring plans), and the next candidate is traced in turn.
     """
     points, own = fronts
-    target = budget
+    target, reserved = budget, False
     for _ in range(len(points) + len(own)):
         table = _table_of(tables, chosen.loss)
         policy = Policy(layers=table.whole_model(chosen.layers), model=ModelId(table.model, table.model_hash))
-        peak = float(traced_peak(policy, build_workload(**table.workload)))
-        if peak <= budget:
-            return chosen, peak
-        target -= max(peak - budget, 1.0)
+        got = traced_peak(policy, build_workload(**table.workload))
+        traced = got if isinstance(got, Traced) else Traced(float(got))
+        if traced.needs <= budget:
+            return chosen, traced
+        reserved |= traced.reserved is not None
+        target -= max(traced.needs - budget, 1.0)
         lower = _choose(points, own, target)
         if lower is None:
             break
         chosen = lower
+    what = "what CUDA's caching allocator reserves for" if reserved else "peak of"
     raise ConfigError(
-        f"no plan's traced peak fits {gib(budget)} (the smallest predicted peak is {gib(points[0].peak)}); "
-        "raise the budget or see the fixes without trace",
+        f"no plan fits {gib(budget)} by {what} its traced step (the smallest predicted peak is "
+        f"{gib(points[0].peak)}); raise the budget or see the fixes without trace",
         fields=("trace",),
     )
 

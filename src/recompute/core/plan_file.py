@@ -25,7 +25,7 @@ from recompute.core.results import read_json
 from recompute.core.table import GiB, MiB, gib
 from recompute.core.workload import LOSSES, build_workload
 
-__all__ = ["FORMAT", "Plan", "PlanPoint", "check_plan_dict", "parse_budget", "plan_loss", "read_plan"]
+__all__ = ["FORMAT", "Plan", "PlanPoint", "Traced", "check_plan_dict", "parse_budget", "plan_loss", "read_plan"]
 
 FORMAT = "recompute.plan/2"
 
@@ -43,14 +43,18 @@ _UNITS = {
 }
 
 
-def parse_budget(text: str | float, what: str = "budget") -> float:
+def parse_budget(text: str | float, what: str = "budget", *, replayed: bool = False) -> float:
     """Bytes from ``70GiB``, ``80 GB``, ``7.5e10``, a number, or a GPU name (``h100-80gb``: its usable memory).
+
+    ``replayed``: the plan is checked by what the caching allocator reserves (``Traced.reserved``), so a GPU's
+    usable memory leaves out the fragmentation allowance, which that replay measures.
 
     Raises:
         ConfigError: neither a positive size nor a known GPU (``what``: the field it is for).
     """
     if isinstance(text, str) and text.strip().lower() in GPUS:
-        return float(usable_bytes(gpu_by_name(text.strip().lower())))
+        gpu = gpu_by_name(text.strip().lower())
+        return float(usable_bytes(gpu, fragmentation=0.0) if replayed else usable_bytes(gpu))
     if isinstance(text, (int, float)):
         value = float(text)
     else:
@@ -64,6 +68,19 @@ def parse_budget(text: str | float, what: str = "budget") -> float:
         value = float(m.group(1)) * _UNITS[unit]  # type: ignore[union-attr]
     require(0 < value < float("inf"), f"{what} must be a positive, finite size, got {text!r}", fields=(what,))
     return value
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A plan's step as traced: its peak, and on CUDA what the caching allocator reserves over its steps."""
+
+    peak: float
+    reserved: float | None = None
+
+    @property
+    def needs(self) -> float:
+        """The bytes the step needs of the device: what the allocator reserves where it is known."""
+        return self.reserved if self.reserved is not None else self.peak
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,9 @@ class Plan:
     host_budget: float | None = None
     traced_peak: float | None = None
     """The chosen plan's peak by ``recompute.trace`` (``plan(..., traced_peak=...)``), else ``None``."""
+    traced_reserved: float | None = None
+    """What the CUDA caching allocator reserves at most over the chosen plan's steps, replayed from its trace
+    (``Traced.reserved``; what the budget was checked against), else ``None``."""
     device: dict[str, Any] | None = None
     source: str = ""
     notes: tuple[str, ...] = ()
@@ -205,6 +225,7 @@ class Plan:
                 "kept": list(self.kept),
                 "model_cost": self.model_cost,
                 "traced_peak": self.traced_peak,
+                "traced_reserved": self.traced_reserved,
             },
             "frontier": [point(p) for p in self.frontier],
             "uniform": {name: point(p) for name, p in self.uniform.items()},

@@ -69,9 +69,17 @@ class Restate:
         was, now = bytes_per_param(self.traced), bytes_per_param(self.wanted, self.dp)
         out = total + self.params * (now["parameters"] - was["parameters"] + now["optimizer"] - was["optimizer"])
         out += breakdown.get("Gradient", 0.0) * (now["gradients"] / was["gradients"] - 1)
-        if optimizer:
-            out += breakdown.get("Temp", 0.0) * (_moment(self.wanted) / _moment(self.traced) - 1)
+        if optimizer:  # the distributed optimizer steps its shard of the parameters, 1/d of them
+            shard = self.dp if self.wanted == "distributed" else 1
+            out += self.temporaries(breakdown) * (_moment(self.wanted) / _moment(self.traced) / shard - 1)
         return out
+
+    def temporaries(self, breakdown: Mapping[str, float]) -> float:
+        """T: the optimizer step's temporaries at its peak. MemTracker files what the step allocates under the
+        optimizer's own category (``Optstate``, with the moments), so T is that less the traced moments."""
+        was = bytes_per_param(self.traced)
+        held = breakdown.get("Optstate", 0.0) - self.params * was["optimizer"]
+        return breakdown.get("Temp", 0.0) + max(held, 0.0)
 
     def note(self) -> str:
         per = bytes_per_param(self.wanted, self.dp)

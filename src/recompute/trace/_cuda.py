@@ -17,6 +17,9 @@ CUDA does differently, and where this module sets it (``cuda_rules``, ``StepTrac
   CPU decomposes (fp32 copies kept). A CPU kernel registered for the trace's duration makes autograd take the
   fused op's own formula; the fake tensors never run it.
 - LayerNorm: fp32 mean and rstd (the CPU's keep the input dtype): ``StepTracker`` converts them.
+- scratch a kernel allocates and frees inside one call (``kernel_scratch``, which ``StepTracker`` counts; the CPU
+  kernels and the meta functions make none): softmax's backward, a tensor as large as its gradient;
+  FlashAttention's backward, fp32 accumulators and, under grouped-query attention, dK and dV for every head.
 - AdamW: the multi-tensor (``foreach``) implementation, PyTorch's default for CUDA tensors.
 - memory: every storage rounded up to 512 bytes, as the CUDA caching allocator and MemTracker count it.
 
@@ -43,7 +46,16 @@ from torch import Tensor
 
 from recompute.core.errors import ConfigError
 
-__all__ = ["BLOCK", "cuda_rules", "fake_device_note", "fp32_statistics", "sdpa_backend", "stands_in", "trace_device"]
+__all__ = [
+    "BLOCK",
+    "cuda_rules",
+    "fake_device_note",
+    "fp32_statistics",
+    "kernel_scratch",
+    "sdpa_backend",
+    "stands_in",
+    "trace_device",
+]
 
 aten = torch.ops.aten
 
@@ -103,6 +115,46 @@ def fp32_statistics(func: Any) -> Any:
         return out, mean.float(), rstd.float()
 
     return layer_norm
+
+
+def kernel_scratch(func: Any, args: tuple[Any, ...]) -> int:
+    """Bytes CUDA's kernel for ``func`` allocates inside the call beyond its outputs, freed before it returns.
+
+    Note: [softmax's backward on CUDA] ``softmax_backward_cuda_out`` (aten/src/ATen/native/cuda/SoftMax.cu)
+    first computes ``Tensor tmp = grad * output;`` and hands ``tmp`` to the kernel (its epilogue computes
+    ``tmp - output * sum(tmp)``), so the scratch has the broadcast shape and promoted dtype of the two, while
+    the gradient it returns is already allocated (a structured kernel's output comes first). Eager attention's
+    scores are the largest tensors of a step, so this (b, a, s, s) scratch lands on the step's peak: 1.000 GiB
+    measured on an H100 above the trace of a 2-layer Llama at s = 4096, b = 1, 32 heads, bf16 (4096^2 * 32 * 2 B)
+    under none, core_attn and block alike (issue 34). The CPU kernel and the meta function allocate nothing but
+    the result, and ``log_softmax``'s CUDA backward makes no such copy.
+
+    Note: [FlashAttention's backward on CUDA] ``mha_bwd`` (aten/src/ATen/native/transformers/cuda/flash_attn/
+    flash_api.cpp) allocates, after dq, dk and dv: ``softmax_d``, fp32 (b, a, s_q rounded up to 128), which
+    ``_flash_attention_backward`` drops; ``dq_accum``, fp32 (b, s_q rounded to 128, a, d rounded to 32, or to 64
+    above 128), the non-deterministic kernel's accumulator; and with fewer key/value heads than query heads
+    ``dk_expanded`` and ``dv_expanded``, (b, s_k, a, d) in the inputs' dtype, summed into dk and dv at the end.
+    All live until the call returns. Not measured apart on a GPU (the H100 runs of issue 34 peaked elsewhere).
+    """
+    if func is aten._softmax_backward_data.default:
+        grad, output = args[0], args[1]
+        shape = torch.broadcast_shapes(grad.shape, output.shape)
+        return math.prod(shape) * torch.promote_types(grad.dtype, output.dtype).itemsize
+    if func is aten._scaled_dot_product_flash_attention_backward.default:
+        return _flash_backward_scratch(query=args[1], key=args[2])
+    return 0
+
+
+def _flash_backward_scratch(*, query: Tensor, key: Tensor) -> int:
+    """``mha_bwd``'s scratch for SDPA-layout (b, a, s, d) inputs (the note in ``kernel_scratch``)."""
+    b, a, s_q, d = query.shape
+    kv, s_k = key.size(-3), key.size(-2)
+    rows = -(-s_q // 128) * 128
+    d_accum = -(-d // (32 if d <= 128 else 64)) * (32 if d <= 128 else 64)
+    scratch = 4 * b * a * rows + 4 * b * rows * a * d_accum  # softmax_d, dq_accum
+    if kv != a:
+        scratch += 2 * b * s_k * a * d * query.element_size()  # dk_expanded, dv_expanded
+    return scratch
 
 
 def _never_run(*args: Any, **kwargs: Any) -> Any:

@@ -69,6 +69,14 @@ def render_trace(r: TraceResult) -> str:
         f"embedding {size(r.embedding.total)}, head and loss {size(r.head.total)})",
         f"peak: {size(r.peak)} during the {r.peak_phase} ({peak_parts})",
         *(
+            [
+                f"reserved: {size(r.reserved)} at most over steady steps, {r.reserved / r.peak - 1:+.1%} on the peak "
+                "(PyTorch's CUDA caching allocator replayed on the step's allocations: what the GPU must hold)"
+            ]
+            if r.reserved is not None
+            else []
+        ),
+        *(
             [f"host memory: {size(r.host)} at most (what the offload layers save, copied out; not in the peak)"]
             if r.host
             else []

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from recompute.core.allocator import replay
 from recompute.core.states import Restate
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase, SavedRecord
@@ -77,6 +78,10 @@ class TraceResult:
     """Wall time of the trace."""
     host: int = 0
     """The most host-memory bytes alive at once: the ``offload`` layers' copies (in no device figure)."""
+    reserved: int | None = None
+    """What PyTorch's CUDA caching allocator is predicted to hold at most over a run of steps
+    (``torch.cuda.max_memory_reserved``): the step's allocations and frees replayed by its rules
+    (``recompute.core.allocator``). None off CUDA and for a scaled trace (its step was not run whole)."""
 
     @property
     def scaled(self) -> bool:
@@ -172,6 +177,9 @@ def from_record(
         priced_states = restate.states(dict(zip(("parameters", "gradients", "optimizer"), states.values())))
         states = dict(zip(states, (round(v) for v in priced_states.values())))
         notes = (*notes, restate.note())
+    reserved = None
+    if record.allocations is not None:  # the states repriced as the peak was; they are tensors of their own
+        reserved = replay(record.allocations).reserved + peak - record.peak[0]
     return TraceResult(
         model=model,
         policy=policy,
@@ -194,4 +202,5 @@ def from_record(
         parameter_count=parameter_count,
         seconds=seconds,
         host=record.host_peak,
+        reserved=reserved,
     )

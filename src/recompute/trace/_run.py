@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from recompute.checkpointing import applied_policy, apply, find_layers
 from recompute.core.errors import ConfigError, first_line, positive_int, require
+from recompute.core.plan_file import Traced
 from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
@@ -44,7 +45,7 @@ from recompute.trace._result import PartTrace, TraceResult, from_record, part_tr
 from recompute.trace._scale import cut_counts, grown, scale_runs, scaled_runs
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
 
-__all__ = ["step_work", "step_works", "trace", "trace_layer", "trace_module"]
+__all__ = ["step_needs", "step_work", "step_works", "trace", "trace_layer", "trace_module"]
 
 
 def trace(
@@ -86,7 +87,9 @@ def trace(
     kinds = None
     if layers is None or layers >= n_layers - 1:
         counts: tuple[int, ...] = (n_layers,)
-        record, built, n_params = _trace_layers(source, wl, pol, n_layers, device=device)
+        record, built, n_params = _trace_layers(
+            source, wl, pol, n_layers, device=device, allocations=wl.device == "cuda"
+        )
     else:
         _check_scalable(source, pol, layers)
         cut = _cut(source, wl, layers, n_layers)
@@ -103,6 +106,17 @@ def trace(
         seconds=time.perf_counter() - start,
         parameter_count=n_params,
     )
+
+
+def step_needs(model: ModelSpec | ModelSource | str) -> Callable[[Policy, Workload], Traced]:
+    """What a policy's step of ``model`` needs of the device at a workload, traced whole: its peak and, on CUDA,
+    what the caching allocator reserves over its steps (``TraceResult.reserved``): ``plan --trace``'s check."""
+
+    def needs(policy: Policy, wl: Workload) -> Traced:
+        r = trace(model, wl, policy)
+        return Traced(float(r.peak), float(r.reserved) if r.reserved is not None else None)
+
+    return needs
 
 
 def step_work(
@@ -291,9 +305,11 @@ def _trace_layers(
     *,
     device: str,
     build: Callable[[], BuiltModel] | None = None,
+    allocations: bool = False,
 ) -> tuple[StepRecord, BuiltModel, int]:
     """One fake step of ``source`` cut to ``n`` layers (of rank 0, with ``wl.tp`` > 1), and its parameter count;
-    ``build`` makes the model instead (a short model of some of its layers)."""
+    ``build`` makes the model instead (a short model of some of its layers); ``allocations``: record the step's
+    allocation stream."""
     with _fake_group(wl.tp), fake_kernels():
         if wl.tp > 1:
             # Note: [DTensor's first call] the first time DTensor meets an op and its shardings it works out
@@ -301,9 +317,12 @@ def _trace_layers(
             # in the head's backward of Llama 3.1 8B at t = 8). A one-layer step per policy fills that cache.
             for name in dict.fromkeys(pol.per_layer(n)):
                 _step(source, wl, Policy(name), 1, device=device)
-        if build is not None:
-            return step_built(build(), wl, pol, device=device)
-        return _step(source, wl, pol, n, device=device)
+        built = (
+            build()
+            if build is not None
+            else build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
+        )
+        return step_built(built, wl, pol, device=device, allocations=allocations)
 
 
 @dataclass(frozen=True)
@@ -394,13 +413,14 @@ def step_built(
     step: bool = True,
     owners: bool = False,
     flop_layers: Collection[int] | None = None,
+    allocations: bool = False,
 ) -> tuple[StepRecord, BuiltModel, int]:
     """One fake step of a model built on the meta device (made fake here, in place), and its parameter count.
 
     ``device``: where the fake tensors live (``trace_device``); a CUDA workload on CPU tensors runs under CUDA's
     rules (``recompute.trace._cuda``). ``foreach``: AdamW's implementation (None: PyTorch's default for the
     workload's device); ``step``: run its step; ``owners``: record ``StepRecord.layer_left`` and
-    ``phase_shared``; ``flop_layers``: as ``run_step``'s."""
+    ``phase_shared``; ``flop_layers``, ``allocations``: as ``run_step``'s."""
     cuda = stands_in(wl.device, device)
     if foreach is None and cuda:
         foreach = True  # AdamW's multi-tensor kernels: PyTorch's default on CUDA
@@ -425,6 +445,7 @@ def step_built(
                     owners=owners,
                     flop_layers=flop_layers,
                     cuda=cuda,
+                    allocations=allocations,
                 )
             except (DataDependentOutputException, DynamicOutputShapeException) as e:
                 # Note: [values decide sizes] a forward that reads a tensor's values (``.item()``, ``nonzero``)
@@ -542,7 +563,8 @@ def trace_module(
         optimizer = torch.optim.AdamW(model.parameters())
         prime_optimizer(model, optimizer)
     start = time.perf_counter()
-    record = run_step(model, batch, optimizer, stack, loss_fn=loss_fn, keep_grads=keep_grads)
+    cuda = batch[0].device.type == "cuda"
+    record = run_step(model, batch, optimizer, stack, loss_fn=loss_fn, keep_grads=keep_grads, allocations=cuda)
     pol = applied_policy(model) or Policy("none")
     idx = batch[0]
     return from_record(

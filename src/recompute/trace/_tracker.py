@@ -17,15 +17,15 @@ Note: [lean peak tracking] MemTracker updates a peak snapshot for every module i
 which is quadratic in the layer count (minutes for a 32-layer model); only the global and per-phase peaks are
 kept here.
 
-Over 400 lines because it is one ``MemTracker`` subclass: phases, saved-tensor owners, host memory and CUDA's block
-rounding all hook the same dispatch.
+Over 400 lines because it is one ``MemTracker`` subclass: phases, saved-tensor owners and host memory all hook the
+same dispatch (CUDA's blocks, kernel scratch and the allocation stream are ``DeviceEvents``', its base).
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -33,13 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from recompute.offload import copying_to_host
-from recompute.trace._cuda import BLOCK, fp32_statistics
+from recompute.trace._cuda import fp32_statistics
+from recompute.trace._events import DeviceEvents, storages
 
 __all__ = ["Phase", "SavedRecord", "StepTracker", "component_of", "python_saver", "storages"]
 
@@ -105,7 +104,7 @@ def component_of(child: str) -> str:
     return "other"
 
 
-class StepTracker(MemTracker):
+class StepTracker(DeviceEvents):
     """MemTracker with per-phase peaks and attribution of saved tensors; see the module docstring.
 
     Call ``set_stage`` with ``forward``, ``backward`` and ``optimizer`` as the step goes; install ``pack`` and
@@ -113,10 +112,7 @@ class StepTracker(MemTracker):
     """
 
     def __init__(self, layers: Iterable[nn.Module], *, cuda: bool = False) -> None:
-        super().__init__()
-        self.cuda = cuda
-        """CUDA's rules on fake CPU tensors (``recompute.trace._cuda``): 512-byte blocks, fp32 LayerNorm
-        statistics."""
+        super().__init__(cuda=cuda)
         self.stage = "setup"
         self.layers = list(layers)
         self.phase_peaks: dict[Phase, tuple[int, dict[str, int]]] = {}
@@ -182,6 +178,7 @@ class StepTracker(MemTracker):
         """Enter ``forward``, ``backward`` or ``optimizer``."""
         self.stage = stage
         self._layers_done = set()
+        self.mark(stage)
 
     def current_total(self) -> int:
         """Bytes tracked right now, over all devices."""
@@ -248,6 +245,8 @@ class StepTracker(MemTracker):
             out = super().__torch_dispatch__(run, types, args, kwargs)
         finally:
             self._fetching = None
+        if out is not NotImplemented:
+            self.count_scratch(func, args)
         if self.counter is not None and out is not NotImplemented:
             self.counter.count(self.phase(), func, args, kwargs or {}, out)
         return out
@@ -275,22 +274,6 @@ class StepTracker(MemTracker):
             self._own(new)
         if new and self._fetching is not None:
             self._fetched_back(new, self._fetching)
-
-    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: Any, update_existing: bool = False) -> Any:
-        new = [st for st in storages(t) if st not in self._WINFO] if self.cuda else []
-        out = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-        self._blocks(new)
-        return out
-
-    def _blocks(self, new: list[torch.UntypedStorage]) -> None:
-        """Round storages just tracked up to CUDA's 512-byte blocks (MemTracker does for CUDA tensors)."""
-        for st in new:
-            info = self._WINFO.get(st)
-            if info is None or info[0].mem_consumed % BLOCK == 0:
-                continue
-            winfo, old = info[0], info[0].mem_consumed
-            winfo.mem_consumed = -(-old // BLOCK) * BLOCK
-            self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
 
     def _track_host(self, t: torch.Tensor) -> None:
         for st in storages(t):
@@ -391,17 +374,6 @@ class StepTracker(MemTracker):
         names = [next((n for n in parts if n not in _WRAPPER_NAMES), None) for parts in children]
         named = sorted({n for n in names if n is not None})
         return phase.layer, (named[0] if named else None)
-
-
-def storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages holding ``t``'s data in this process: a DTensor's local shard, any wrapper's inner tensors."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for inner in (getattr(t, name) for name in names):
-            if isinstance(inner, torch.Tensor):  # DTensor also flattens its DeviceMesh
-                yield from storages(inner)
-    else:
-        yield t.untyped_storage()
 
 
 class _NoHook:

@@ -148,7 +148,8 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
     )
     host = k * sum(la.offloaded(name) for la, name in zip(las, stage))
     resident = resident_states(wl, states)
-    peak_act, phase = max((peak_act, phase), after_backward(spec, wl, states, outer.embedding * k + outer.kept_logits))
+    held = outer.embedding * k + outer.kept_logits
+    peak_act, phase = max((peak_act, phase), after_backward(spec, wl, states, held, logits=outer.kept_logits))
     stored = k * (sum(la.stored(name) for la, name in zip(las, stage)) + outer.embedding) + outer.head + outer.logits
     loss_phase = resident + stored + outer.loss_transient  # the first candidate of _peak_activations
     return Estimate(
@@ -244,9 +245,14 @@ def resident_states(wl: Workload, states: ModelStates) -> float:
     return states.total if wl.keep_grads else states.parameters + states.optimizer
 
 
-def after_backward(spec: ModelSpec, wl: Workload, states: ModelStates, held: float) -> tuple[float, str]:
-    """The larger of the embedding's backward and the optimizer step, in bytes beyond ``resident_states``."""
-    return max(_embedding_phase(spec, wl, states, held), _optimizer_phase(spec, wl, states))
+def after_backward(
+    spec: ModelSpec, wl: Workload, states: ModelStates, held: float, *, logits: float = 0.0
+) -> tuple[float, str]:
+    """The larger of the embedding's backward and the optimizer step, in bytes beyond ``resident_states``.
+
+    ``held``: what the embedding's backward holds besides the gradients (its stored activations and the kept
+    logits); ``logits``: the logits the training loop still holds in the optimizer step."""
+    return max(_embedding_phase(spec, wl, states, held), _optimizer_phase(spec, wl, states, logits))
 
 
 def _embedding_phase(spec: ModelSpec, wl: Workload, states: ModelStates, held: float) -> tuple[float, str]:
@@ -264,19 +270,25 @@ def _embedding_phase(spec: ModelSpec, wl: Workload, states: ModelStates, held: f
     return others + (3 if tied_here else 1) * table + held, "backward of the embedding"
 
 
-def _optimizer_phase(spec: ModelSpec, wl: Workload, states: ModelStates) -> tuple[float, str]:
-    """Bytes beyond the resident states during the optimizer step: every gradient, and AdamW's temporaries.
+def _optimizer_phase(spec: ModelSpec, wl: Workload, states: ModelStates, logits: float) -> tuple[float, str]:
+    """Bytes beyond the resident states during the optimizer step: every gradient, AdamW's temporaries and the
+    logits the training loop holds (``logits, loss = model(x, y)`` lives until the step ends).
 
-    Note: [AdamW's temporaries] PyTorch's single-tensor AdamW makes two temporaries of one parameter's
-    moment at a time (``exp_avg_sq.sqrt() / bias_correction``): twice the largest parameter, held to the
-    trace on the CPU. On CUDA PyTorch defaults to the foreach implementation, whose ``_foreach_sqrt`` holds
-    one moment for every parameter of a group at once; that is left out (not measured here), and fused or
-    distributed optimizers (Megatron's, ``fused=True``) do not make it.
+    Note: [AdamW's temporaries] PyTorch's single-tensor AdamW (its default on the CPU) makes two temporaries of
+    one parameter's moment at a time (``exp_avg_sq.sqrt() / bias_correction``): twice the largest parameter.
+    On CUDA PyTorch defaults to the foreach implementation, whose ``_foreach_sqrt`` holds the square root of
+    every parameter's second moment at once: one moment of the whole rank, or of its shard under the distributed
+    optimizer (both held to the trace, which runs each device's default). Fused optimizers (Megatron's,
+    ``fused=True``) make neither.
     """
     moment = 2 if wl.precision == "bf16" else 4  # Adam moments: fp32, or bf16 in the bf16 mode
-    largest = max(spec.vocab * spec.hidden, spec.hidden * spec.d_ff, spec.hidden * (spec.q_dim + 2 * spec.kv_dim))
+    if wl.device == "cuda":  # the distributed optimizer steps its shard, 1/d of the rank's parameters
+        temporaries = states.params * moment / (wl.dp if wl.precision == "distributed" else 1)
+    else:
+        largest = max(spec.vocab * spec.hidden, spec.hidden * spec.d_ff, spec.hidden * (spec.q_dim + 2 * spec.kv_dim))
+        temporaries = 2 * largest / wl.tp * moment
     grads = 0.0 if wl.keep_grads else states.gradients
-    return grads + 2 * largest / wl.tp * moment, "optimizer step"
+    return grads + temporaries + logits, "optimizer step"
 
 
 def _notes(spec: ModelSpec, wl: Workload, pol: Policy, host: float) -> tuple[str, ...]:

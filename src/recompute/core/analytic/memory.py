@@ -185,7 +185,9 @@ def layer_activations(spec: ModelSpec, wl: Workload, layer: int | None = None) -
     qkv = e * sb * (spec.q_dim + 2 * spec.kv_dim) / t
     if wl.attention == "eager":
         scores = (e + (m + e if m else 0)) * a * s * s * b / t  # softmax out (+ dropout mask and output)
-        attn_grad = 2 * e * a * s * s * b / t  # dP and dS of the (b, a, s, s) scores in backward
+        # dP and dS of the (b, a, s, s) scores in backward, and on CUDA the softmax backward's scratch dP * P
+        # (Note: [softmax's backward on CUDA] in recompute.trace._cuda)
+        attn_grad = (3 if wl.device == "cuda" else 2) * e * a * s * s * b / t
     elif _sdpa_math_on_cpu(spec, wl):
         # Note: [SDPA with dropout on the CPU] the math path upcasts to fp32 and repeats K/V to all heads; it
         # keeps fp32 copies of q, k, v (not q, k, v themselves) and the fp32 softmax, mask and dropout output.
@@ -234,7 +236,7 @@ class OuterActivations:
     in fp32). With the chunked loss, one chunk's and the output layer's weight gradient made so far
     (``chunked_loss_transient``)."""
     kept_logits: float = 0.0
-    """The logits the training loop holds until the backward ends (``logits, loss = model(x, y)``): esbv/t
+    """The logits the training loop holds until the optimizer step ends (``logits, loss = model(x, y)``): esbv/t
     (none with the chunked loss: the model returns no logits)."""
 
     @property

@@ -60,13 +60,13 @@ def analytic_table(
     resident = resident_states(wl, states)
     grads = gradient_arrival(spec, wl, states)
     embedding = k * outer.embedding
-    held_anyway = embedding + outer.kept_logits  # the training loop holds its logits to the end of the backward
+    held_anyway = embedding + outer.kept_logits  # the training loop holds its logits to the end of the step
     if spec.transformers:  # the first layer keeps the tables the others share; MoE and dense layers differ
         layers = [layer_activations(spec, wl, i) for i in range(n)]
     else:
         layers = [layer_activations(spec, wl)] * n
     kinds, layer_kind = _kinds(spec, wl, layers, options, seconds, offload, k)
-    after, phase = after_backward(spec, wl, states, held_anyway)
+    after, phase = after_backward(spec, wl, states, held_anyway, logits=outer.kept_logits)
     return CostTable(
         model=spec.name,
         model_hash=spec_id(spec).hash,
