@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import fused_rms_norm
 from recompute import ModelSpec, Workload
 from recompute.check_formulas import COMPARED, analytic_components
 from recompute.cli import main
@@ -29,7 +30,10 @@ def cuda(name: str, dropout: float, attention: str, **wl: object) -> tuple[Model
     return spec, Workload(**{"seq_len": 256, "micro_batch": 2, "dtype": "bf16", "attention": attention, **wl})
 
 
-@pytest.mark.parametrize(("name", "dropout", "attention"), CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
+@pytest.mark.parametrize(
+    ("name", "dropout", "attention"),
+    [pytest.param(*c, id="-".join(map(str, c)), marks=fused_rms_norm if "llama" in c[0] else ()) for c in CONFIGS],
+)
 def test_a_cuda_layer_saves_what_the_analytic_model_counts(name: str, dropout: float, attention: str) -> None:
     """Every component of a layer, every policy, byte for byte; beyond the formulas only FlashAttention's RNG state
     (a (2,) and a () uint64 tensor, one 512-byte block each), kept wherever the flash kernel's output is."""
@@ -42,7 +46,8 @@ def test_a_cuda_layer_saves_what_the_analytic_model_counts(name: str, dropout: f
 
 
 @pytest.mark.parametrize(
-    ("name", "attention", "seq_len"), [("gpt2", "flash", 256), ("gpt2", "eager", 256), ("llama3.1-8b", "flash", 8192)]
+    ("name", "attention", "seq_len"),
+    [("gpt2", "flash", 256), ("gpt2", "eager", 256), pytest.param("llama3.1-8b", "flash", 8192, marks=fused_rms_norm)],
 )
 @pytest.mark.parametrize("policy", ["none", "block"])
 def test_the_cuda_step_peak_matches_the_estimate(name: str, attention: str, seq_len: int, policy: str) -> None:
@@ -67,6 +72,7 @@ def test_the_estimate_leaves_out_cuda_foreach_adamw() -> None:
     assert abs(traced.peak - predicted.peak - missing) < 2**20  # small tensors' 512-byte blocks
 
 
+@fused_rms_norm
 def test_cuda_rules_change_what_is_saved_as_on_cuda() -> None:
     """Dropout keeps a bool mask, LayerNorm fp32 statistics, RMSNorm its input and an fp32 rstd, and the rules go
     when the trace ends: the CPU's step is traced as before."""
