@@ -26,6 +26,7 @@ FLOORS = {
     "recompute.trace": 1,
     "recompute.check_gradients": 1,
     "recompute.runtime": 1,
+    "recompute._compat": 1,
     "recompute.bench": 2,
     "recompute.planning": 2,
     "recompute.check_formulas": 2,

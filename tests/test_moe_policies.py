@@ -163,7 +163,7 @@ class _ListMoE(nn.Module):
         out = torch.zeros_like(x)
         for i, expert in enumerate(self.experts):
             rows = choice == i
-            out[rows] = expert(x[rows]) * weight[rows, None]
+            out[rows] = expert(x[rows]) * weight[rows].unsqueeze(-1)
         return out
 
 

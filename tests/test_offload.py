@@ -19,6 +19,7 @@ import transformers
 from torch import Tensor, nn
 
 from grads import Grads, assert_same, grads_of
+from kernels import cpu_flash_gqa
 from recompute import ConfigError, ModelSpec, Policy, Workload, estimate
 from recompute import offload as offload_module
 from recompute.check_gradients import loss_of
@@ -357,6 +358,7 @@ def test_the_fake_trace_equals_a_real_step() -> None:
         assert getattr(fake, figure) == getattr(real, figure), figure
 
 
+@cpu_flash_gqa
 def test_the_analytic_model_costs_offload() -> None:
     none, off = estimate(SPEC, WL, "none"), estimate(SPEC, WL, "offload")
     assert off.recompute_flops == 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from kernels import cpu_flash_gqa, fp32_rms_norm
 from recompute import ModelSpec, Policy, Workload, estimate
 from recompute.checkpointing import apply
 from recompute.cli import main
@@ -100,7 +101,10 @@ def test_states_and_saved_bytes_are_exact_for_gpt2() -> None:
     assert r.embedding.total == 8 * s + 8 * s + 2 * s * h  # token ids, position ids, bf16 dropout mask
 
 
-@pytest.mark.parametrize("attention", ["eager", "flash"])
+@pytest.mark.parametrize(
+    "attention",
+    [pytest.param("eager", marks=fp32_rms_norm), pytest.param("flash", marks=[fp32_rms_norm, cpu_flash_gqa])],
+)
 def test_layer_components_match_the_analytic_model_exactly_for_llama_8b(attention: str) -> None:
     from recompute.check_formulas import analytic_components
     from recompute.core.analytic import layer_activations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kernels import fp32_rms_norm
 from recompute import ModelSpec, Workload, estimate
 from recompute.cli import main
 from recompute.core.analytic import layer_activations
@@ -35,7 +36,7 @@ def test_sequence_parallelism_is_the_papers_five_x_at_22b() -> None:
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=fp32_rms_norm)])
 def test_one_rank_step_peak_is_close_to_the_estimate(name: str, sp: bool) -> None:
     spec = ModelSpec.from_name({"gpt": "gpt2", "llama": "llama3.1-8b"}[name])
     wl = Workload(

@@ -49,6 +49,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from recompute._compat import outer_saved_tensors_hooks, saved_tensors_hooks
+
 __all__ = ["MIN_BYTES", "Offloader", "copying_to_host", "host_copies"]
 
 MIN_BYTES = 64 * 1024
@@ -179,7 +181,7 @@ class Offloader:
         self._stashes[index] = []
         outer = _outer_hooks()
         hooks = partial(self._pack, index, outer), partial(self._unpack, index, outer)
-        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+        with saved_tensors_hooks(*hooks):
             return fn(*args, **kwargs)
 
     def _new_forward(self) -> None:
@@ -310,5 +312,4 @@ def _storage_bytes(t: Tensor) -> Tensor:
 
 def _outer_hooks() -> tuple[Any, Any] | None:
     """The saved-tensor hooks active around the layer (a trace's tracker), which ours would otherwise hide."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
+    return outer_saved_tensors_hooks()

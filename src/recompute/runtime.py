@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import recompute._compat  # noqa: F401  (a torch outside the supported range: one ConfigError, here)
 from recompute.core.errors import ConfigError
 from recompute.core.table import gib
 

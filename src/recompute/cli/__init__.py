@@ -18,6 +18,7 @@ from typing import NamedTuple, NoReturn
 
 from recompute.cli._common import Parser
 from recompute.core.errors import ConfigError
+from recompute.core.torch_range import installed_torch, require_supported_torch
 
 __all__ = ["COMMANDS", "build_parser", "main", "main_exit"]
 
@@ -102,9 +103,14 @@ def _command_in(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (2 for bad input)."""
+    """Run the CLI; returns the exit code (2 for bad input, and for a torch outside the supported range)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_in(argv)
+    try:
+        require_supported_torch(installed_torch())  # before a command's module imports torch
+    except ConfigError as e:
+        print(f"recompute{' ' + command if command else ''}: error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser(command, every=command is not None)
     args = parser.parse_args(argv)
     args.argv = argv  # to repeat in messages (the torchrun command)

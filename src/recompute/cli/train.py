@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,8 @@ def run_compare(args: argparse.Namespace) -> int:
     _resolve_loss(args, policies)
     _check_policies(_config(args, "policy", "resume"), policies)
     png = _png(args.png) if args.png is not None else Path(args.out) / "loss.png"
+    if importlib.util.find_spec("matplotlib") is None:  # refused now, not after the runs
+        raise ConfigError("compare-train draws the loss curves with matplotlib; pip install 'recompute[report]'")
     with progress_bar("compare-train", enabled=not args.json) as progress:
         rows, runs = compare_train(_config(args, "policy", "resume"), policies, progress=progress)
     plot_losses(runs, png)

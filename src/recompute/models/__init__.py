@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import recompute._compat  # noqa: F401  (a torch outside the supported range: one ConfigError, here)
 from recompute.core.errors import ConfigError, one_of
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import ATTENTIONS

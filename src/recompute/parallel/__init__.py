@@ -42,6 +42,7 @@ Order: build the model (same seed on every rank), ``parallelize``, ``recompute.a
 torch.compile is not covered.
 """
 
+import recompute._compat  # noqa: F401  (a torch outside the supported range: one ConfigError, here)
 from recompute.parallel._env import end_process_group, init_from_env, under_torchrun
 from recompute.parallel._ops import column_parallel, scatter_sequence, vocab_parallel_cross_entropy
 from recompute.parallel._plan import check_parallel, parallelize, qkv_row_order

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from recompute._compat import require_fsdp
 from recompute.core.errors import ConfigError
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import check_head_split, check_sequence_split
@@ -87,6 +88,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp: bool = True) -> nn.Mo
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ConfigError("the model is parallel already (its parameters are DTensors); parallelize a fresh model")
     tp_mesh, dp_mesh = _split_mesh(mesh)
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        require_fsdp(dp_mesh.device_type)
     if tp_mesh is not None and tp_mesh.size() > 1:
         check_parallel(model.spec, tp=tp_mesh.size(), sp=sp)
         _tensor_parallel(model, tp_mesh, sp=sp)

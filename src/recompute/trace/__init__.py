@@ -13,6 +13,7 @@ Example:
 """
 
 from recompute.models.source import ModelSource, resolve_source
+from recompute.trace._flops import flop_counter
 from recompute.trace._profile import cached_profile, cached_profiles, profile, profile_key, profiles, with_loss
 from recompute.trace._ranks import saved_bytes_per_layer
 from recompute.trace._render import render_trace
@@ -28,6 +29,7 @@ __all__ = [
     "cached_profile",
     "cached_profiles",
     "cached_works",
+    "flop_counter",
     "profile",
     "profile_key",
     "profiles",

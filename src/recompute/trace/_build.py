@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from recompute._compat import drop_library
 from recompute.core.errors import ConfigError, first_line
 from recompute.models.source import BuiltModel, ModelSource, build_source
 
@@ -74,7 +75,7 @@ def fake_kernels() -> Iterator[None]:
     try:
         yield
     finally:
-        lib._destroy()
+        drop_library(lib)
 
 
 def _grouped_mm_meta(

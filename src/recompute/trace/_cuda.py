@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recompute._compat import drop_library
 from recompute.core.errors import ConfigError
 
 __all__ = [
@@ -104,7 +105,7 @@ def cuda_rules() -> Iterator[None]:
         yield
     finally:
         F.dropout, F.scaled_dot_product_attention = saved  # type: ignore[assignment]
-        lib._destroy()
+        drop_library(lib)
 
 
 def fp32_statistics(func: Any) -> Any:

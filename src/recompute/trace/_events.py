@@ -17,18 +17,17 @@ from typing import Any
 
 import torch
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType
+from torch.distributed._tools.mem_tracker import _MemRefType, _ModState, _UpdateType
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from recompute.core.allocator import AllocationStream, stream_of
 from recompute.trace._cuda import BLOCK, kernel_scratch
+from recompute.trace._memtracker import PortableMemTracker
 
 __all__ = ["DeviceEvents", "storages"]
 
-_UNSET = object()
 
-
-class DeviceEvents(MemTracker):
+class DeviceEvents(PortableMemTracker):
     """MemTracker with CUDA's blocks and kernel scratch counted, and the allocation stream recorded (module
     docstring). ``stage`` names the part of the step running (``setup`` until the forward begins)."""
 
@@ -89,10 +88,9 @@ class DeviceEvents(MemTracker):
             self._scratch(kernel_scratch(func, args), args)
 
     def _tracks_now(self) -> bool:
-        """Whether MemTracker filed the op just dispatched: from torch 2.13 only ops run under the fake mode it was
-        entered in (DTensor's shape propagation runs under another), before that every op."""
-        entry = getattr(self, "_fake_mode_on_entry", _UNSET)
-        return entry is _UNSET or active_fake_mode() is entry
+        """Whether the op just dispatched was filed: only ops run under the fake mode the tracker was entered in
+        (DTensor's shape propagation runs under another; ``PortableMemTracker``)."""
+        return active_fake_mode() is self._entry_mode
 
     def _on_cuda(self, args: Any) -> bool:
         """Whether an op on ``args`` runs CUDA's kernel: under CUDA's rules, or on CUDA tensors (real ones too:

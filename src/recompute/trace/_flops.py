@@ -13,7 +13,11 @@ it dispatches (one Python mode fewer on every op of a fake step).
 PyTorch's formula table has no entry for two ops a CPU step runs; they are added here with the same
 conventions (2 FLOPs per multiply-add; attention counted as if no mask, as PyTorch counts SDPA):
 ``_scaled_dot_product_flash_attention_for_cpu`` (SDPA's CPU kernel, forward and backward) and
-``_grouped_mm`` (transformers' MoE experts).
+``_grouped_mm`` (transformers' MoE experts). The SDPA kernels' formulas are recompute's own
+(``SDPA_FORMULAS``): PyTorch's refuse grouped-query shapes before 2.13 (fewer key/value heads than query
+heads: ``sdpa_flop_count: query/key/value shapes are incompatible``), and 2.13's count them as these do, every
+query head against its group's keys. ``flop_counter`` is a plain ``FlopCounterMode`` with them: 2.13's counts
+on every supported torch.
 
 It also files every kernel the step runs as a ``Work`` signature (op, dtype, FLOPs, bytes) under its phase,
 for the time model (``recompute.core.timing``): bytes are what the op reads (each input's memory span once)
@@ -39,13 +43,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
+from recompute._compat import member, resolve_process_group
 from recompute.core.comms import comm_name
 from recompute.offload import moving
 from recompute.trace._tracker import Phase
 
-__all__ = ["PhaseFlops", "op_name", "sharding_propagation", "span", "tensors_of"]
+__all__ = ["SDPA_FORMULAS", "PhaseFlops", "flop_counter", "op_name", "sharding_propagation", "span", "tensors_of"]
 
 aten = torch.ops.aten
 
@@ -77,14 +88,40 @@ _COLLECTIVES = {
 """Collective ops (``_c10d_functional`` and ``c10d``) by the kind ``recompute.core.comms`` prices."""
 
 
-def _sdpa_cpu(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
-    return int(sdpa_flop_count(query, key, value))
+def _grouped(query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
+    """(b, h, s, d) shapes of query, key and value with the key/value heads widened to the query's (GQA)."""
+    return query, *((*shape[:1], query[1], *shape[2:]) for shape in (key, value))
 
 
-def _sdpa_cpu_backward(
-    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any
-) -> int:
-    return int(sdpa_backward_flop_count(grad_out, query, key, value))
+def _sdpa(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(*_grouped(query, key, value)))
+
+
+def _sdpa_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out, *_grouped(query, key, value)))
+
+
+def _sdpa_ops(*kernels: str) -> dict[Any, Any]:
+    """{op: formula} of the forward and backward of SDPA's ``kernels`` that this torch has."""
+    names = {
+        f"_scaled_dot_product_{k}{end}": f for k in kernels for end, f in (("", _sdpa), ("_backward", _sdpa_backward))
+    }
+    return {getattr(aten, name): f for name, f in names.items() if hasattr(aten, name)}
+
+
+SDPA_FORMULAS: dict[Any, Any] = {
+    op: f
+    for op, f in _sdpa_ops("flash_attention", "efficient_attention", "cudnn_attention").items()
+    if op in flop_registry
+}
+"""FLOPs of the SDPA kernels PyTorch's table has, by their (b, h, s, d) shapes, grouped-query attention included
+(as ``FlopCounterMode``'s ``custom_mapping`` takes them). The varlen kernels (``_flash_attention_forward``) keep
+PyTorch's formula: SDPA calls them from inside its kernel, where no dispatch mode sees them."""
+
+
+def flop_counter() -> FlopCounterMode:
+    """``FlopCounterMode(display=False)`` that counts grouped-query attention on every supported torch."""
+    return FlopCounterMode(display=False, custom_mapping=SDPA_FORMULAS)
 
 
 def _grouped_mm(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -97,8 +134,7 @@ def _grouped_mm(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) 
 
 _FORMULAS: dict[Any, Any] = {
     **flop_registry,
-    aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_sdpa_cpu),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_sdpa_cpu_backward),
+    **{op: shape_wrapper(f) for op, f in {**SDPA_FORMULAS, **_sdpa_ops("flash_attention_for_cpu")}.items()},
 }
 if hasattr(aten, "_grouped_mm"):  # PyTorch 2.8 and later
     _FORMULAS[aten._grouped_mm] = shape_wrapper(_grouped_mm)
@@ -163,7 +199,7 @@ class PhaseFlops:
             self._file_comm(phase, kind, args, kwargs, out)
             return
         formula = _FORMULAS.get(func._overloadpacket)
-        flops = _flops(formula, args, kwargs, out) if formula is not None else 0
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         if flops:
             self.by_phase.setdefault(phase, Counter())[name] += flops
         if not func.is_view and name not in _NO_KERNEL and not name.startswith("prim."):
@@ -185,18 +221,6 @@ class PhaseFlops:
         self.work.setdefault(phase, Counter())[name, _dtype(tensors), flops, nbytes] += 1
 
 
-def _flops(formula: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
-    """``formula``'s FLOPs; for attention with fewer key/value heads than query heads (GQA), which the formulas
-    of PyTorch before 2.13 refuse, the same count with the key/value heads expanded to the query's (the
-    kernel computes every query head against its group's keys)."""
-    try:
-        return int(formula(*args, **kwargs, out_val=out))
-    except AssertionError:
-        heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
-        wide = [(a.shape[0], heads, *a.shape[2:]) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args]
-        return int(formula(*wide, **kwargs, out_val=out))
-
-
 _PROPAGATING: list[None] = []
 """Non-empty while DTensor infers an op's output shape (``sharding_propagation``)."""
 
@@ -213,7 +237,7 @@ def sharding_propagation() -> Iterator[None]:
     """
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    original = member(ShardingPropagator, "_propagate_tensor_meta_non_cached", "tracing one rank of --tp")
 
     def quiet(self: Any, *args: Any, **kwargs: Any) -> Any:
         _PROPAGATING.append(None)
@@ -245,10 +269,7 @@ def _group(args: Any, kwargs: Any) -> tuple[str, int]:
     for a in tree_leaves((args, kwargs)):
         pg: Any = None
         if isinstance(a, str):
-            try:
-                pg = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]
-            except (KeyError, RuntimeError, ValueError):
-                continue
+            pg = resolve_process_group(a)
         elif hasattr(a, "size") and hasattr(a, "group_desc"):
             pg = a
         if pg is not None:

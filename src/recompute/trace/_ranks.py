@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from recompute._compat import saved_tensors_hooks
 from recompute.checkpointing import find_layers
 from recompute.trace._tracker import component_of, python_saver, storages
 
@@ -51,7 +51,7 @@ def saved_bytes_per_layer(
                 child.register_forward_hook(lambda m, a, o: tracker.leave_child()),
             ]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
+        with saved_tensors_hooks(tracker.pack, lambda t: t):
             _, loss = model(*batch)
         if backward:
             loss.backward()

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import sys
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
+from recompute._compat import fake_collectives, fake_store
 from recompute.checkpointing import applied_policy, apply, find_layers
 from recompute.core.errors import ConfigError, first_line, positive_int, require
 from recompute.core.plan_file import Traced
@@ -469,7 +471,6 @@ def _fake_group(tp: int) -> Iterator[None]:
         yield
         return
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise ConfigError(
@@ -477,9 +478,11 @@ def _fake_group(tp: int) -> Iterator[None]:
             "run recompute trace outside torchrun"
         )
     hook = sys.excepthook  # each process group wraps it (a "[rank0]:" prefix): the fake one's is undone
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=tp)
     try:
-        with sharding_propagation():
+        with sharding_propagation(), fake_collectives(), warnings.catch_warnings():
+            # torch 2.6 warns at every random op that a CPU mesh's RNG is not CUDA's; a trace draws nothing
+            warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
             yield
     finally:
         dist.destroy_process_group()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from recompute._compat import saved_tensors_hooks
 from recompute.core.allocator import AllocationStream
 from recompute.models.loss import LossFn, lm_loss
 from recompute.trace._cuda import BLOCK
@@ -157,7 +158,7 @@ def run_step(
     try:
         with tracker:
             tracker.set_stage("forward")
-            with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            with saved_tensors_hooks(tracker.pack, tracker.unpack):
                 kept, loss = loss_fn(model, *batch)
             tracker.set_stage("backward")
             loss.backward()
@@ -223,7 +224,7 @@ def record_saved(
     tracker.track_external(model, *batch)
     with tracker:
         tracker.set_stage("forward")
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        with saved_tensors_hooks(tracker.pack, tracker.unpack):
             kept, loss = loss_fn(model, *batch)
         del kept, loss
     return tuple(tracker.saved)

@@ -1,7 +1,8 @@
 """``StepTracker``: MemTracker that also knows the phase of the step and who saved each tensor for backward.
 
 Built on ``torch.distributed._tools.mem_tracker.MemTracker`` (a TorchDispatchMode that counts every tensor
-storage alive, real or fake, by category). On top of it this class records
+storage alive, real or fake, by category), through ``PortableMemTracker`` (one dispatch on every torch). On top
+of it this class records
 
 - the peak of every phase of the step (forward / backward / optimizer, and which layer), so the phase of the
   overall peak is known and a trace of a few identical layers can be scaled up (``_scale.py``);
@@ -32,10 +33,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._guards import active_fake_mode
-from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from recompute._compat import current_autograd_node
 from recompute.offload import copying_to_host
 from recompute.trace._cuda import fp32_statistics
 from recompute.trace._events import DeviceEvents, storages
@@ -228,16 +228,13 @@ class StepTracker(DeviceEvents):
     # --- dispatch ------------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        """MemTracker's, and each op handed to ``counter`` (a ``PhaseFlops``) when one is set.
+        """``PortableMemTracker``'s, and each op handed to ``counter`` (a ``PhaseFlops``) when one is set.
 
         Note: [device queries] Every ``.device`` of a fake tensor that C++ asks (the autograd engine does, for
-        each gradient) is an op, ``prim.device``: most of the ops of a fake backward. It allocates nothing;
-        MemTracker's work for it comes down to noting the peak, done here directly."""
-        if func is _DEVICE and not any(t == DTensor for t in types):
-            out = func(*args, **(kwargs or {}))
-            if active_fake_mode() is self._fake_mode_on_entry:
-                self._update_peak_stats(None)
-            return out
+        each gradient) is an op, ``prim.device``: most of the ops of a fake backward. It allocates nothing and
+        runs no kernel: the base notes the peak, and nothing else is done for it."""
+        if func is _DEVICE:
+            return super().__torch_dispatch__(func, types, args, kwargs)
         run = fp32_statistics(func) if self.cuda and func is _LAYER_NORM else func
         if func is _TO_COPY and len(self._host_layer) and isinstance(args[0], torch.Tensor):
             self._fetching = self._host_layer.get(args[0].untyped_storage())  # a host copy coming back
@@ -312,6 +309,8 @@ class StepTracker(DeviceEvents):
         if info is not None and str(info[0].reftype.value) in _STATE_KINDS:
             return t  # a parameter or buffer (a weight saved by a matmul), not an activation
         record = self._new_record(st, info)
+        if record.nbytes == 0 and record.op == "checkpoint":
+            return t  # the empty tensor torch <= 2.11's checkpoint saves besides its inputs: not an activation
         record.host = st in self._host
         if record.host:
             self._host_layer[st] = record.layer
@@ -343,7 +342,7 @@ class StepTracker(DeviceEvents):
         if self.stage == "forward":
             self._drop(packed.record)
         if packed.record.op == "?":
-            node = torch._C._current_autograd_node()
+            node = current_autograd_node()
             packed.record.op = node.name() if node is not None else "?"
         return packed.tensor
 
@@ -407,7 +406,8 @@ def _merged(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
 def python_saver(depth: int = 3) -> str | None:
     """``checkpoint`` or the autograd Function's name when the save comes from Python, else None.
 
-    Non-reentrant ``torch.utils.checkpoint`` keeps its inputs through a saved tensor made in Python; custom
+    Non-reentrant ``torch.utils.checkpoint`` keeps its inputs through a saved tensor made in Python (through
+    its own autograd Function, ``_NoopSaveInputs``, before torch 2.12: also ``checkpoint``); custom
     ``autograd.Function``s save theirs from ``Function.apply``. aten ops save from C++ (no Python frame).
     """
     frame: FrameType | None = sys._getframe(2)
@@ -419,6 +419,6 @@ def python_saver(depth: int = 3) -> str | None:
             return "checkpoint"
         cls = frame.f_locals.get("cls") if frame.f_code.co_name == "apply" else None
         if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
-            return cls.__name__
+            return "checkpoint" if cls.__module__ == "torch.utils.checkpoint" else cls.__name__
         frame = frame.f_back
     return None

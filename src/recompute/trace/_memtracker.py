@@ -1,0 +1,144 @@
+"""``PortableMemTracker``: PyTorch's MemTracker with one dispatch on every supported torch (2.13's), and no
+path on which an error can abort the process.
+
+MemTracker (``torch.distributed._tools.mem_tracker``) changed under the same name: 2.13 lets DTensor run
+first (``NotImplemented`` for DTensor types, so the mode counts the local ops it runs), skips the ops DTensor's
+sharding propagation runs under a nested fake mode (by comparing the active fake mode with the one at
+entry), and overrides ``wait_tensor`` under fake tensors; 2.10-2.12 have the first and the last only; 2.8
+instead enters the tracker again around DTensor's custom op handlers; 2.6 has none of it. Inheriting
+``__torch_dispatch__`` gave a different count on each (and, on all but 2.13, an ``AttributeError`` for the
+entry mode that 2.13's ``__enter__`` alone sets). So this class dispatches by itself, as 2.13 does, and
+keeps its own entry mode; it uses MemTracker's bookkeeping (storages, categories, module and optimizer
+hooks), whose private members ``__init__`` checks for: a torch without one is refused in one line.
+
+Note: [no abort] every ``.device`` of a fake tensor that C++ asks is an op here (``prim.device``): the
+autograd engine asks from code that cannot pass a Python exception on, and the process aborts (``terminate
+called after throwing an instance of 'python_error'``). Nothing on that path may raise: an error there is
+kept and raised at the next op or at ``__exit__``, as a Python error.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch._guards import active_fake_mode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+from recompute._compat import missing
+
+__all__ = ["PortableMemTracker"]
+
+_DEVICE = torch.ops.prim.device.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+_MEMBERS = (
+    "_WINFO",
+    "_curr_mem_snap",
+    "_peak_mem",
+    "_peak_mem_snap",
+    "_mod_tracker",
+    "_in_opt",
+    "_in_ac",
+    "_param_to_grad_hook_handles",
+    "_track",
+    "_update_snap",
+    "_update_and_maybe_create_winfos",
+    "_delete_callback",
+    "_track_module_params_and_buffers",
+    "_update_peak_stats",
+)
+"""MemTracker's private members that recompute's trackers use (present from 2.6 to 2.13)."""
+_MOD_TRACKER_MEMBERS = ("parents", "is_bw", "get_known_fqn")
+"""And its ModTracker's."""
+
+
+class PortableMemTracker(MemTracker):
+    """MemTracker whose dispatch is 2.13's on every supported torch; see the module docstring.
+
+    Raises (when made):
+        ConfigError: this torch's MemTracker lacks a member the tracker uses (one line naming it).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in _MEMBERS:
+            if name not in vars(self) and not hasattr(MemTracker, name):  # its state, or its own method
+                raise missing("recompute's trace", f"MemTracker.{name}")
+        for name in _MOD_TRACKER_MEMBERS:
+            if not hasattr(self._mod_tracker, name):
+                raise missing("recompute's trace", f"ModTracker.{name}")
+        self._entry_mode: Any = None
+        """The fake mode active when the tracker was entered (None outside one)."""
+        self._entered = 0
+        self._deferred: BaseException | None = None
+        """An error raised where it could not propagate (Note: [no abort]), raised at the next chance."""
+
+    def __enter__(self) -> PortableMemTracker:
+        if self._entered == 0:
+            self._entry_mode = active_fake_mode()
+        self._entered += 1
+        try:
+            super().__enter__()
+        except BaseException:
+            self._entered -= 1
+            raise
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        self._entered -= 1
+        super().__exit__(*args)
+        if self._entered == 0 and args[0] is None:
+            self._raise_deferred()
+
+    def _track_dtensor_dispatch(self) -> None:
+        """Not 2.8's re-entry around DTensor's custom op handlers: DTensor runs them through this mode anyway."""
+
+    def _restore_dtensor_dispatch(self) -> None:
+        """Nothing to restore (``_track_dtensor_dispatch``)."""
+
+    def _raise_deferred(self) -> None:
+        error, self._deferred = self._deferred, None
+        if error is not None:
+            raise error
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Run the op and count what it allocates: 2.13's MemTracker dispatch, on every supported torch."""
+        if any(t == DTensor for t in types):
+            return NotImplemented  # DTensor runs first; its local ops come back here
+        kwargs = kwargs or {}
+        if func is _DEVICE:
+            return self._device_query(func, args, kwargs)
+        self._raise_deferred()
+        # A fake wait_tensor returns a new tensor; a real one returns its input.
+        out = args[0] if func is _WAIT and active_fake_mode() is not None else func(*args, **kwargs)
+        if active_fake_mode() is self._entry_mode:  # not DTensor's propagation under a fake mode of its own
+            tree_map_only(torch.Tensor, partial(self._track, self._reftype()), out)
+            self._update_peak_stats(self._peak_state())
+        return out
+
+    def _device_query(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """``prim.device``: allocates nothing; note the peak, and raise nothing (Note: [no abort])."""
+        out = func(*args, **kwargs)
+        if self._deferred is None:
+            try:
+                if active_fake_mode() is self._entry_mode:
+                    self._update_peak_stats(self._peak_state())
+            except BaseException as e:
+                self._deferred = e
+        return out
+
+    def _peak_state(self) -> Any:
+        return _ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW
+
+    def _reftype(self) -> Any:
+        """MemTracker's category for what an op allocates now: optimizer state, backward temporaries, else
+        activations (a checkpoint's replay in the backward included)."""
+        if self._in_opt:
+            return _MemRefType.OPT
+        if self._mod_tracker.is_bw and not self._in_ac:
+            return _MemRefType.TEMP
+        return _MemRefType.ACT
