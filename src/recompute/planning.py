@@ -45,7 +45,7 @@ from recompute.core.profile import Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec, analytic_model, hf_config_dict
 from recompute.core.timing import Device, StepWork
-from recompute.core.workload import Workload
+from recompute.core.workload import AMP, Workload
 
 __all__ = [
     "ModelTables",
@@ -83,11 +83,15 @@ class ModelTables:
         return self.tables[0].device
 
 
-def is_profiled(model: str | Any, *, analytic: bool = False, profile: str | None = None) -> bool:
+def is_profiled(
+    model: str | Any, *, analytic: bool = False, profile: str | None = None, precision: str | None = None
+) -> bool:
     """Whether ``model`` (a name, or a ``ModelSource``) is planned from a measured profile: anything but a
-    preset, unless ``analytic``."""
+    preset, unless ``analytic``; a preset too under ``precision`` amp, whose activations autocast decides (the
+    formulas describe one dtype: ``recompute.core.analytic.memory.check_one_dtype``)."""
     require(not (analytic and profile), "--analytic and --profile exclude each other; drop one")
-    return profile is not None or (not analytic and not (isinstance(model, str) and model in PRESETS))
+    preset = isinstance(model, str) and model in PRESETS
+    return profile is not None or (not analytic and (not preset or precision == AMP))
 
 
 def max_positions(model: str) -> int | None:
@@ -133,7 +137,7 @@ def cost_tables(
     if "chunked" in modes and wl.dtype == "fp16" and wl.loss != "chunked":
         modes.remove("chunked")
         notes.append(f"the chunked loss not considered: {FP16_CHUNKED}")
-    if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None):
+    if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None, precision=wl.precision):
         require(  # it was dropped: the plan came out in FLOPs, exit 0
             measured is None,
             "--cost measured prices a preset by its bench results; a profiled model is priced by predicted time "

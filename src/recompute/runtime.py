@@ -5,8 +5,10 @@ Library floor: bench, trace, verify and train take these from here instead of ke
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -14,11 +16,14 @@ from torch import Tensor
 import recompute._compat  # noqa: F401  (a torch outside the supported range: one ConfigError, here)
 from recompute.core.errors import ConfigError
 from recompute.core.table import gib
+from recompute.core.workload import AMP, Workload
 
 __all__ = [
     "TORCH_DTYPES",
+    "autocast_dtype",
     "available_memory",
     "device_name",
+    "forward_autocast",
     "random_batch",
     "require_memory",
     "resolve_device",
@@ -30,6 +35,20 @@ HEADROOM = 0.9
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """recompute's dtype names (``Workload.dtype``) and the torch dtypes they mean."""
+
+
+def autocast_dtype(wl: Workload) -> torch.dtype | None:
+    """The dtype a step of ``wl`` autocasts its forward to (``precision`` amp: ``wl.dtype``); None: no autocast."""
+    return TORCH_DTYPES[wl.dtype] if wl.precision == AMP else None
+
+
+def forward_autocast(dtype: torch.dtype | None, device: str | torch.device) -> contextlib.AbstractContextManager[Any]:
+    """What a step's forward and loss run under: ``torch.autocast`` to ``dtype`` on ``device``'s type (HF
+    Trainer's, Lightning's and accelerate's placement: the backward and the optimizer step outside it), or
+    nothing for ``dtype`` None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def resolve_device(name: str) -> str:

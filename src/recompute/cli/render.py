@@ -12,7 +12,7 @@ from recompute.core.profile import Profile
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table, size
 from recompute.core.timing import Device, Timing
-from recompute.core.workload import Workload, build_workload
+from recompute.core.workload import Workload, build_workload, step_dtype
 
 __all__ = [
     "apply_line",
@@ -44,7 +44,8 @@ def describe_workload(model: str, wl: Workload) -> str:
     """One line naming the model and the step's shape."""
     parallel = f"t={wl.tp}{' +sp' if wl.sp else ''} p={wl.pp}" + (f" m={wl.interleave}" if wl.interleave > 1 else "")
     return (
-        f"{model}: b={wl.micro_batch} s={wl.seq_len} {wl.dtype} on {wl.device}, {wl.attention} attention, "
+        f"{model}: b={wl.micro_batch} s={wl.seq_len} {step_dtype(wl.dtype, wl.precision)} on {wl.device}, "
+        f"{wl.attention} attention, "
         f"{parallel} d={wl.dp}, {wl.precision} precision"
     )
 
@@ -265,7 +266,8 @@ def render_profile(
     (``Profile.cost_table``)."""
     w = profile.workload
     out = [
-        f"{profile.model} ({profile.class_name}): b={w['micro_batch']} s={w['seq_len']} {w['dtype']} on "
+        f"{profile.model} ({profile.class_name}): b={w['micro_batch']} s={w['seq_len']} "
+        f"{step_dtype(w['dtype'], w.get('precision'))} on "
         f"{w['device']}, {w['attention']} attention; profile {profile.key}, {profile.seconds:.1f} s",
     ]
     for kind in profile.kinds:

@@ -40,7 +40,7 @@ from recompute.core.profile_schema import check_profile_dict
 from recompute.core.states import Restate
 from recompute.core.table import size
 from recompute.core.timing import OPTIMIZER_PHASE, Device, Op, StepWork, replayed, work_seconds
-from recompute.core.workload import Workload
+from recompute.core.workload import Workload, step_dtype
 
 __all__ = ["FORMAT", "LastFigures", "LayerKind", "PairFigures", "Profile"]
 
@@ -219,7 +219,8 @@ class Profile:
         kinds = ", ".join(k.name for k in self.kinds)
         return (
             f"Profile({self.model!r}, {self.n_layers} layers of {len(self.kinds)} kind(s): {kinds}; "
-            f"b={w.get('micro_batch')} s={w.get('seq_len')} {w.get('dtype')} on {w.get('device')})"
+            f"b={w.get('micro_batch')} s={w.get('seq_len')} {step_dtype(w.get('dtype'), w.get('precision'))} on "
+            f"{w.get('device')})"
         )
 
     def kind_of(self, layer: int) -> LayerKind:
@@ -341,7 +342,8 @@ class Profile:
         Raises:
             ConfigError: another precision asked of a profile stored before it recorded its phases' gradients.
         """
-        restate = Restate.of(self.parameters, str(self.workload.get("dtype", "fp32")), precision, dp)
+        dtype, ran = str(self.workload.get("dtype", "fp32")), self.workload.get("precision")
+        restate = Restate.of(self.parameters, dtype, precision, dp, traced=str(ran) if ran else None)
         workload = {**self.workload, "precision": restate.wanted, "dp": dp}
         if restate.identity and dp == 1:
             return replace(self, workload=workload)

@@ -2,7 +2,8 @@
 
 A traced step (``recompute.trace``, a profile) is plain training in one dtype: parameters, gradients and
 AdamW's moments all in the activation dtype (fp32: 4 + 4 + 8 = 16 B per parameter, the ``fp32`` mode; bf16 or
-fp16: 2 + 2 + 4 = 8 B, the ``bf16`` mode). A workload may ask for another mode (``mixed``: 18 B, Megatron's;
+fp16: 2 + 2 + 4 = 8 B, the ``bf16`` mode), or, under ``amp``, autocast over fp32 states (16 B), traced as
+itself. A workload may ask for another mode (``mixed``: 18 B, Megatron's;
 ``distributed`` over d data-parallel ranks: 6 + 12/d). The activations do not change; the states do, and so
 does every phase of the step that holds them:
 
@@ -21,12 +22,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from recompute.core.analytic.params import bytes_per_param
+from recompute.core.errors import require
+from recompute.core.workload import AMP
 
 __all__ = ["Restate", "traced_precision"]
 
 
-def traced_precision(dtype: str) -> str:
-    """The precision mode a step traced in ``dtype`` runs: everything in that dtype."""
+def traced_precision(dtype: str, precision: str | None = None) -> str:
+    """The precision mode a step traced in ``dtype`` runs: autocast over fp32 states under ``amp`` (the step is
+    traced as itself), else everything in that dtype."""
+    if precision == AMP:
+        return AMP
     return "fp32" if dtype == "fp32" else "bf16"
 
 
@@ -46,11 +52,26 @@ class Restate:
     dp: int = 1
 
     @classmethod
-    def of(cls, parameter_bytes: float, dtype: str, precision: str | None, dp: int = 1) -> Restate:
-        """From the traced step's parameter bytes and dtype, to ``precision`` (None: as traced)."""
-        traced = traced_precision(dtype)
-        n = parameter_bytes / bytes_per_param(traced)["parameters"]
-        return cls(n, traced, precision or traced, dp)
+    def of(
+        cls, parameter_bytes: float, dtype: str, precision: str | None, dp: int = 1, *, traced: str | None = None
+    ) -> Restate:
+        """From the traced step's parameter bytes and dtype, to ``precision`` (None: as traced). ``traced``: the
+        precision the step ran (``amp``, or None for one dtype).
+
+        Raises:
+            ConfigError: one side is ``amp`` and the other is not: autocast changes what the step saves, not
+                only its states, so such a step is traced under the precision asked, never restated.
+        """
+        ran = traced_precision(dtype, traced)
+        wanted = precision or ran
+        require(
+            (ran == AMP) == (wanted == AMP),
+            f"a step traced {'under amp' if ran == AMP else f'in {dtype}'} cannot be priced for {wanted} precision: "
+            "autocast changes the activations, not only the model states; trace it with that precision",
+            fields=("precision",),
+        )
+        n = parameter_bytes / bytes_per_param(ran)["parameters"]
+        return cls(n, ran, wanted, dp)
 
     @property
     def identity(self) -> bool:

@@ -39,7 +39,8 @@ MEASURED_WORKLOAD = (
 )
 """The workload fields a measured step depends on: one rank's step, tensor- and sequence-parallel (rank 0 on a
 fake process group) or not; precision and data parallelism only change the model states, which are priced from
-the parameter count, and the pipeline lays the step out (``recompute.core.pricing``)."""
+the parameter count (but for ``amp``, autocast's own step: ``step_key``), and the pipeline lays the step out
+(``recompute.core.pricing``)."""
 
 KEY_FORMAT = "recompute.store/5"
 """Part of every key: a change to what an entry holds changes it, so old files are not read as new (3: a
@@ -74,8 +75,11 @@ def spec_identity(spec: Mapping[str, Any], *, hf: bool = False) -> dict[str, Any
 
 
 def step_key(identity: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
-    """The key of a step measured for a model at a workload (``MEASURED_WORKLOAD`` of it) with these libraries."""
+    """The key of a step measured for a model at a workload (``MEASURED_WORKLOAD`` of it, and whether it runs
+    under autocast: ``precision`` amp is a step of its own) with these libraries."""
     wl = {k: workload[k] for k in MEASURED_WORKLOAD}
+    if workload.get("precision") == "amp":
+        wl["autocast"] = True  # only then: the keys of one-dtype steps stay as they were
     blob = json.dumps(
         {"format": KEY_FORMAT, "model": identity, "workload": wl, "versions": library_versions()},
         sort_keys=True,

@@ -14,6 +14,7 @@ from recompute.core.errors import ConfigError, one_of, positive_int, require
 from recompute.core.spec import ModelSpec
 
 __all__ = [
+    "AMP",
     "ATTENTIONS",
     "DTYPE_BYTES",
     "LOSSES",
@@ -24,6 +25,7 @@ __all__ = [
     "check_sequence_split",
     "default_loss_chunk",
     "loss_chunk_tokens",
+    "step_dtype",
     "workload_fields",
 ]
 
@@ -61,7 +63,20 @@ PRECISIONS = {
     "mixed": "16-bit weights, fp32 gradients, fp32 master weights, Adam: 2 + 4 + 4 + 8 = 18 B/param (Megatron)",
     "distributed": "mixed precision with the optimizer sharded over d data-parallel ranks (ZeRO-1): 6 + 12/d",
     "bf16": "bf16 weights, gradients and Adam states: 2 + 2 + 4 = 8 B/param",
+    "amp": "autocast to --dtype (bf16 or fp16) over fp32 weights, gradients and Adam: 4 + 4 + 8 = 16 B/param, and "
+    "autocast's own casts in the activations (HF Trainer bf16=True, Lightning bf16-mixed, accelerate bf16)",
 }
+"""Precision modes: what the parameters, gradients and optimizer state are kept in (and, for ``amp``, how the
+forward runs). ``docs/precision.md`` says which mode each training stack's setting is."""
+
+AMP = "amp"
+"""The precision mode that runs the forward under ``torch.autocast`` over fp32 weights: traced as itself (its
+activations are autocast's), where the other modes run one dtype and only price the model states."""
+
+
+def step_dtype(dtype: object, precision: object = None) -> str:
+    """How a step runs its dtype, in words: ``bf16``, or ``bf16 autocast (fp32 weights)`` under amp."""
+    return f"{dtype} autocast (fp32 weights)" if precision == AMP else str(dtype)
 
 
 def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
@@ -102,7 +117,8 @@ class Workload:
         default=None,
         metadata=_opt(
             "--precision",
-            "parameter/gradient/optimizer mode (default: fp32 for --dtype fp32, else mixed)",
+            "parameter/gradient/optimizer mode (default: fp32 for --dtype fp32, else mixed); amp: autocast to --dtype "
+            "over fp32 weights, the step HF Trainer, Lightning and accelerate run",
             choices=tuple(PRECISIONS),
         ),
     )
@@ -169,6 +185,11 @@ class Workload:
             object.__setattr__(self, "precision", "fp32" if self.dtype == "fp32" else "mixed")
         one_of("precision", self.precision, tuple(PRECISIONS))
         require(
+            self.precision != AMP or self.dtype != "fp32",
+            "precision amp autocasts to a 16-bit dtype over fp32 weights; use dtype bf16 (or fp16), or precision fp32",
+            fields=("precision", "dtype"),
+        )
+        require(
             self.interleave == 1 or self.pp > 1,
             f"interleave {self.interleave} needs pipeline parallelism; set pp > 1 or drop interleave",
             fields=("interleave", "pp"),
@@ -186,6 +207,12 @@ class Workload:
     def element_bytes(self) -> int:
         """Bytes per activation element (the paper's 2 for 16-bit activations)."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def param_dtype(self) -> str:
+        """The dtype the parameters are kept in: fp32 under ``amp`` (autocast casts them for each op), else
+        ``dtype`` (a step traced in one dtype; ``recompute.core.states`` prices other states)."""
+        return "fp32" if self.precision == AMP else self.dtype
 
     @property
     def microbatches(self) -> int:

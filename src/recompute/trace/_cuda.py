@@ -21,6 +21,8 @@ CUDA does differently, and where this module sets it (``cuda_rules``, ``StepTrac
   kernels and the meta functions make none): softmax's backward, a tensor as large as its gradient;
   FlashAttention's backward, fp32 accumulators and, under grouped-query attention, dK and dV for every head.
 - AdamW: the multi-tensor (``foreach``) implementation, PyTorch's default for CUDA tensors.
+- autocast (``precision`` amp): CUDA's policy of which op runs in which dtype, not the CPU's
+  (``recompute.trace._autocast``); SDPA's inputs cast before its backend is chosen, as CUDA's autocast does.
 - memory: every storage rounded up to 512 bytes, as the CUDA caching allocator and MemTracker count it.
 
 Note: [SDPA's backend on CUDA] ``sdpa_backend`` follows PyTorch's ``select_sdp_backend``
@@ -46,6 +48,7 @@ from torch import Tensor
 
 from recompute._compat import drop_library
 from recompute.core.errors import ConfigError
+from recompute.trace._autocast import CUDA, autocast_inputs, emulated_autocast
 
 __all__ = [
     "BLOCK",
@@ -93,7 +96,8 @@ def stands_in(device: str, tensors: str) -> bool:
 
 @contextlib.contextmanager
 def cuda_rules() -> Iterator[None]:
-    """CUDA's dropout, attention and RMSNorm kernels on the CPU, for the trace's duration (module docstring).
+    """CUDA's dropout, attention and RMSNorm kernels and its autocast policy on the CPU, for the trace's duration
+    (module docstring).
 
     The functions are swapped on ``torch.nn.functional`` (models look them up at call time), so a checkpoint's
     replay in the backward takes them too."""
@@ -102,7 +106,8 @@ def cuda_rules() -> Iterator[None]:
     lib.impl("_fused_rms_norm", _never_run, "CPU")
     F.dropout, F.scaled_dot_product_attention = _dropout, _sdpa  # type: ignore[assignment]
     try:
-        yield
+        with emulated_autocast(CUDA):
+            yield
     finally:
         F.dropout, F.scaled_dot_product_attention = saved  # type: ignore[assignment]
         drop_library(lib)
@@ -198,7 +203,9 @@ def _sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    """``F.scaled_dot_product_attention`` as ``at::scaled_dot_product_attention`` runs it on CUDA."""
+    """``F.scaled_dot_product_attention`` as ``at::scaled_dot_product_attention`` runs it on CUDA (under
+    autocast, its inputs cast first: the backend is chosen for the dtype they reach the kernel in)."""
+    query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)  # type: ignore[assignment]
     backend = sdpa_backend(query, key, value, attn_mask, is_causal)
     mask = _additive(attn_mask, query.dtype)
     if backend == "flash":

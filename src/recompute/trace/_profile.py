@@ -53,7 +53,7 @@ from recompute.core.profile import LastFigures, LayerKind, PairFigures, Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import work_list
-from recompute.core.workload import LOSSES, Workload
+from recompute.core.workload import AMP, LOSSES, Workload
 from recompute.models.identity import model_identity
 from recompute.models.source import BuiltModel, ModelSource
 from recompute.runtime import TORCH_DTYPES
@@ -248,7 +248,7 @@ class _Shape:
 
     @classmethod
     def of(cls, source: ModelSource, wl: Workload) -> _Shape:
-        whole = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype])
+        whole = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype])
         layers = find_layers(whole.model)
         found = layer_kinds(whole.model, layers)
         kind_of, reps, labels = list(found.kind_of), list(found.reps), found.labels
@@ -542,7 +542,10 @@ def _assemble(
         origin=source.origin,
         class_name=whole.class_name,
         key=key,
-        workload={k: getattr(wl, k) for k in store.MEASURED_WORKLOAD},
+        workload={
+            **{k: getattr(wl, k) for k in store.MEASURED_WORKLOAD},
+            **({"precision": AMP} if wl.precision == AMP else {}),  # a step of its own (its states: Profile.restated)
+        },
         kinds=kinds,
         layer_kind=kind_of,
         links=links,

@@ -156,13 +156,14 @@ def from_record(
     parameter_count: int = 0,
 ) -> TraceResult:
     """Aggregate a ``StepRecord`` into a ``TraceResult``, its model states priced for ``workload``'s precision
-    (``recompute.core.states``; the step itself runs in one dtype)."""
+    (``recompute.core.states``; the step itself runs in one dtype, or under autocast for ``amp``)."""
     by_layer: dict[int, list[SavedRecord]] = {}
     for r in record.saved:
         by_layer.setdefault(r.layer, []).append(r)
     st = record.states
-    restate = Restate.of(st.get("Parameter", 0), workload.get("dtype", "fp32"), workload.get("precision"),
-                         workload.get("dp", 1))  # fmt: skip
+    precision = workload.get("precision")
+    restate = Restate.of(st.get("Parameter", 0), workload.get("dtype", "fp32"), precision, workload.get("dp", 1),
+                         traced=precision)  # fmt: skip
     priced = {
         ph: (round(restate.phase(value, parts, optimizer=ph.stage == "optimizer")), parts)
         for ph, (value, parts) in record.phase_peaks.items()

@@ -34,11 +34,11 @@ from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import StepWork, scale_work, work_list
-from recompute.core.workload import Workload
+from recompute.core.workload import AMP, Workload
 from recompute.models.loss import LossFn, lm_loss
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
-from recompute.runtime import TORCH_DTYPES, random_batch
+from recompute.runtime import TORCH_DTYPES, autocast_dtype, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
 from recompute.trace._cuda import cuda_rules, fake_device_note, stands_in, trace_device
 from recompute.trace._flops import sharding_propagation
@@ -226,7 +226,7 @@ def _work_tracer(
 
 def _work(source: ModelSource, wl: Workload, pol: Policy, n: int, device: str) -> dict[str, tuple[Any, ...]]:
     with fake_kernels():
-        built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
+        built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype], n_layers=n)
         record, _, _ = step_built(built, wl, pol, device=device, flops=True)
     ordered = sorted(record.work.items(), key=lambda kv: kv[0].order())
     return {str(ph): work_list(w) for ph, w in ordered}
@@ -295,7 +295,7 @@ def _check_scalable(source: ModelSource, pol: Policy, layers: int) -> None:
 
 def _count_layers(source: ModelSource, wl: Workload) -> int:
     """The transformer layer count of a source that does not state it: build it on the meta device and look."""
-    built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device="meta")
+    built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype], device="meta")
     return len(find_layers(built.model))
 
 
@@ -322,7 +322,7 @@ def _trace_layers(
         built = (
             build()
             if build is not None
-            else build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
+            else build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype], n_layers=n)
         )
         return step_built(built, wl, pol, device=device, allocations=allocations)
 
@@ -346,7 +346,7 @@ def _cut(source: ModelSource, wl: Workload, k: int, n: int) -> _Cut:
         ConfigError: the layers differ and no run is longer than ``k + 1``, or so many runs are (Gemma 3's five
             sliding-window layers per global one) that scaling would trace over twice the model's layers.
     """
-    dtype = TORCH_DTYPES[wl.dtype]
+    dtype = TORCH_DTYPES[wl.param_dtype]
 
     def rebuilt(counts: tuple[int, ...]) -> BuiltModel:
         return build_meta(source, attention=wl.attention, dtype=dtype, n_layers=sum(counts))
@@ -400,7 +400,7 @@ def _scaled(
 
 
 def _step(source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str) -> tuple[StepRecord, BuiltModel, int]:
-    built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
+    built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype], n_layers=n)
     return step_built(built, wl, pol, device=device)
 
 
@@ -448,6 +448,7 @@ def step_built(
                     flop_layers=flop_layers,
                     cuda=cuda,
                     allocations=allocations,
+                    autocast=autocast_dtype(wl),
                 )
             except (DataDependentOutputException, DynamicOutputShapeException) as e:
                 # Note: [values decide sizes] a forward that reads a tensor's values (``.item()``, ``nonzero``)
@@ -493,7 +494,7 @@ def _fake_model(
     source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
 ) -> tuple[BuiltModel, nn.ModuleList, FakeTensorMode]:
     """``source`` cut to ``n`` layers, built with fake parameters, in training mode, with ``pol`` applied."""
-    built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], n_layers=n)
+    built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype], n_layers=n)
     stack, mode = _prepare(built, wl, pol, device=device)
     return built, stack, mode
 
@@ -543,6 +544,7 @@ def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *,
                 stack,
                 loss_fn=built.loss_fn,
                 cuda=cuda,
+                autocast=autocast_dtype(wl),
             )
     return part_trace("layer 1", [r for r in saved if r.layer == 1])
 
@@ -555,11 +557,13 @@ def trace_module(
     loss_fn: LossFn = lm_loss,
     name: str = "model",
     keep_grads: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> TraceResult:
     """Trace one step of an existing module (real or fake tensors) with whatever policy it has applied.
 
     ``batch`` is (token ids, targets); ``loss_fn(model, idx, targets) -> (kept outputs, loss)``. Creates an
-    AdamW optimizer when none is given, and primes it (see ``_step``'s note on the steady state).
+    AdamW optimizer when none is given, and primes it (see ``_step``'s note on the steady state). ``autocast``:
+    the forward and loss under ``torch.autocast`` to this dtype (``precision`` amp).
     """
     stack = find_layers(model)
     if optimizer is None:
@@ -567,7 +571,9 @@ def trace_module(
         prime_optimizer(model, optimizer)
     start = time.perf_counter()
     cuda = batch[0].device.type == "cuda"
-    record = run_step(model, batch, optimizer, stack, loss_fn=loss_fn, keep_grads=keep_grads, allocations=cuda)
+    record = run_step(
+        model, batch, optimizer, stack, loss_fn=loss_fn, keep_grads=keep_grads, allocations=cuda, autocast=autocast
+    )
     pol = applied_policy(model) or Policy("none")
     idx = batch[0]
     return from_record(
@@ -588,6 +594,11 @@ def _workload_dict(wl: Workload) -> dict[str, Any]:
     return {k: getattr(wl, k) for k in (*keys, *states)}
 
 
+def _autocast_rules(wl: Workload) -> str:
+    """Whose autocast policy the trace ran, when it is not the device's own (a CUDA step on CPU tensors)."""
+    return " (CUDA's autocast policy on the CPU tensors)" if stands_in(wl.device, trace_device(wl.device)) else ""
+
+
 def _notes(
     source: ModelSource,
     built: BuiltModel,
@@ -603,7 +614,8 @@ def _notes(
         *built.notes,
         "steady-state step: AdamW state exists, gradients "
         + ("stay allocated (zero_grad(set_to_none=False))" if wl.keep_grads else "start as None (zero_grad())")
-        + f"; parameters, gradients and AdamW state in {wl.dtype}",
+        + f"; parameters, gradients and AdamW state in {wl.param_dtype}"
+        + (f"; forward and loss under {wl.dtype} autocast{_autocast_rules(wl)}" if wl.precision == AMP else ""),
     ]
     if wl.tp > 1:
         notes.append(

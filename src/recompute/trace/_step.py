@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from recompute._compat import saved_tensors_hooks
 from recompute.core.allocator import AllocationStream
 from recompute.models.loss import LossFn, lm_loss
+from recompute.runtime import forward_autocast
 from recompute.trace._cuda import BLOCK
 from recompute.trace._flops import PhaseFlops
 from recompute.trace._tracker import Phase, SavedRecord, StepTracker
@@ -126,6 +127,7 @@ def run_step(
     flop_layers: Collection[int] | None = None,
     cuda: bool = False,
     allocations: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> StepRecord:
     """Track one training step of ``model`` on ``batch`` (token ids, targets); the optimizer must be primed.
 
@@ -136,7 +138,9 @@ def run_step(
     those after the backward). ``owners``: record ``layer_left`` and ``phase_shared``.
     ``flop_layers``: count the ops of these layers only (and all outside the layers); None: all. ``cuda``:
     count as CUDA does a step traced on fake CPU tensors under CUDA's rules (``StepTracker(cuda=True)``).
-    ``allocations``: record the step's allocation stream (``StepRecord.allocations``).
+    ``allocations``: record the step's allocation stream (``StepRecord.allocations``). ``autocast``: run the
+    forward and the loss under ``torch.autocast`` to this dtype (``precision`` amp), the backward and the
+    optimizer step outside it.
     """
     layers = list(layers)
     if keep_grads:
@@ -158,7 +162,7 @@ def run_step(
     try:
         with tracker:
             tracker.set_stage("forward")
-            with saved_tensors_hooks(tracker.pack, tracker.unpack):
+            with saved_tensors_hooks(tracker.pack, tracker.unpack), forward_autocast(autocast, batch[0].device):
                 kept, loss = loss_fn(model, *batch)
             tracker.set_stage("backward")
             loss.backward()
@@ -214,17 +218,18 @@ def record_saved(
     *,
     loss_fn: LossFn = lm_loss,
     cuda: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> tuple[SavedRecord, ...]:
     """What the forward alone saves for the backward, by layer and component (no backward, no ops).
 
     The bytes are the same as ``run_step``'s (the forward decides what is saved); the saving op stays ``?``
-    since it is named by the backward node that reads the tensor. ``cuda``: as ``run_step``'s.
+    since it is named by the backward node that reads the tensor. ``cuda``, ``autocast``: as ``run_step``'s.
     """
     tracker = StepTracker(layers, cuda=cuda)
     tracker.track_external(model, *batch)
     with tracker:
         tracker.set_stage("forward")
-        with saved_tensors_hooks(tracker.pack, tracker.unpack):
+        with saved_tensors_hooks(tracker.pack, tracker.unpack), forward_autocast(autocast, batch[0].device):
             kept, loss = loss_fn(model, *batch)
         del kept, loss
     return tuple(tracker.saved)

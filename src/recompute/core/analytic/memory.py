@@ -28,12 +28,15 @@ from dataclasses import dataclass, fields
 
 from recompute.core.analytic.memory_hf import hf_layer_parts, hf_shared_tables
 from recompute.core.analytic.params import bytes_per_param
+from recompute.core.errors import require
 from recompute.core.spec import ModelSpec
-from recompute.core.workload import Workload, loss_chunk_tokens
+from recompute.core.workload import AMP, Workload, loss_chunk_tokens
 
 __all__ = [
+    "AMP_ANALYTIC",
     "LayerActivations",
     "OuterActivations",
+    "check_one_dtype",
     "chunked_loss_transient",
     "layer_activations",
     "loss_chunk",
@@ -146,6 +149,18 @@ class LayerActivations:
         return self.total - self.stored(policy)
 
 
+AMP_ANALYTIC = (
+    "the analytic model describes a step in one dtype; under precision amp autocast decides op by op what runs (and "
+    "is kept) in fp32, so such a step is traced: drop --analytic (recompute profiles the model's own class)"
+)
+"""Why the formulas refuse ``amp``: its bytes are the trace's (``recompute.trace``), held to real autocast steps."""
+
+
+def check_one_dtype(wl: Workload) -> None:
+    """Raise ConfigError if ``wl`` runs autocast (``precision`` amp), which the formulas do not describe."""
+    require(wl.precision != AMP, AMP_ANALYTIC, fields=("precision",))
+
+
 def _mask_bytes(spec: ModelSpec, wl: Workload) -> int:
     if spec.dropout == 0:
         return 0
@@ -173,7 +188,11 @@ def layer_activations(spec: ModelSpec, wl: Workload, layer: int | None = None) -
 
     For a spec read from a transformers config, what that class saves (``memory_hf``): layer ``layer``
     (``None``: the last, a layer without the tables the first one saves for all).
+
+    Raises:
+        ConfigError: ``wl.precision`` is amp, whose activations are autocast's (``check_one_dtype``).
     """
+    check_one_dtype(wl)
     if spec.transformers:
         index = spec.n_layers - 1 if layer is None else layer
         tables = hf_shared_tables(spec, wl) if index == 0 else 0.0

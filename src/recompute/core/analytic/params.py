@@ -105,10 +105,12 @@ def bytes_per_param(precision: str, dp: int = 1) -> dict[str, float]:
     """Bytes per parameter for weights, gradients and optimizer state in a precision mode.
 
     fp32: 4 + 4 + 8 (the workshop); mixed: 2 + 4 + (4 master + 8 Adam) (Megatron, 18 B); distributed:
-    mixed with master weights and Adam sharded over d ranks, 6 + 12/d; bf16: 2 + 2 + 4.
+    mixed with master weights and Adam sharded over d ranks, 6 + 12/d; bf16: 2 + 2 + 4; amp (autocast over fp32
+    weights): 4 + 4 + 8, its casts of the weights being activations.
     """
     table = {
         "fp32": (4.0, 4.0, 8.0),
+        "amp": (4.0, 4.0, 8.0),
         "mixed": (2.0, 4.0, 12.0),
         "distributed": (2.0, 4.0, 12.0 / dp),
         "bf16": (2.0, 2.0, 4.0),
