@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recompute.core.errors import ConfigError, one_of, positive_int, require, torch_seed
-from recompute.core.workload import LIMITS, Workload, workload_fields
+from recompute.core.workload import AMP, LIMITS, Workload, workload_fields
 
 __all__ = [
     "MAX_SAMPLE_TOKENS",
@@ -52,9 +52,13 @@ def resolve_auto(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolved_workload(**values: Any) -> Workload:
-    """The run's ``Workload`` from ``values`` (workload field names) over ``WORKLOAD_DEFAULTS``, ``auto`` resolved."""
+    """The run's ``Workload`` from ``values`` (workload field names) over ``WORKLOAD_DEFAULTS``, ``auto`` resolved;
+    a 16-bit dtype is the amp precision a run trains in (autocast over fp32 weights)."""
     given = {k: v for k, v in values.items() if v is not None or k == "loss_chunk"}
-    return Workload(**resolve_auto({**WORKLOAD_DEFAULTS, **given}))
+    resolved = resolve_auto({**WORKLOAD_DEFAULTS, **given})
+    if resolved.get("dtype") != "fp32":
+        resolved.setdefault("precision", AMP)
+    return Workload(**resolved)
 
 
 def _opt(flag: str, help: str, **extra: Any) -> dict[str, Any]:
@@ -225,7 +229,7 @@ def _check_runnable(wl: Workload) -> None:
         "scaler needed) or fp32",
         fields=("dtype",),
     )
-    expected = "fp32" if wl.dtype == "fp32" else "mixed"
+    expected = "fp32" if wl.dtype == "fp32" else AMP
     how = "fp32 throughout" if expected == "fp32" else "autocast over fp32 weights"
     require(
         wl.precision == expected,

@@ -49,6 +49,7 @@ from recompute.core.table import mib
 from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
+from recompute.runtime import autocast_dtype, forward_autocast
 from recompute.train.checkpoint import load_latest, save_checkpoint
 from recompute.train.config import TrainConfig, flag
 from recompute.train.data import Tokenizer, TokenStream, load_text, make_tokenizer
@@ -190,10 +191,8 @@ def _device(config: TrainConfig) -> torch.device:
 
 
 def _autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast over the fp32 weights for ``--dtype bf16``; nothing for fp32."""
-    if config.workload.dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    """bf16 autocast over the fp32 weights for ``--dtype bf16`` (the amp precision); nothing for fp32."""
+    return forward_autocast(autocast_dtype(config.workload), device)
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
