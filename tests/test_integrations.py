@@ -275,3 +275,55 @@ def test_evaluation_and_prediction_get_the_logits_under_a_chunked_plan(
     assert got["eval_accuracy"] == ref["eval_accuracy"]
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
     torch.testing.assert_close(torch.as_tensor(got_logits), torch.as_tensor(ref_logits))
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"per_device_train_batch_size": 2 * B}, f"micro_batch {B} in the plan, {2 * B} in this run"),
+        ({"bf16": True}, "precision fp32 in the plan, amp in this run (bf16=True over fp32 weights)"),
+        ({"gradient_accumulation_steps": 2}, "keep_grads False in the plan, True in this run"),
+    ],
+    ids=["batch", "bf16", "accumulation"],
+)
+def test_a_plan_for_another_step_is_refused_by_the_trainer(
+    planned: tuple[Path, Path, dict[str, Any]], tmp_path: Path, changes: dict[str, Any], named: str
+) -> None:
+    """The plan was priced for fp32 at micro-batch B: a Trainer that runs bf16 autocast, another batch, or
+    accumulates gradients (they stay allocated between micro-batches) is refused in one line naming the
+    difference and the flags that plan its own step; nothing is applied."""
+    folder, plan_path, _ = planned
+    model = build(folder)
+    with pytest.raises(ConfigError) as refused:
+        transformers.Trainer(
+            model=model, args=training_args(tmp_path, **changes), train_dataset=dataset(),
+            callbacks=[RecomputeCallback(plan_path)],
+        )  # fmt: skip
+    message = str(refused.value)
+    assert "\n" not in message and named in message and "replan=True" in message
+    assert applied_policy(model) is None
+
+
+def test_replan_plans_the_trainers_own_step(planned: tuple[Path, Path, dict[str, Any]], tmp_path: Path) -> None:
+    """``replan=True``: the plan is made again for the Trainer's step (bf16 autocast, twice the batch) at the
+    plan's budget, then trained with and recorded."""
+    folder, _, _ = planned
+    args = ["plan", "--model", str(folder), "--analytic", "--seq-len", str(S), "--micro-batch", str(B), "--dtype"]
+    plan_path = tmp_path / "plan.json"
+    assert main([*args, "fp32", "--device", "cpu", "--cost", "flops", "--budget", "1GiB", "-o", str(plan_path)]) == 0
+    plan = json.loads(plan_path.read_text())
+    model = build(folder)
+    callback = RecomputeCallback(plan_path, replan=True)
+    args = training_args(tmp_path, bf16=True, per_device_train_batch_size=2 * B, max_steps=1, save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(), callbacks=[callback])
+    assert callback.plan["workload"]["precision"] == "amp" and callback.plan["workload"]["micro_batch"] == 2 * B
+    assert callback.plan["budget"] == plan["budget"] and applied_policy(model) == Policy.from_dict(callback.plan)
+    trainer.train()
+    assert json.loads((tmp_path / PLAN_FILE).read_text())["workload"]["precision"] == "amp"
+
+
+def test_fsdp_own_checkpointing_is_refused(planned: tuple[Path, Path, dict[str, Any]], tmp_path: Path) -> None:
+    folder, plan_path, _ = planned
+    args = training_args(tmp_path, fsdp_config={"activation_checkpointing": True})
+    with pytest.raises(ConfigError, match=r'^fsdp_config=\{"activation_checkpointing": True\} checkpoints every'):
+        prepare(build(folder), args, plan_path)

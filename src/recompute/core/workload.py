@@ -102,6 +102,14 @@ class Workload:
         default=None, metadata=_opt("--microbatches", "micro-batches per step (default: p, a full pipeline)")
     )
     dp: int = field(default=1, metadata=_opt("--dp", "d: data-parallel size (shards the distributed optimizer)"))
+    fsdp: bool = field(
+        default=False,
+        metadata=_opt(
+            "--fsdp",
+            "FSDP2 full shard (fully_shard) over the --dp ranks: parameters, gradients and optimizer state 1/d on "
+            "each rank, a layer's parameters gathered for its forward and its backward",
+        ),
+    )
     ep: int = field(
         default=1, metadata=_opt("--ep", "expert-parallel size: each rank holds E/ep experts of an MoE model")
     )
@@ -188,6 +196,12 @@ class Workload:
             self.precision != AMP or self.dtype != "fp32",
             "precision amp autocasts to a 16-bit dtype over fp32 weights; use dtype bf16 (or fp16), or precision fp32",
             fields=("precision", "dtype"),
+        )
+        require(
+            not (self.fsdp and self.precision == "distributed"),
+            "fsdp shards the optimizer state itself (and the parameters and gradients); precision distributed is "
+            "ZeRO-1's sharding: drop one",
+            fields=("fsdp", "precision"),
         )
         require(
             self.interleave == 1 or self.pp > 1,

@@ -18,6 +18,14 @@ whole layers on top of the plan: both are refused in one line, never silently co
 The callback also records the plan with the run: ``recompute_plan.json`` in ``output_dir`` when training
 begins, a summary line in the log, and the plan (without its frontier) in every checkpoint's
 ``trainer_state.json`` (``stateful_callbacks``), from which a resumed run rebuilds the callback.
+
+Note: [the plan's workload] a plan is priced for one step (``Workload``): its precision, micro-batch, sharding.
+The callback reads the run's from ``TrainingArguments`` and the model (``trainer_workload``: ``bf16``/``fp16`` are
+autocast over the model's fp32 weights, the ``amp`` precision; ``fsdp`` full shard is ``--fsdp`` over the world
+size; ``per_device_train_batch_size`` the micro-batch; gradient accumulation keeps the gradients between
+micro-batches, ``--keep-grads``) and refuses a plan made for another step in one line that names each difference
+and the command that plans this one, or, with ``replan=True``, plans this step itself (``recompute.plan`` of the
+model's config at the plan's budget and device).
 """
 
 from __future__ import annotations
@@ -38,13 +46,14 @@ except ImportError:  # transformers before 4.42: no callback state in checkpoint
     ExportableState = object  # type: ignore[misc,assignment]
 
 from recompute.checkpointing import HF_CHECKPOINTING, applied_policy, apply
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, require
 from recompute.core.plan_file import Plan, check_plan_dict, plan_loss
 from recompute.core.policy import Policy
 from recompute.core.results import read_json
 from recompute.core.table import gib
+from recompute.core.workload import AMP, workload_fields
 
-__all__ = ["PLAN_FILE", "RecomputeCallback", "prepare", "summary"]
+__all__ = ["PLAN_FILE", "RecomputeCallback", "prepare", "summary", "trainer_workload"]
 
 PLAN_FILE = "recompute_plan.json"
 """The plan's copy in the run's ``output_dir``."""
@@ -73,8 +82,8 @@ def prepare(
         ConfigError: ``args`` or the model with transformers' checkpointing on; a plan for another model; what
             ``recompute.apply`` refuses.
     """
-    if args is not None and _checkpointing_asked(args):
-        raise ConfigError(HF_CHECKPOINTING)
+    if args is not None:
+        _refuse_checkpointing(args)
     apply(model, _as_data(plan), **apply_options)
 
 
@@ -96,30 +105,38 @@ class RecomputeCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
 
     Args:
         plan: a plan file (``recompute plan -o``), its content, a ``Plan``, a ``Policy`` or a policy name.
+        replan: a plan made for another step than the Trainer's (its precision, micro-batch, sharding: the note
+            in the module docstring) is planned again for this one at the plan's budget, instead of refused.
         apply_options: ``recompute.apply``'s keywords (``loss``, ``loss_chunk``, ``layers``, ``attn``, ``mlp``).
 
     Raises:
         ConfigError: an unreadable plan (at construction); at the trainer's construction, what ``prepare``
-            refuses.
+            refuses, and a plan made for another step (without ``replan``).
     """
 
-    def __init__(self, plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any], **apply_options: Any) -> None:
+    def __init__(
+        self,
+        plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any],
+        *,
+        replan: bool = False,
+        **apply_options: Any,
+    ) -> None:
         self.plan = _as_data(plan)
+        self.replan = replan
         self.apply_options = apply_options
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         model = kwargs.get("model")
         if model is not None:
-            prepare(model, args, self.plan, **self.apply_options)
+            self._prepare(model, args)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model = kwargs.get("model")
-        if _checkpointing_asked(args):
-            raise ConfigError(HF_CHECKPOINTING)
+        _refuse_checkpointing(args)
         if model is not None and applied_policy(model) is None:  # a model_init built a new model in train()
-            prepare(model, args, self.plan, **self.apply_options)
+            self._prepare(model, args)
         line = summary(self.plan)
         logger.info(line)
         if state.is_world_process_zero and args.output_dir:
@@ -127,10 +144,115 @@ class RecomputeCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
             out.mkdir(parents=True, exist_ok=True)
             (out / PLAN_FILE).write_text(json.dumps(self.plan, indent=2) + "\n")
 
+    def _prepare(self, model: nn.Module, args: TrainingArguments) -> None:
+        """Check the plan against the step the Trainer runs (or plan that step), then ``prepare``."""
+        run = trainer_workload(args, model)
+        differ = _differences(self.plan.get("workload"), run)
+        if differ and self.replan:
+            self.plan = _replanned(model, self.plan, run)
+        elif differ:
+            raise ConfigError(_mismatch(self.plan, differ, run))
+        prepare(model, args, self.plan, **self.apply_options)
+
     def state(self) -> dict[str, Any]:
         """What a checkpoint's ``trainer_state.json`` keeps: the plan without its frontier, and the options."""
         recorded = {k: v for k, v in self.plan.items() if k in _RECORDED}
         return {"args": {"plan": recorded, **self.apply_options}, "attributes": {}}
+
+
+def trainer_workload(args: TrainingArguments, model: nn.Module) -> dict[str, tuple[Any, str]]:
+    """The ``Workload`` fields a Trainer run fixes, each with the setting it comes from (the module's note).
+
+    Raises:
+        ConfigError: a sharding recompute does not model (FSDP other than full shard).
+    """
+    out: dict[str, tuple[Any, str]] = {
+        "micro_batch": (int(args.per_device_train_batch_size), "per_device_train_batch_size"),
+        "keep_grads": (int(args.gradient_accumulation_steps) > 1, "gradient_accumulation_steps"),
+    }
+    weights = next((p.dtype for p in model.parameters()), None)
+    half = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    if half is not None and weights == _torch_dtype("float32"):
+        out.update(dtype=(half, f"{half}=True"), precision=(AMP, f"{half}=True over fp32 weights"))
+    elif weights == _torch_dtype("bfloat16"):
+        out.update(dtype=("bf16", "the model's bf16 weights"), precision=("bf16", "the model's bf16 weights"))
+    elif weights == _torch_dtype("float32"):
+        out.update(dtype=("fp32", "fp32 weights, no bf16/fp16"), precision=("fp32", "fp32 weights, no bf16/fp16"))
+    for name in ("max_length", "max_seq_length"):  # TRL's SFTConfig
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            out["seq_len"] = (value, name)
+            break
+    sharding = _fsdp_options(args)
+    if sharding:
+        require(
+            "full_shard" in sharding,
+            f"recompute models FSDP full shard; this Trainer asks {' '.join(sorted(sharding))}: shard fully "
+            "(fsdp=True with reshard_after_forward, or fsdp='full_shard' before transformers 5)",
+        )
+        out.update(fsdp=(True, "fsdp='full_shard'"), dp=(int(args.world_size), "the world size under fsdp"))
+    return out
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _fsdp_options(args: TrainingArguments) -> set[str]:
+    """The run's FSDP sharding as words (``full_shard``, ``shard_grad_op``, ...): transformers 5's ``fsdp=True``
+    shards fully unless ``fsdp_config`` says ``reshard_after_forward: False``; before, ``fsdp`` was a string or a
+    list of them (or of ``FSDPOption``)."""
+    raw = getattr(args, "fsdp", None) or []
+    if raw is True:
+        config = getattr(args, "fsdp_config", None) or {}
+        full = not isinstance(config, Mapping) or config.get("reshard_after_forward", True) not in (False, "false")
+        return {"full_shard" if full else "reshard_after_forward=False"}
+    items = raw.split() if isinstance(raw, str) else [str(getattr(o, "value", o)) for o in raw]
+    return {word for item in items for word in item.split()}
+
+
+def _differences(planned: Any, run: Mapping[str, tuple[Any, str]]) -> list[str]:
+    """Each field of the run's step that the plan's workload prices otherwise, as ``field planned -> run (why)``."""
+    if not isinstance(planned, Mapping):
+        return []  # a policy, not a plan: nothing was priced
+    defaults = {f.name: f.default for f in workload_fields()}
+    out = []
+    for name, (value, why) in run.items():
+        was = planned.get(name, defaults.get(name))
+        if was != value:
+            out.append(f"{name} {was} in the plan, {value} in this run ({why})")
+    return out
+
+
+def _mismatch(plan: Mapping[str, Any], differ: list[str], run: Mapping[str, tuple[Any, str]]) -> str:
+    flags = " ".join(_flag(name, value) for name, (value, _) in run.items())
+    return (
+        f"this plan was made for another step than this Trainer runs: {'; '.join(differ)}; plan this one "
+        f"(recompute plan --model <config> {flags} ...) or pass RecomputeCallback(plan, replan=True)"
+    )
+
+
+def _flag(name: str, value: Any) -> str:
+    flag = next(f.metadata["flag"] for f in workload_fields() if f.name == name)
+    if isinstance(value, bool):
+        return flag if value else ""
+    return f"{flag} {value}"
+
+
+def _replanned(model: nn.Module, plan: Mapping[str, Any], run: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
+    """The plan of the run's step: ``recompute.plan`` of the model's config at the plan's budget, on its device's
+    datasheet row (FLOPs where the plan was priced otherwise), with the plan's loss modes weighed."""
+    from recompute.api import plan as plan_step
+
+    workload = {**dict(plan.get("workload") or {}), **{k: v for k, (v, _) in run.items()}}
+    device = plan.get("device") or {}
+    gpu = device.get("name") if isinstance(device, Mapping) and device.get("measured") == {} else None
+    target = getattr(model, "config", model)
+    found = plan_step(target, float(plan["budget"]), gpu=gpu, cost="time" if gpu else "flops", **workload)
+    logger.warning("recompute: planned this Trainer's step again (%s)", found.policy.describe())
+    return found.to_dict()
 
 
 def _as_data(plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any]) -> dict[str, Any]:
@@ -158,3 +280,16 @@ def _as_data(plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any]) -
 def _checkpointing_asked(args: TrainingArguments) -> bool:
     """``activation_checkpointing`` (transformers 5) or its older name ``gradient_checkpointing``."""
     return bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+
+
+def _refuse_checkpointing(args: TrainingArguments) -> None:
+    """Transformers' checkpointing, or FSDP's own (``fsdp_config={"activation_checkpointing": True}``), would
+    replay whole layers on top of the plan: refused in one line."""
+    if _checkpointing_asked(args):
+        raise ConfigError(HF_CHECKPOINTING)
+    config = getattr(args, "fsdp_config", None) or {}
+    if isinstance(config, Mapping) and config.get("activation_checkpointing"):
+        raise ConfigError(
+            'fsdp_config={"activation_checkpointing": True} checkpoints every layer on top of the recompute plan; '
+            "drop it: the plan decides what each layer recomputes"
+        )
