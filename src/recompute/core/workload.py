@@ -107,7 +107,8 @@ class Workload:
         metadata=_opt(
             "--fsdp",
             "FSDP2 full shard (fully_shard) over the --dp ranks: parameters, gradients and optimizer state 1/d on "
-            "each rank, a layer's parameters gathered for its forward and its backward",
+            "each rank, a layer's parameters gathered for its forward and its backward; with --precision mixed "
+            "or amp, fp32 shards gathered in --dtype (MixedPrecisionPolicy, fp32 gradient reduction)",
         ),
     )
     ep: int = field(
@@ -198,6 +199,11 @@ class Workload:
             fields=("precision", "dtype"),
         )
         require(
+            not self.fsdp or self.dp > 1,
+            f"fsdp shards over the dp ranks; give dp 2 or more (got {self.dp})",
+            fields=("fsdp", "dp"),
+        )
+        require(
             not (self.fsdp and self.precision == "distributed"),
             "fsdp shards the optimizer state itself (and the parameters and gradients); precision distributed is "
             "ZeRO-1's sharding: drop one",
@@ -224,9 +230,17 @@ class Workload:
 
     @property
     def param_dtype(self) -> str:
-        """The dtype the parameters are kept in: fp32 under ``amp`` (autocast casts them for each op), else
-        ``dtype`` (a step traced in one dtype; ``recompute.core.states`` prices other states)."""
-        return "fp32" if self.precision == AMP else self.dtype
+        """The dtype the parameters are kept in: fp32 under ``amp`` (autocast casts them for each op) and under
+        FSDP's mixed precision (``mixed_policy``), else ``dtype`` (a step traced in one dtype;
+        ``recompute.core.states`` prices other states)."""
+        return "fp32" if self.precision == AMP or self.mixed_policy else self.dtype
+
+    @property
+    def mixed_policy(self) -> bool:
+        """Whether FSDP2 gathers the fp32 parameters in ``dtype`` for compute and reduces the gradients in fp32
+        (``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)``): ``fsdp`` under ``mixed`` (torchtitan's
+        training) and ``amp`` (accelerate's and HF Trainer's, with autocast besides)."""
+        return self.fsdp and self.dtype != "fp32" and self.precision in ("mixed", AMP)
 
     @property
     def microbatches(self) -> int:
