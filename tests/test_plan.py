@@ -176,6 +176,7 @@ CASES = {
     ),
     "llama70b t8 sp p4": ("llama3.1-70b", Workload(seq_len=8192, tp=8, sp=True, pp=4)),
     "175b t8 sp p8 m3": ("175b", Workload(seq_len=2048, tp=8, sp=True, pp=8, interleave=3)),
+    "llama8b fsdp 8": ("llama3.1-8b", Workload(seq_len=8192, fsdp=True, dp=8)),
 }
 
 

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recompute.core.analytic.params import bytes_per_param, stage_params
+from recompute.core.analytic.sharding import gathered_bytes
 from recompute.core.comms import Layout, Network, comm_name, parse_comm
 from recompute.core.costs import CostTable
 from recompute.core.errors import positive_int, require
@@ -474,6 +475,15 @@ def _dp_exposed(job: Job, net: Network, layout: Layout, forward: float, backward
     per = bytes_per_param(str(wl.precision), wl.dp)
     grads = job.params * per["gradients"]
     last = 1 / job.stage_layers
+    if wl.fsdp:  # each layer gathered in its forward and again in its backward, its gradients reduce-scattered
+        w, r = gathered_bytes(wl)
+        scatter = net.seconds("reduce_scatter", job.params * r, n, nodes)
+        gather = net.seconds("all_gather", job.params * w, n, nodes)
+        return (
+            max(last * scatter, scatter - backward)
+            + max(last * gather, gather - forward)
+            + max(last * gather, gather - backward)
+        )
     if wl.precision == "distributed":
         scatter = net.seconds("reduce_scatter", grads, n, nodes)
         gather = net.seconds("all_gather", job.params * per["parameters"], n, nodes)

@@ -237,9 +237,9 @@ class Workload:
 
     @property
     def mixed_policy(self) -> bool:
-        """Whether FSDP2 gathers the fp32 parameters in ``dtype`` for compute and reduces the gradients in fp32
-        (``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)``): ``fsdp`` under ``mixed`` (torchtitan's
-        training) and ``amp`` (accelerate's and HF Trainer's, with autocast besides)."""
+        """Whether FSDP2 gathers the fp32 parameters in ``dtype`` for compute (``MixedPrecisionPolicy``):
+        ``fsdp`` under ``mixed`` (torchtitan's training: ``reduce_dtype=float32``) and ``amp`` (accelerate's and HF
+        Trainer's: ``reduce_dtype`` the dtype too, and autocast besides)."""
         return self.fsdp and self.dtype != "fp32" and self.precision in ("mixed", AMP)
 
     @property

@@ -18,6 +18,7 @@ from recompute.core.analytic.memory import (
     outer_activations,
 )
 from recompute.core.analytic.params import ModelStates, layer_params, model_states, norm_params
+from recompute.core.analytic.sharding import Gathered, gathered
 from recompute.core.policy import POLICIES, Policy, check_analytic
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib
@@ -143,15 +144,18 @@ def estimate(spec: ModelSpec, wl: Workload, policy: Policy | str = "none") -> Es
 
     states = model_states(spec, wl)
     grads = gradient_arrival(spec, wl, states)
+    sharded = gathered(spec, wl) if wl.fsdp else None
     peak_act, phase = _peak_activations(
-        las, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits, grads
-    )
+        las, stage, k, outer.embedding * k, outer.head + outer.logits, outer.loss_transient, outer.kept_logits, grads,
+        sharded,
+    )  # fmt: skip
     host = k * sum(la.offloaded(name) for la, name in zip(las, stage))
     resident = resident_states(wl, states)
     held = outer.embedding * k + outer.kept_logits
     peak_act, phase = max((peak_act, phase), after_backward(spec, wl, states, held, logits=outer.kept_logits))
     stored = k * (sum(la.stored(name) for la, name in zip(las, stage)) + outer.embedding) + outer.head + outer.logits
-    loss_phase = resident + stored + outer.loss_transient  # the first candidate of _peak_activations
+    loss_phase = resident + stored + outer.loss_transient + (sharded.loss() if sharded else 0.0)  # the first one
+    #                                                                                   of _peak_activations
     return Estimate(
         model=spec.name,
         policy=pol.describe(),
@@ -185,6 +189,7 @@ def _peak_activations(
     loss: float,
     kept_logits: float,
     grads: GradientArrival,
+    sharded: Gathered | None = None,
 ) -> tuple[float, str]:
     """Largest activation footprint over the backward of a chain of layers (plus the gradients made so far).
 
@@ -192,19 +197,20 @@ def _peak_activations(
     below j still stored, other micro-batches in flight, layer j's recompute transient and workspace, and
     the logits the training loop still holds, and the gradients made so far (``GradientArrival``); under
     ``offload``, layer j's transient is all it saves (copied back), and layer j - 1's, when offloaded, is being
-    copied back meanwhile: at most two layers' worth in flight.
+    copied back meanwhile: at most two layers' worth in flight. ``sharded``: FSDP's gathered parameters and
+    unsharded gradients in each phase (``recompute.core.analytic.sharding``).
     """
     stored = [la.stored(name) for la, name in zip(las, stage)]
     offloaded = [la.offloaded(name) for la, name in zip(las, stage)]
     others = (k - 1) * sum(stored)
-    best, phase = others + sum(stored) + embedding + head + loss, "loss"
+    best, phase = others + sum(stored) + embedding + head + loss + (sharded.loss() if sharded else 0.0), "loss"
     below = 0.0
     for j, name in enumerate(stage):
         below += stored[j]
         made = grads.before(j, len(stage))
         copied_back = offloaded[j - 1] if j else 0.0  # the layer below, copied back meanwhile when offloaded
         value = others + below + las[j].transient(name) + las[j].workspace + embedding + kept_logits + made
-        value += copied_back
+        value += copied_back + (sharded.backward(j) if sharded else 0.0)
         if value > best:
             best, phase = value, f"backward of layer {j}"
     return best, phase
@@ -237,6 +243,8 @@ def gradient_arrival(spec: ModelSpec, wl: Workload, states: ModelStates) -> Grad
     n = -(-spec.n_layers // wl.pp)
     layer = sum(layer_params(spec, i).per_rank(wl.tp, wl.ep) for i in range(n)) / n  # the stage's mean layer
     head = norm_params(spec) + spec.vocab * spec.hidden / wl.tp  # final norm; output layer (or tied embedding)
+    if wl.fsdp:  # the root's gradients stay unsharded to the end of the backward (Gathered.head_grads)
+        return GradientArrival(head=0.0, layer=layer * per)
     return GradientArrival(head=head * per if wl.pp == 1 else 0.0, layer=layer * per)
 
 
@@ -264,6 +272,10 @@ def _embedding_phase(spec: ModelSpec, wl: Workload, states: ModelStates, held: f
     buffers at once (held to the trace). ``held``: the embedding's stored activations and the kept logits.
     """
     per = states.gradients / states.params if states.params else 0.0
+    if wl.fsdp:  # the layers' sharded gradients, the root's gathered parameters and unsharded gradients
+        root = gathered(spec, wl)
+        layers = 0.0 if wl.keep_grads else states.gradients * sum(root.layers) / (sum(root.layers) + root.root)
+        return layers + root.embedding() + held, "backward of the embedding"
     table = spec.vocab * spec.hidden / wl.tp * per
     tied_here = spec.tied_embeddings and wl.pp == 1
     others = 0.0 if wl.keep_grads else states.gradients - table
@@ -282,11 +294,13 @@ def _optimizer_phase(spec: ModelSpec, wl: Workload, states: ModelStates, logits:
     ``fused=True``) make neither.
     """
     moment = 2 if wl.precision == "bf16" else 4  # Adam moments: fp32, or bf16 in the bf16 mode
-    if wl.device == "cuda":  # the distributed optimizer steps its shard, 1/d of the rank's parameters
-        temporaries = states.params * moment / (wl.dp if wl.precision == "distributed" else 1)
+    if wl.fsdp:
+        moment = 2 if wl.precision == "bf16" else 4
+    if wl.device == "cuda":  # the distributed optimizer and FSDP step their shard, 1/d of the rank's parameters
+        temporaries = states.params * moment / (wl.dp if wl.precision == "distributed" or wl.fsdp else 1)
     else:
         largest = max(spec.vocab * spec.hidden, spec.hidden * spec.d_ff, spec.hidden * (spec.q_dim + 2 * spec.kv_dim))
-        temporaries = 2 * largest / wl.tp * moment
+        temporaries = 2 * largest / wl.tp / (wl.dp if wl.fsdp else 1) * moment
     grads = 0.0 if wl.keep_grads else states.gradients
     return grads + temporaries + logits, "optimizer step"
 
@@ -298,6 +312,12 @@ def _notes(spec: ModelSpec, wl: Workload, pol: Policy, host: float) -> tuple[str
         "dropout masks: " + _mask_note(spec, wl),
         f"model states: {wl.precision} precision",
     ]
+    if wl.fsdp:
+        notes.append(
+            f"FSDP2 full shard over {wl.dp} ranks: states 1/{wl.dp} on each rank (padding left out), the root's "
+            "and one layer's parameters gathered (two at its all-gather's copy-out, and the next one prefetched in "
+            "the backward)" + (f", in {wl.dtype} from fp32 shards (MixedPrecisionPolicy)" if wl.mixed_policy else "")
+        )
     if wl.pp > 1:
         layers = -(-spec.n_layers // wl.pp)
         notes.append(f"first pipeline stage: {layers} layers x {in_flight(wl):g} micro-batches in flight")

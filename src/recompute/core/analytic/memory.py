@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 from recompute.core.analytic.memory_hf import hf_layer_parts, hf_shared_tables
 from recompute.core.analytic.params import bytes_per_param
+from recompute.core.analytic.sharding import gathered_bytes
 from recompute.core.errors import require
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import AMP, Workload, loss_chunk_tokens
@@ -309,7 +310,8 @@ def chunked_loss_transient(spec: ModelSpec, wl: Workload) -> float:
     """
     s, b, h, v, t, e = wl.seq_len, wl.micro_batch, spec.hidden, spec.vocab, wl.tp, wl.element_bytes
     c = loss_chunk(spec, wl)
-    weight_grad = v * h / t * bytes_per_param(str(wl.precision), wl.dp)["gradients"]
+    per = gathered_bytes(wl)[0] if wl.fsdp else bytes_per_param(str(wl.precision), wl.dp)["gradients"]
+    weight_grad = v * h / t * per  # under FSDP the root's gradients stay unsharded until the backward ends
     softmax = (12 if t == 1 else e + 8) * c * v / t
     matmul = weight_grad + e * c * v / t + e * c * h
     summed = weight_grad if c < s * b else 0.0

@@ -101,13 +101,18 @@ def active_params(spec: ModelSpec) -> int:
     return total
 
 
-def bytes_per_param(precision: str, dp: int = 1) -> dict[str, float]:
+def bytes_per_param(precision: str, dp: int = 1, *, fsdp: bool = False) -> dict[str, float]:
     """Bytes per parameter for weights, gradients and optimizer state in a precision mode.
 
     fp32: 4 + 4 + 8 (the workshop); mixed: 2 + 4 + (4 master + 8 Adam) (Megatron, 18 B); distributed:
     mixed with master weights and Adam sharded over d ranks, 6 + 12/d; bf16: 2 + 2 + 4; amp (autocast over fp32
-    weights): 4 + 4 + 8, its casts of the weights being activations.
+    weights): 4 + 4 + 8, its casts of the weights being activations. ``fsdp`` (full shard over ``dp`` ranks):
+    all three sharded, in the parameters' dtype (fp32 shards under mixed and amp, FSDP's mixed precision; bf16
+    under bf16): (4 + 4 + 8)/d or (2 + 2 + 4)/d.
     """
+    if fsdp:
+        w = 2.0 if precision == "bf16" else 4.0
+        return {"parameters": w / dp, "gradients": w / dp, "optimizer": 2 * w / dp}
     table = {
         "fp32": (4.0, 4.0, 8.0),
         "amp": (4.0, 4.0, 8.0),
@@ -152,7 +157,7 @@ def stage_params(spec: ModelSpec, wl: Workload) -> int:
 def model_states(spec: ModelSpec, wl: Workload) -> ModelStates:
     """Parameter, gradient and optimizer bytes of the first pipeline stage, per rank."""
     params = stage_params(spec, wl)
-    per = bytes_per_param(str(wl.precision), wl.dp)
+    per = bytes_per_param(str(wl.precision), wl.dp, fsdp=wl.fsdp)
     return ModelStates(
         params=params,
         parameters=params * per["parameters"],

@@ -23,6 +23,7 @@ from recompute.core.analytic.estimate import (
 from recompute.core.analytic.flops import layer_flops, model_flops
 from recompute.core.analytic.memory import LayerActivations, layer_activations, outer_activations
 from recompute.core.analytic.params import model_states
+from recompute.core.analytic.sharding import gathered
 from recompute.core.costs import NEVER, CostTable, KindCosts, LinkCost, TopCost
 from recompute.core.identity import spec_id
 from recompute.core.policy import POLICIES
@@ -67,6 +68,7 @@ def analytic_table(
         layers = [layer_activations(spec, wl)] * n
     kinds, layer_kind = _kinds(spec, wl, layers, options, seconds, offload, k)
     after, phase = after_backward(spec, wl, states, held_anyway, logits=outer.kept_logits)
+    sharded = gathered(spec, wl) if wl.fsdp else None  # FSDP's gathered parameters and unsharded gradients
     return CostTable(
         model=spec.name,
         model_hash=spec_id(spec).hash,
@@ -81,9 +83,20 @@ def analytic_table(
         last={p: TopCost(kinds[layer_kind[-1]].kept[p], 0.0, 0.0, 0.0) for p in options},
         base_forward=(NEVER,) * n,
         base_backward=tuple(
-            resident + la.total + la.workspace + held_anyway + grads.before(i, n) for i, la in enumerate(layers)
+            resident
+            + la.total
+            + la.workspace
+            + held_anyway
+            + grads.before(i, n)
+            + (sharded.backward(i) if sharded else 0)
+            for i, la in enumerate(layers)
         ),
-        head_forward=resident + embedding + outer.head + outer.logits + outer.loss_transient,
+        head_forward=resident
+        + embedding
+        + outer.head
+        + outer.logits
+        + outer.loss_transient
+        + (sharded.loss() if sharded else 0.0),
         head_backward=NEVER,
         fixed={phase: resident + after},
         model_layers=spec.n_layers,
