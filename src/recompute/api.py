@@ -16,7 +16,6 @@ imports torch until a model has to be built or measured.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ from recompute.core.presets import PRESETS
 from recompute.core.pricing import choose_device, priced_on
 from recompute.core.profile import Profile
 from recompute.core.spec import ModelSpec, analytic_model
-from recompute.core.workload import Workload
+from recompute.core.workload import Workload, default_precision, one_device
 from recompute.planning import cost_tables, max_positions
 
 __all__ = ["estimate", "plan", "profile"]
@@ -76,9 +75,9 @@ def profile(model: Any, seq_len: int | Workload | None = None, **workload: Any) 
     """
     trace = importlib.import_module("recompute.trace")
     source = _source(model)
-    wl = _workload(seq_len, workload, source.max_positions)
-    measured: Profile = trace.cached_profile(source, dataclasses.replace(wl, dp=1))[0]
-    return measured.restated(wl.precision, wl.dp)  # the states in the precision asked for
+    wl = _workload(seq_len, workload, source.max_positions, traced=True)
+    measured: Profile = trace.cached_profile(source, one_device(wl))[0]
+    return measured.restated(wl.precision, wl.dp, fsdp=wl.fsdp)  # the states in the precision asked for
 
 
 def plan(
@@ -129,7 +128,8 @@ def plan(
     host = parse_budget(host_budget, "host_budget") if host_budget is not None else None
     device = choose_device(gpu=gpu, device_profile=device_profile, compiled=compiled) if cost == "time" else None
     name = _name(model)
-    wl = _workload(seq_len, workload, max_positions(name) if name is not None else _source(model).max_positions)
+    positions = max_positions(name) if name is not None else _source(model).max_positions
+    wl = _workload(seq_len, workload, positions, traced=name not in PRESETS)
     device, said = priced_on(wl, device, asked=bool(gpu or device_profile))
     limit = parse_budget(budget if budget is not None else str(gpu), replayed=trace and wl.device == "cuda")
     losses = ("chunked",) if "chunked" in consider else ()
@@ -153,8 +153,11 @@ def plan(
     )
 
 
-def _workload(seq_len: int | Workload | None, fields: dict[str, Any], positions: int | None) -> Workload:
-    """A ``Workload`` from a positional ``seq_len`` (or a whole one) and keyword fields."""
+def _workload(
+    seq_len: int | Workload | None, fields: dict[str, Any], positions: int | None, *, traced: bool = False
+) -> Workload:
+    """A ``Workload`` from a positional ``seq_len`` (or a whole one) and keyword fields; a model recompute
+    traces (``traced``) gets ``default_precision``'s (amp in a 16-bit dtype) when none is given."""
     if isinstance(seq_len, Workload):
         require(not fields, f"give a Workload or its fields, not both (got {sorted(fields)})")
         return seq_len
@@ -163,6 +166,8 @@ def _workload(seq_len: int | Workload | None, fields: dict[str, Any], positions:
     require(not unknown, f"unknown workload fields {unknown}; known: {sorted(known)}")
     if seq_len is None:
         seq_len = fields.pop("seq_len", None) or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
+    if fields.get("precision") is None:
+        fields = {**fields, "precision": default_precision(preset=not traced, dtype=fields.get("dtype", "bf16"))}
     return Workload(seq_len=seq_len, **fields)
 
 

@@ -45,7 +45,7 @@ from recompute.core.profile import Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec, analytic_model, hf_config_dict
 from recompute.core.timing import Device, StepWork
-from recompute.core.workload import AMP, Workload
+from recompute.core.workload import AMP, Workload, one_device
 
 __all__ = [
     "ModelTables",
@@ -247,7 +247,8 @@ def _profiled(
                 profiles += profiles_of(model, with_loss(wl, mode), progress=progress)
             except ConfigError as e:
                 notes.append(f"the {mode} loss not considered: {first_line(e)}")
-    profiles = tuple(found.restated(wl.precision, wl.dp) for found in profiles)  # the states asked for
+    measured = profiles
+    profiles = tuple(found.restated(wl.precision, wl.dp, fsdp=wl.fsdp) for found in profiles)  # the states asked for
     tables = []
     for found_profile in profiles:
         priced = profile_offload_seconds(found_profile, device, wl) if offload and device is not None else None
@@ -259,7 +260,28 @@ def _profiled(
     if why_not:
         notes.append(f"offload not considered: {why_not}")
     notes += network
-    return ModelTables(tuple(tables), None, profiles, tuple(notes))
+    return ModelTables(tuple(tables), None, profiles, tuple(notes), _restated_alternatives(measured, wl))
+
+
+RESTATED = ("precision", "dp", "fsdp")
+"""The workload fields a profile re-prices rather than measures (its states), autocast aside."""
+
+
+def _restated_alternatives(measured: Sequence[Profile], wl: Workload) -> Callable[[Workload], float | None]:
+    """The smallest achievable peak of a profiled model at another workload: known where only its states change
+    (precision within one-dtype steps or within amp, data parallelism, FSDP), re-priced from the same profiles;
+    None where the step itself changes (it would be measured again)."""
+    same = {k: v for k, v in wl.to_dict().items() if k not in RESTATED}
+
+    def alternatives(change: Workload) -> float | None:
+        if {k: v for k, v in change.to_dict().items() if k not in RESTATED} != same:
+            return None
+        if (change.precision == AMP) != (wl.precision == AMP):
+            return None
+        restated = (p.restated(change.precision, change.dp, fsdp=change.fsdp) for p in measured)
+        return smallest_achievable(tuple(p.cost_table(None) for p in restated))
+
+    return alternatives
 
 
 def shown_offload(found: Profile, device: Device | None, wl: Workload) -> dict[int, float] | None:
@@ -297,7 +319,7 @@ def profiles_of(
         "a profile measures one device's step; drop tp and pp (recompute estimate --analytic models them)",
         fields=("tp", "pp"),
     )
-    one = replace(wl, dp=1)  # a data-parallel rank runs the same step; its states are re-priced (Profile.restated)
+    one = one_device(wl)  # a data-parallel rank runs the same step; its states are re-priced (Profile.restated)
     wanted = [with_loss(one, mode) for mode in dict.fromkeys((wl.loss, *modes))]
     if isinstance(model, str) and is_path(model):
         identity = store.config_identity(hf_config_dict(model))

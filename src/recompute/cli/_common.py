@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from recompute.core.errors import ConfigError
 from recompute.core.files import check_writable
 from recompute.core.policy import ALL_POLICIES, Policy
+from recompute.core.presets import PRESETS
 from recompute.core.pricing import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, choose_device
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import Device
-from recompute.core.workload import Workload, workload_fields
+from recompute.core.workload import Workload, default_precision, workload_fields
 from recompute.train.config import TRAIN_WORKLOAD, resolve_auto
 from recompute.train.config import WORKLOAD_DEFAULTS as TRAIN_DEFAULTS
 
@@ -126,13 +127,17 @@ class HasPositions(Protocol):
 def workload_from(args: argparse.Namespace, model: ModelSpec | ModelSource | HasPositions | int | None) -> Workload:
     """The Workload the options describe: an unset ``--seq-len`` is the command's default or the model's
     context (``model``: its longest sequence, or something with ``max_positions``), whichever is shorter;
-    ``--device auto`` is cuda when torch sees one."""
+    ``--device auto`` is cuda when torch sees one; an unset ``--precision`` is ``default_precision``'s (amp for
+    a model recompute traces, in a 16-bit dtype)."""
     values = {f.name: getattr(args, f.name) for f in workload_fields() if hasattr(args, f.name)}
     if values.get("seq_len") is None:
         default = SEQ_LEN.get(args.command, 2048)
         positions = model if isinstance(model, int) or model is None else model.max_positions
         values["seq_len"] = min(default, positions or default)
     values = resolve_auto(values)
+    if "precision" in values and values["precision"] is None:
+        preset = getattr(args, "model", None) in PRESETS or bool(getattr(args, "analytic", False))
+        values["precision"] = default_precision(preset=preset, dtype=str(values.get("dtype", "bf16")))
     wl = Workload(**{k: v for k, v in values.items() if v is not None or k not in ("loss", "precision")})
     wl.check_loss_chunk()
     return wl

@@ -99,11 +99,13 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
     if args.profile:
         prof = Profile.load(args.profile)
         asked = measured_workload(args, prof)
-        prof = prof.restated(asked.precision, asked.dp)
+        prof = prof.restated(asked.precision, asked.dp, fsdp=asked.fsdp)
     else:
         asked = workload_from(args, max_positions(args.model))
         with progress_bar("profile", enabled=not args.json) as progress:
-            prof = profiles_of(args.model, asked, progress=progress)[0].restated(asked.precision, asked.dp)
+            prof = profiles_of(args.model, asked, progress=progress)[0].restated(
+                asked.precision, asked.dp, fsdp=asked.fsdp
+            )
     wl = build_workload(**prof.workload_dict())
     timed = None if args.no_time else device
     offload = shown_offload(prof, timed, wl)

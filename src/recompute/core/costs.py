@@ -152,6 +152,9 @@ class CostTable:
     notes: tuple[str, ...] = ()
     model_hash: str = ""
     """The hash of the model's architecture (``recompute.core.identity``), carried into the plan."""
+    states: float = 0.0
+    """Bytes of the rank's parameters, gradients and optimizer state (0: not said): what no plan can lower
+    (``recompute.core.advice`` says so when they alone are over the budget)."""
 
     def __post_init__(self) -> None:
         require(len(self.layer_kind) > 0, f"{self.model}: a cost table needs at least one layer")

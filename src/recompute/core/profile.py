@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from recompute.core.analytic.params import bytes_per_param
+from recompute.core.analytic.sharding import Gathered, gathered_bytes
 from recompute.core.costs import CostTable, KindCosts, LinkCost, TopCost
 from recompute.core.errors import ConfigError, require
 from recompute.core.files import atomic_write, read_json_file
@@ -40,7 +42,7 @@ from recompute.core.profile_schema import check_profile_dict
 from recompute.core.states import Restate
 from recompute.core.table import size
 from recompute.core.timing import OPTIMIZER_PHASE, Device, Op, StepWork, replayed, work_seconds
-from recompute.core.workload import Workload, step_dtype
+from recompute.core.workload import Workload, build_workload, step_dtype
 
 __all__ = ["FORMAT", "LastFigures", "LayerKind", "PairFigures", "Profile"]
 
@@ -297,6 +299,7 @@ class Profile:
             source=f"profile {self.key} of {self.class_name} built from {self.origin}",
             notes=(*self.notes, *self._offload_notes(kinds)),
             model_hash=self.model_hash,
+            states=float(self.parameters + self.gradients + self.optimizer),
         )
 
     def _offload_notes(self, kinds: Sequence[KindCosts]) -> tuple[str, ...]:
@@ -333,18 +336,19 @@ class Profile:
             refused={**k.refused, **left_out},
         )
 
-    def restated(self, precision: str | None, dp: int = 1) -> Profile:
+    def restated(self, precision: str | None, dp: int = 1, *, fsdp: bool = False) -> Profile:
         """This profile with its model states priced for ``precision`` over ``dp`` data-parallel ranks (the
-        distributed optimizer shards over them): the step was measured as plain training in its dtype, and
-        every phase that holds the states moves with them (``recompute.core.states``). The activations, and
-        so every policy's deltas, do not change.
+        distributed optimizer shards over them; ``fsdp``: FSDP2's full shard, its gathered parameters and
+        unsharded gradients added phase by phase, ``recompute.core.analytic.sharding``): the step was measured as
+        plain training in its dtype, and every phase that holds the states moves with them
+        (``recompute.core.states``). The activations, and so every policy's deltas, do not change.
 
         Raises:
             ConfigError: another precision asked of a profile stored before it recorded its phases' gradients.
         """
         dtype, ran = str(self.workload.get("dtype", "fp32")), self.workload.get("precision")
-        restate = Restate.of(self.parameters, dtype, precision, dp, traced=str(ran) if ran else None)
-        workload = {**self.workload, "precision": restate.wanted, "dp": dp}
+        restate = Restate.of(self.parameters, dtype, precision, dp, traced=str(ran) if ran else None, fsdp=fsdp)
+        workload = {**self.workload, "precision": restate.wanted, "dp": dp, **({"fsdp": True} if fsdp else {})}
         if restate.identity and dp == 1:
             return replace(self, workload=workload)
         require(
@@ -353,10 +357,18 @@ class Profile:
             "again with recompute profile (or plan without --profile: the cache re-measures it)",
             fields=("precision",),
         )
+        gather = self._gathered(build_workload(**{**self.workload_dict(), **workload}), restate) if fsdp else None
 
         def moved(name: str, value: int) -> int:
             grads, temps = self.phase_states.get(name, (0, 0))
-            return round(restate.phase(value, {"Gradient": grads, "Temp": temps}, optimizer=name == OPTIMIZER_PHASE))
+            if gather is None:
+                return round(
+                    restate.phase(value, {"Gradient": grads, "Temp": temps}, optimizer=name == OPTIMIZER_PHASE)
+                )
+            root = gather.root_part(name, grads, self.phase_states, keep=bool(self.workload.get("keep_grads")))
+            layers = grads - root
+            out = restate.phase(value, {"Gradient": layers, "Temp": temps}, optimizer=name == OPTIMIZER_PHASE)
+            return round(out + root * (gather.w / gather.traced_grad - 1) + gather.at(name))
 
         states = restate.states(
             {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}
@@ -374,6 +386,14 @@ class Profile:
             optimizer=round(states["optimizer"]),
             notes=(*self.notes, restate.note()),
         )
+
+    def _gathered(self, wl: Workload, restate: Restate) -> _PhaseGathered:
+        """FSDP's transients by phase name, from this profile's parameter counts (module ``sharding``)."""
+        layers = [self.kinds[k].parameters for k in self.layer_kind]
+        root = self.parameter_count - sum(layers)
+        w, r = gathered_bytes(wl)
+        traced = bytes_per_param(restate.traced)["gradients"]
+        return _PhaseGathered(Gathered.of(root, layers, 0, w=w, r=r), root_grads=root * traced, traced_grad=traced, w=w)
 
     def workload_dict(self) -> dict[str, Any]:
         """The profiled workload as a whole ``Workload.to_dict`` (one device, its own loss mode)."""
@@ -428,3 +448,41 @@ class Profile:
 
 def _works(raw: dict[str, Any]) -> dict[str, tuple[Op, ...]]:
     return {k: tuple((str(o[0]), str(o[1]), int(o[2]), int(o[3]), int(o[4])) for o in v) for k, v in raw.items()}
+
+
+@dataclass(frozen=True)
+class _PhaseGathered:
+    """FSDP's gathered parameters by a profile's phase name, and the root's gradients it keeps unsharded."""
+
+    gathered: Gathered
+    root_grads: float
+    """Bytes of the root's gradients as the one-device step made them (the traced dtype)."""
+    traced_grad: float
+    """Bytes of a gradient element in the traced step."""
+    w: float
+    """Bytes of a gathered element: what FSDP's unsharded gradients take."""
+
+    def root_part(self, name: str, grads: float, states: Mapping[str, tuple[int, int]], *, keep: bool) -> float:
+        """The root's gradients among ``grads``, the one-device bytes of gradients at phase ``name``: FSDP keeps
+        them unsharded until the end of the backward (the head's, made first; at the embedding's backward,
+        all of the root's). Kept gradients (``keep_grads``) exist sharded from the start: none."""
+        if keep or name == OPTIMIZER_PHASE:
+            return 0.0
+        if name == "backward (embedding)":
+            return min(grads, self.root_grads)
+        head = max(states.get("forward (head and loss)", (0, 0))[0], states.get("backward (head and loss)", (0, 0))[0])
+        return min(grads, head)
+
+    def at(self, name: str) -> float:
+        """Bytes of gathered parameters and reduce-scatter inputs during the phase ``name`` (no gradients)."""
+        g = self.gathered
+        if name.startswith(("forward of layer ", "backward of layer ")):
+            j = int(name.rsplit(" ", 1)[1])
+            return g.forward(j) if name.startswith("forward") else g.backward(j)
+        if name == "forward (embedding)":
+            return 2 * g.root
+        if name == "backward (embedding)":
+            return g.root + g.root_reduce
+        if name == OPTIMIZER_PHASE:
+            return 0.0
+        return g.loss()

@@ -50,10 +50,20 @@ class Restate:
     traced: str
     wanted: str
     dp: int = 1
+    fsdp: bool = False
+    """The wanted states are FSDP's shards (``bytes_per_param(..., fsdp=True)``); its gathered parameters and
+    unsharded gradients are the caller's (``recompute.core.analytic.sharding``)."""
 
     @classmethod
     def of(
-        cls, parameter_bytes: float, dtype: str, precision: str | None, dp: int = 1, *, traced: str | None = None
+        cls,
+        parameter_bytes: float,
+        dtype: str,
+        precision: str | None,
+        dp: int = 1,
+        *,
+        traced: str | None = None,
+        fsdp: bool = False,
     ) -> Restate:
         """From the traced step's parameter bytes and dtype, to ``precision`` (None: as traced). ``traced``: the
         precision the step ran (``amp``, or None for one dtype).
@@ -71,29 +81,38 @@ class Restate:
             fields=("precision",),
         )
         n = parameter_bytes / bytes_per_param(ran)["parameters"]
-        return cls(n, ran, wanted, dp)
+        return cls(n, ran, wanted, dp, fsdp)
 
     @property
     def identity(self) -> bool:
-        return self.traced == self.wanted
+        return self.traced == self.wanted and not self.fsdp
+
+    def _now(self) -> dict[str, float]:
+        return bytes_per_param(self.wanted, self.dp, fsdp=self.fsdp)
 
     def states(self, traced: Mapping[str, float]) -> dict[str, float]:
         """Parameters, gradients and optimizer bytes under the wanted mode, from the traced ones (what is not
         per parameter, such as AdamW's step counters, stays as traced)."""
-        was, now = bytes_per_param(self.traced), bytes_per_param(self.wanted, self.dp)
+        was, now = bytes_per_param(self.traced), self._now()
         return {k: traced[k] + self.params * (now[k] - was[k]) for k in now}
 
     def phase(self, total: float, breakdown: Mapping[str, float], *, optimizer: bool = False) -> float:
         """A phase's peak under the wanted mode, from its traced peak and MemTracker's categories there."""
         if self.identity:
             return total
-        was, now = bytes_per_param(self.traced), bytes_per_param(self.wanted, self.dp)
+        was, now = bytes_per_param(self.traced), self._now()
         out = total + self.params * (now["parameters"] - was["parameters"] + now["optimizer"] - was["optimizer"])
         out += breakdown.get("Gradient", 0.0) * (now["gradients"] / was["gradients"] - 1)
-        if optimizer:  # the distributed optimizer steps its shard of the parameters, 1/d of them
-            shard = self.dp if self.wanted == "distributed" else 1
-            out += self.temporaries(breakdown) * (_moment(self.wanted) / _moment(self.traced) / shard - 1)
+        if optimizer:  # the distributed optimizer and FSDP step their shard of the parameters, 1/d of them
+            shard = self.dp if self.wanted == "distributed" or self.fsdp else 1
+            out += self.temporaries(breakdown) * (self._moment() / _moment(self.traced) / shard - 1)
         return out
+
+    def _moment(self) -> float:
+        """Bytes of one element of the wanted Adam moments (FSDP's: the shards' dtype)."""
+        if self.fsdp:
+            return self._now()["optimizer"] * self.dp / 2
+        return _moment(self.wanted)
 
     def temporaries(self, breakdown: Mapping[str, float]) -> float:
         """T: the optimizer step's temporaries at its peak. MemTracker files what the step allocates under the
@@ -103,8 +122,15 @@ class Restate:
         return breakdown.get("Temp", 0.0) + max(held, 0.0)
 
     def note(self) -> str:
-        per = bytes_per_param(self.wanted, self.dp)
+        per = self._now()
+        traced = f"{self.traced}: {sum(bytes_per_param(self.traced).values()):g} B"
+        if self.fsdp:
+            return (
+                f"model states FSDP2 full shard over {self.dp} ranks, {self.wanted} precision ({sum(per.values()):g} "
+                f"B per parameter on a rank), the gathered parameters and unsharded gradients added by phase; the "
+                f"one-device step measured ({traced}), activations unchanged"
+            )
         return (
             f"model states priced for {self.wanted} precision ({sum(per.values()):g} B per parameter); the step ran "
-            f"in one dtype ({self.traced}: {sum(bytes_per_param(self.traced).values()):g} B), activations unchanged"
+            f"in one dtype ({traced}), activations unchanged"
         )

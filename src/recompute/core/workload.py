@@ -24,7 +24,9 @@ __all__ = [
     "check_head_split",
     "check_sequence_split",
     "default_loss_chunk",
+    "default_precision",
     "loss_chunk_tokens",
+    "one_device",
     "step_dtype",
     "workload_fields",
 ]
@@ -350,6 +352,21 @@ def default_loss_chunk(vocab: int) -> int:
 def loss_chunk_tokens(loss_chunk: int | None, vocab: int, tokens: int) -> int:
     """Tokens per chunk for a step of ``tokens`` (b*s): ``loss_chunk`` or the default, at most ``tokens``."""
     return min(loss_chunk if loss_chunk is not None else default_loss_chunk(vocab), tokens)
+
+
+def default_precision(*, preset: bool, dtype: str) -> str | None:
+    """The precision mode a workload gets when none is given: ``amp`` for a model recompute traces (a
+    transformers config, a factory: trained by HF Trainer, Lightning or accelerate, whose bf16 settings are
+    autocast over fp32 weights) in a 16-bit dtype; else None, ``Workload``'s own (``mixed``, Megatron's, for a
+    preset, as in Korthikanti et al.; fp32 for fp32). docs/precision.md says which mode each stack's setting is."""
+    return AMP if not preset and dtype != "fp32" else None
+
+
+def one_device(wl: Workload) -> Workload:
+    """The one-device step a data-parallel rank of ``wl`` runs (what a profile measures): dp and FSDP's sharding
+    dropped, their states re-priced (``Profile.restated``); under FSDP's ``mixed`` policy the one-device step
+    computes on bf16 weights, which is the one-dtype step the ``mixed`` profile measures."""
+    return dataclasses.replace(wl, dp=1, fsdp=False)
 
 
 def workload_fields() -> tuple[dataclasses.Field[Any], ...]:

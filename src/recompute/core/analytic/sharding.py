@@ -21,6 +21,7 @@ parameter's first dimension rounded up to a multiple of d) is left out: at most 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from recompute.core.analytic.params import embedding_params, head_params, layer_params, norm_params
@@ -55,6 +56,18 @@ class Gathered:
     """r x the root's parameters: its reduce-scatter input, at the end of the backward."""
     w: int = 2
 
+    @classmethod
+    def of(cls, root: float, layers: Sequence[float], head: float, *, w: int, r: int) -> Gathered:
+        """From parameter counts: the root's, each layer's, and those whose gradients the head's backward makes."""
+        return cls(
+            root=float(w * root),
+            layers=tuple(float(w * p) for p in layers),
+            reduce=tuple(float(r * p) for p in layers),
+            head_grads=float(w * head),
+            root_reduce=float(r * root),
+            w=w,
+        )
+
     @property
     def n(self) -> int:
         return len(self.layers)
@@ -86,11 +99,4 @@ def gathered(spec: ModelSpec, wl: Workload) -> Gathered:
     layers = [layer_params(spec, i).per_rank(wl.tp, wl.ep) for i in range(n)]
     root = embedding_params(spec) // wl.tp + (head_params(spec) if wl.pp == 1 else 0)
     head = norm_params(spec) + spec.vocab * spec.hidden // wl.tp
-    return Gathered(
-        root=float(w * root),
-        layers=tuple(float(w * p) for p in layers),
-        reduce=tuple(float(r * p) for p in layers),
-        head_grads=float(w * head),
-        root_reduce=float(r * root),
-        w=w,
-    )
+    return Gathered.of(root, layers, head, w=w, r=r)

@@ -109,6 +109,7 @@ def analytic_table(
         cost_kind=cost_kind if seconds is not None else "FLOPs",
         phase_names={"head_forward": "loss", "head_backward": "loss"},
         source="the analytic model (Korthikanti et al. 2022, by component)",
+        states=states.total,
     )
 
 
