@@ -270,12 +270,35 @@ def test_a_budget_checked_by_the_reserve_leaves_out_the_fragmentation_allowance(
 
 
 def test_nothing_fits_names_the_smallest_peak_and_a_fix() -> None:
+    """Llama-3.1-8B's mixed-precision states (18 B per parameter) alone are over 75 GiB: said, with the changes
+    that fit, each priced by the analytic model at its workload."""
     spec, wl = ModelSpec.from_name("llama3.1-8b"), Workload(seq_len=8192)
     smallest = frontier(analytic_table(spec, wl))[0].peak / 2**30
-    with pytest.raises(
-        ConfigError, match=rf"smallest achievable peak .* is {smallest:.1f} GiB; would fit: precision distributed dp 8"
-    ):
+    states = estimate(spec, wl).states.total / 2**30
+    distributed = smallest_peak(analytic_table(spec, Workload(seq_len=8192, precision="distributed", dp=8))) / 2**30
+    fsdp = smallest_peak(analytic_table(spec, Workload(seq_len=8192, fsdp=True, dp=4))) / 2**30  # dp 2: 76.7 GiB
+    with pytest.raises(ConfigError) as refused:
         plan(analytic_table(spec, wl), 75 * 2**30, alternatives=lambda w: smallest_peak(analytic_table(spec, w)))
+    message = str(refused.value)
+    assert f"smallest achievable peak of llama3.1-8b at b=1 s=8192 is {smallest:.1f} GiB" in message
+    assert f"the model states ({states:.1f} GiB: 18 B per parameter under mixed) alone are over the budget" in message
+    assert f"would fit: --precision distributed --dp 8 ({distributed:.1f} GiB); or --fsdp --dp 4 ({fsdp:.1f} GiB)" in (
+        message
+    )
+    assert "--dp 8 (" not in message.split("--fsdp --dp 4")[1]  # FSDP over the fewest ranks that fit, once
+    assert "\n" not in message
+
+
+def test_nothing_fits_names_a_gpu_when_activations_are_the_reason() -> None:
+    """The states fit; the activations at s = 65536 do not fit an A100's 40 GB even with every layer recomputed:
+    a GPU that holds the smallest achievable peak is named."""
+    spec, wl = ModelSpec.from_name("llama3.1-8b"), Workload(seq_len=65536, fsdp=True, dp=8)
+    smallest = smallest_peak(analytic_table(spec, wl))
+    with pytest.raises(ConfigError) as refused:
+        plan(analytic_table(spec, wl), 30 * 2**30, alternatives=lambda w: smallest_peak(analytic_table(spec, w)))
+    message = str(refused.value)
+    assert "alone are over" not in message and smallest > 30 * 2**30
+    assert "usable)" in message
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,11 @@ gradients and optimizer state (``CostTable.states``) alone are over the budget, 
 per parameter, since recomputation only lowers activations. Then the changes, least invasive first, each priced
 by ``alternatives`` (the smallest achievable peak at the changed workload: the analytic model re-reads a preset,
 a profile re-prices its states) where that is known without measuring: flash attention, a smaller micro-batch,
-smaller states (``bf16``: weights, gradients and AdamW in bf16), FSDP's full shard over the fewest ranks that
-fit, tensor parallelism, and finally a GPU with the memory. A change whose peak is not known without tracing
-again (one that switches autocast on or off: ``amp``) is named with its model states alone, and the command that
-would price it. Those that fit are named (at most three); where none fits, the smallest achievable peak stands.
+smaller states (Megatron's distributed optimizer for ``mixed``; ``bf16``: weights, gradients and AdamW in
+bf16), FSDP's full shard over the fewest ranks that fit, tensor parallelism, and finally a GPU with the memory.
+A change whose peak is not known without tracing again (one that switches autocast on or off: ``amp``) is
+named with its model states alone, and the command that would price it. Those that fit are named (at most
+three); where none fits, the smallest achievable peak stands.
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def _fitting(
     known, its model states and how to price it."""
     out: list[str] = []
     params = _params(table, wl)
+    sharded = False  # FSDP named once: over the fewest ranks that fit
     for label, change, activations_only in alternatives_of(wl):
-        if states_over and activations_only:
+        if (states_over and activations_only) or (sharded and change.fsdp and not wl.fsdp):
             continue
         try:
             best = alternatives(change) if alternatives is not None else None
@@ -104,10 +106,12 @@ def _fitting(
         if best is not None:
             if best <= budget:
                 out.append(f"{label} ({_gib(best)})")
+                sharded = sharded or change.fsdp
             continue
         states = params * sum(bytes_per_param(str(change.precision), change.dp, fsdp=change.fsdp).values())
         if not activations_only and states <= budget and params:
             out.append(f"{label} (model states {_gib(states)}: plan with it for the peak)")
+            sharded = sharded or change.fsdp
     return out
 
 
@@ -119,6 +123,9 @@ def alternatives_of(wl: Workload) -> list[tuple[str, Workload, bool]]:
         out.append(("--attention flash", replace(wl, attention="flash"), True))
     if wl.micro_batch > 1:
         out.append((f"--micro-batch {wl.micro_batch // 2}", replace(wl, micro_batch=wl.micro_batch // 2), True))
+    if wl.precision == "mixed" and not wl.fsdp:  # Megatron's: its distributed optimizer first
+        d = max(wl.dp, 8)
+        out.append((f"--precision distributed --dp {d}", replace(wl, precision="distributed", dp=d), False))
     if wl.precision not in ("bf16", "distributed") and not wl.fsdp:
         out.append(("--precision bf16 (weights, gradients and AdamW in bf16)", _precision(wl, "bf16"), False))
     for d in FSDP_RANKS:

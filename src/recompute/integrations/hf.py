@@ -47,11 +47,15 @@ except ImportError:  # transformers before 4.42: no callback state in checkpoint
 
 from recompute.checkpointing import HF_CHECKPOINTING, applied_policy, apply
 from recompute.core.errors import ConfigError, require
+from recompute.core.plan import plan as plan_tables
 from recompute.core.plan_file import Plan, check_plan_dict, plan_loss
 from recompute.core.policy import Policy
+from recompute.core.pricing import choose_device
 from recompute.core.results import read_json
 from recompute.core.table import gib
-from recompute.core.workload import AMP, workload_fields
+from recompute.core.workload import AMP, build_workload, workload_fields
+from recompute.models.source import ModelSource
+from recompute.planning import cost_tables
 
 __all__ = ["PLAN_FILE", "RecomputeCallback", "prepare", "summary", "trainer_workload"]
 
@@ -242,17 +246,21 @@ def _flag(name: str, value: Any) -> str:
 
 
 def _replanned(model: nn.Module, plan: Mapping[str, Any], run: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
-    """The plan of the run's step: ``recompute.plan`` of the model's config at the plan's budget, on its device's
-    datasheet row (FLOPs where the plan was priced otherwise), with the plan's loss modes weighed."""
-    from recompute.api import plan as plan_step
+    """The plan of the run's step: the model's config planned at the plan's budget, on its device's datasheet
+    row (FLOPs where the plan was priced otherwise), the chunked loss weighed, as ``recompute.plan`` does.
 
-    workload = {**dict(plan.get("workload") or {}), **{k: v for k, (v, _) in run.items()}}
+    Raises:
+        ConfigError: nothing fits the budget at the run's step (the message says what would).
+    """
+    wl = build_workload(**{**dict(plan.get("workload") or {}), **{k: v for k, (v, _) in run.items()}})
     device = plan.get("device") or {}
     gpu = device.get("name") if isinstance(device, Mapping) and device.get("measured") == {} else None
-    target = getattr(model, "config", model)
-    found = plan_step(target, float(plan["budget"]), gpu=gpu, cost="time" if gpu else "flops", **workload)
-    logger.warning("recompute: planned this Trainer's step again (%s)", found.policy.describe())
-    return found.to_dict()
+    priced = choose_device(gpu=gpu) if gpu else None
+    source = ModelSource.from_config(model.config) if hasattr(model, "config") else ModelSource.from_module(model)
+    found = cost_tables(source, wl, device=priced, losses=("chunked",))
+    result = plan_tables(found.tables, float(plan["budget"]), alternatives=found.alternatives, notes=found.notes)
+    logger.warning("recompute: planned this Trainer's step again (%s)", result.policy.describe())
+    return result.to_dict()
 
 
 def _as_data(plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any]) -> dict[str, Any]:
