@@ -26,6 +26,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +128,22 @@ def in_place_reduce_scatter() -> Iterator[None]:
             setattr(dist, name, original)
 
 
-Case = tuple[ModelSource, Workload, str]
-"""A step to run: the model, its workload (``fsdp``, ``dp`` ranks) and the policy."""
+@dataclass(frozen=True)
+class Case:
+    """A real step to run on every rank."""
+
+    source: ModelSource
+    wl: Workload
+    """Its workload (``fsdp``; ``dp``: the ranks ``real_figures`` starts)."""
+    policy: str
+    in_place: bool = False
+    """FSDP's reduce-scatters without gloo's clone (``rank_record``'s)."""
 
 
 def figures(record: StepRecord) -> dict[str, Any]:
-    """What a rank's fake and real steps are compared by: the peak and its phase, every phase's peak (each layer's
-    forward and backward apart), the model states after the optimizer step, and the bytes each layer saved."""
+    """What a rank's fake and real steps are compared by: the peak, its phase and MemTracker's categories there,
+    every phase's peak (each layer's forward and backward apart), the model states after the optimizer step, and
+    the bytes each layer saved."""
     saved = [0] * record.n_layers
     for r in record.saved:
         if r.layer >= 0 and not r.host:
@@ -141,6 +151,7 @@ def figures(record: StepRecord) -> dict[str, Any]:
     return {
         "peak": record.peak[0],
         "peak_phase": str(record.peak[1]),
+        "breakdown": {k: v for k, v in record.phase_peaks[record.peak[1]][1].items() if v},
         "phases": {
             str(ph): value for ph, (value, _) in sorted(record.phase_peaks.items(), key=lambda kv: kv[0].order())
         },
@@ -149,16 +160,14 @@ def figures(record: StepRecord) -> dict[str, Any]:
     }
 
 
-def real_figures(
-    cases: Sequence[Case], d: int, *, in_place: bool = False, timeout_s: float = 600.0
-) -> list[list[dict[str, Any]]]:
-    """``figures`` of each case's real step on each of ``d`` CPU ranks (``run_ranks``): one list per case, by rank.
-    ``in_place``: as ``rank_record``'s.
+def real_figures(cases: Sequence[Case], d: int, *, timeout_s: float = 600.0) -> list[list[dict[str, Any]]]:
+    """``figures`` of each case's real step on each of ``d`` CPU ranks (``run_ranks``, one process group for all
+    of them): one list per case, by rank.
 
     Raises:
         as ``run_ranks``.
     """
-    out = run_ranks(d, functools.partial(_cases, tuple(cases), in_place), timeout_s=timeout_s)
+    out = run_ranks(d, functools.partial(_cases, tuple(cases)), timeout_s=timeout_s)
     try:
         by_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(d)]
     finally:
@@ -166,9 +175,9 @@ def real_figures(
     return [[by_rank[r][i] for r in range(d)] for i in range(len(cases))]
 
 
-def _cases(cases: tuple[Case, ...], in_place: bool, mesh: DeviceMesh, out: Path) -> None:
+def _cases(cases: tuple[Case, ...], mesh: DeviceMesh, out: Path) -> None:
     """Every case's real step on this rank, its ``figures`` written to ``out/rank<r>.json``."""
-    rows = [figures(rank_record(source, wl, policy, mesh, in_place=in_place)) for source, wl, policy in cases]
+    rows = [figures(rank_record(c.source, c.wl, c.policy, mesh, in_place=c.in_place)) for c in cases]
     (out / f"rank{mesh.get_local_rank()}.json").write_text(json.dumps(rows))
 
 

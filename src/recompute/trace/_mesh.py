@@ -21,14 +21,16 @@ import warnings
 from collections.abc import Iterator
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from recompute._compat import cpu_stream_events, fake_collectives, fake_store
 from recompute.core.errors import ConfigError
 from recompute.core.workload import AMP, Workload
 from recompute.trace._memtracker import sharding_propagation
 
-__all__ = ["fake_group", "meshes", "rank_notes", "world"]
+__all__ = ["fake_group", "initialize_fsdp", "meshes", "rank_notes", "world"]
 
 
 def world(wl: Workload) -> int:
@@ -62,17 +64,31 @@ def fake_group(wl: Workload, rank: int = 0) -> Iterator[None]:
 def meshes(wl: Workload, device: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
     """This rank's (tensor-parallel mesh, FSDP2 mesh) of ``wl``, None where the job has no such dim; made outside
     the fake mode (a mesh reads its ranks' values), inside ``fake_group``."""
-    dp = wl.dp if wl.fsdp else 1
-    if wl.tp > 1 and dp > 1:  # FSDP2 over TP needs both dims of one mesh
-        mesh = init_device_mesh(device, (dp, wl.tp), mesh_dim_names=("dp", "tp"))
-        return mesh["tp"], mesh["dp"]
     if world(wl) == 1:
         return None, None
-    name, size = ("tp", wl.tp) if wl.tp > 1 else ("dp", dp)
+    if wl.tp > 1 and wl.fsdp:  # FSDP2 over TP concatenates the meshes, which reads their ranks in the fake mode
+        raise ConfigError("one traced rank of both tp and fsdp is not supported; drop one")
+    name, size = ("tp", wl.tp) if wl.tp > 1 else ("dp", wl.dp)
     # A group of its own (not the default one a whole-world mesh reuses), so that its collectives are named.
     group = dist.new_group(ranks=list(range(size)), group_desc=f"mesh_{name}")
     mesh = DeviceMesh.from_group(group, device, mesh_dim_names=(name,))
     return (mesh, None) if name == "tp" else (None, mesh)
+
+
+def initialize_fsdp(model: nn.Module) -> None:
+    """Run FSDP2's lazy initialisation of every parameter group of ``model`` now (``FSDPModule.unshard``, then
+    ``reshard``: every group gathered and freed in turn), before a traced step.
+
+    Note: [FSDP2's lazy init on fake tensors] a group's first gather re-pads each parameter's local shard unless
+    it already is the padded storage, which it tells by the data pointer; a fake storage has none, so on fake
+    tensors the first forward makes a new padded shard of every unevenly split parameter (the last ranks' ones)
+    and the tracker filed it under activations, where a real rank keeps its parameter. A real run does this in
+    its first step.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
 
 
 def rank_notes(wl: Workload) -> list[str]:

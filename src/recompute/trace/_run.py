@@ -39,7 +39,7 @@ from recompute.runtime import TORCH_DTYPES, autocast_dtype, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
 from recompute.trace._cuda import cuda_rules, fake_device_note, stands_in, trace_device
 from recompute.trace._kinds import Kinds, Run, layer_kinds, runs_of, short_model
-from recompute.trace._mesh import fake_group, meshes, rank_notes, world
+from recompute.trace._mesh import fake_group, initialize_fsdp, meshes, rank_notes, world
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
 from recompute.trace._scale import cut_counts, grown, scale_runs, scaled_runs
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
@@ -270,6 +270,12 @@ def _check_traceable(source: ModelSource, wl: Workload) -> None:
         "(recompute estimate models pipeline parallelism)",
         fields=("pp",),
     )  # a data-parallel rank runs the same step: dp only shards a distributed optimizer's state
+    require(
+        wl.tp == 1 or not wl.fsdp,
+        f"trace runs one rank of tensor parallelism or of FSDP2, not both (FSDP2 over TP joins their meshes, which "
+        f"the fake process group cannot); drop tp {wl.tp} or fsdp",
+        fields=("tp", "fsdp"),
+    )
     require(
         wl.ep == 1 and wl.capacity_factor == 1.0,
         "trace runs transformers' experts on one rank, where every routed token copy is computed whatever the "
@@ -515,6 +521,7 @@ def _prepare(built: BuiltModel, wl: Workload, pol: Policy, *, device: str) -> tu
     if dp_mesh is not None:
         with mode:
             shard(model, dp_mesh, mp_dtype=mixed_dtype(wl))
+            initialize_fsdp(model)
     return find_layers(model), mode
 
 
