@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,8 @@ import pytest
 import torch
 
 from recompute import ConfigError, Workload
+from recompute._compat import require_fsdp
+from recompute.bench import bench_spec
 from recompute.bench._fsdp import Case, figures, real_figures
 from recompute.cli import main
 from recompute.core.spec import ModelSpec
@@ -160,22 +165,25 @@ def test_a_profile_of_an_fsdp_step_is_refused() -> None:
 # --- real ranks --------------------------------------------------------------------------------------------
 
 
-def test_real_ranks_equal_their_fake_traces() -> None:
-    """Two CPU ranks over gloo, tiny Llama (rows uneven over 2) with a per-layer plan, fp32 and FSDP's mixed
-    precision: each rank's real step equals the fake trace of that rank, every phase and state. Under the
-    MixedPrecisionPolicy gloo's reduce-scatter clone (Note: [gloo's reduce-scatter]) shows in the backward; with
-    it taken out (``in_place``) the real step is the trace."""
-    from recompute._compat import require_fsdp
-
+def require_real_ranks() -> None:
+    """Skip where this torch cannot run FSDP2 on CPU ranks (2.6: ``require_fsdp``) or has no gloo."""
     try:
         require_fsdp("cpu")
     except ConfigError as e:
         pytest.skip(str(e))
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
+
+
+def test_real_ranks_equal_their_fake_traces() -> None:
+    """Two CPU ranks over gloo, tiny Llama (rows uneven over 2) with a per-layer plan, fp32 and FSDP's mixed
+    precision: each rank's real step equals the fake trace of that rank, every phase and state. Under the
+    MixedPrecisionPolicy gloo's reduce-scatter clone (Note: [gloo's reduce-scatter]) shows in the backward; with
+    it taken out (``in_place``) the real step is the trace."""
+    require_real_ranks()
     source = ModelSource.preset(tiny_llama(3, vocab=VOCAB))
     cases = [Case(source, fsdp(2, p), "block:first=2", in_place) for p in ("fp32", "mixed") for in_place in (0, 1)]
-    real = real_figures(cases, 2, timeout_s=300)
+    real = real_figures(cases, 2, steps=3, timeout_s=300)  # the least of 3: Note: [late frees]
     for (plain, fixed), case in zip(zip(real[::2], real[1::2]), cases[::2]):
         for rank in range(2):
             fake = figures(step_record(case.source, case.wl, case.policy, rank=rank))
@@ -183,3 +191,23 @@ def test_real_ranks_equal_their_fake_traces() -> None:
             extra = {ph: v - fake["phases"][ph] for ph, v in plain[rank]["phases"].items() if v != fake["phases"][ph]}
             assert all(ph.startswith("backward") or ph == "optimizer step" for ph in extra), extra
             assert all(v > 0 for v in extra.values())  # gloo only ever holds more
+
+
+@pytest.mark.slow
+def test_bench_fsdp_sets_each_real_rank_beside_its_trace() -> None:
+    """``recompute bench --fsdp --dp 2`` under torchrun (gloo): every rank's real step, and rank 0's trace of it."""
+    require_real_ranks()
+    argv = ["--fsdp", "--dp", "2", "--device", "cpu", "--policies", "none,block", "--layers", "3", "--hidden", "64"]
+    argv += ["--heads", "4", "--vocab", str(VOCAB), "--seq-len", "32", "--micro-batch", "2", "--steps", "2", "--json"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "recompute"]
+    proc = subprocess.run([*cmd, "bench", *argv], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert [(r["policy"], r["rank"]) for r in data["rows"]] == [("none", 0), ("none", 1), ("block", 0), ("block", 1)]
+    spec, _ = bench_spec(None, n_layers=3, hidden=64, n_heads=4, vocab=VOCAB)  # what bench builds
+    for row in data["rows"]:
+        want = rule(spec, 2, row["rank"], 4, 4)
+        assert {k: row["states"][k] for k in want} == want
+        extra = {ph: v - row["traced_phases"][ph] for ph, v in row["phases"].items() if v != row["traced_phases"][ph]}
+        assert all(v > 0 and (ph.startswith("backward") or ph == "optimizer step") for ph, v in extra.items())

@@ -1,6 +1,6 @@
 """Real FSDP2 steps on CPU ranks, each rank's steady-state step tracked as the trace tracks a fake one.
 
-``rank_record`` runs in every rank of a started process group: the model built from the same seed on each,
+``rank_records`` runs in every rank of a started process group: the model built from the same seed on each,
 the policy applied, ``recompute.parallel.shard`` over the ranks (FSDP's ``MixedPrecisionPolicy`` where the
 workload asks), AdamW; one untracked step (the optimizer state made as a run makes it), then one step under
 ``StepTracker`` (``recompute.trace._step.run_step``). ``run_ranks`` starts ``d`` such processes over gloo on
@@ -13,6 +13,12 @@ the reduce dtype) lives only on gloo, where NCCL reduces in place; a real CPU st
 (under a ``MixedPrecisionPolicy``, at the backward of the last layer), and gloo's worker thread frees it at a
 moment the main thread does not see, so a phase that starts right after can still count it. The trace models
 a real reduce-scatter (NCCL's).
+
+Note: [late frees] gloo's worker thread holds a collective's tensors until it drops the finished work, which can
+be after the main thread has moved on: a buffer FSDP released (a reduce-scatter input, or gloo's clone of it) is
+then counted a little longer, into the next phase (the embedding's backward, the optimizer step), now and then,
+by a few tens of KB on the tiny models here. Such a free only ever comes late, so of several tracked steps the one
+that held least is the step's own figure (``real_figures(..., steps=n)``).
 """
 
 from __future__ import annotations
@@ -45,24 +51,27 @@ from recompute.parallel import mixed_dtype, shard
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, forward_autocast, random_batch
 from recompute.trace._step import StepRecord, run_step
 
-__all__ = ["Case", "figures", "rank_record", "real_figures", "run_ranks"]
+__all__ = ["Case", "figures", "in_place_reduce_scatter", "rank_records", "real_figures", "run_ranks"]
 
 
-def rank_record(
+def rank_records(
     source: ModelSource,
     wl: Workload,
     policy: Policy | str,
     mesh: DeviceMesh,
     *,
+    steps: int = 1,
     seed: int = 0,
     in_place: bool = False,
-) -> StepRecord:
-    """One real steady-state training step of ``source`` on this rank of ``mesh``, tracked (``run_step``).
+) -> list[StepRecord]:
+    """``steps`` real steady-state training steps of ``source`` on this rank of ``mesh``, each tracked
+    (``run_step``).
 
     The model is built on the mesh's device from ``seed`` (the same weights on every rank), in
     ``wl.param_dtype``; ``policy`` applied, then sharded (``shard``, ``mixed_dtype(wl)``); the batch is this
-    rank's own (``seed`` plus the rank). Under ``amp`` the forward and loss run under autocast. ``in_place``:
-    FSDP's reduce-scatters run as ``in_place_reduce_scatter`` (no gloo clone: Note: [gloo's reduce-scatter]).
+    rank's own (``seed`` plus the rank); one untracked step first (AdamW's state made). Under ``amp`` the forward
+    and loss run under autocast. ``in_place``: FSDP's reduce-scatters run as ``in_place_reduce_scatter`` (no gloo
+    clone: Note: [gloo's reduce-scatter]).
 
     Raises:
         ConfigError: the model cannot be built, or this torch cannot run ``fully_shard`` on the device.
@@ -78,22 +87,20 @@ def rank_record(
         built.vocab, wl.micro_batch, wl.seq_len, device=mesh.device_type, seed=seed + mesh.get_local_rank()
     )
     autocast = autocast_dtype(wl)
-    with forward_autocast(autocast, mesh.device_type):  # the untracked first step: AdamW's state made
+    with forward_autocast(autocast, mesh.device_type):
         _, loss = built.loss_fn(model, *batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     del loss
+    layers = find_layers(model)
     with in_place_reduce_scatter() if in_place else contextlib.nullcontext():
-        return run_step(
-            model,
-            batch,
-            optimizer,
-            find_layers(model),
-            loss_fn=built.loss_fn,
-            keep_grads=wl.keep_grads,
-            autocast=autocast,
-        )
+        return [
+            run_step(
+                model, batch, optimizer, layers, loss_fn=built.loss_fn, keep_grads=wl.keep_grads, autocast=autocast
+            )
+            for _ in range(steps)
+        ]
 
 
 _REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_single")
@@ -135,9 +142,9 @@ class Case:
     source: ModelSource
     wl: Workload
     """Its workload (``fsdp``; ``dp``: the ranks ``real_figures`` starts)."""
-    policy: str
+    policy: Policy | str
     in_place: bool = False
-    """FSDP's reduce-scatters without gloo's clone (``rank_record``'s)."""
+    """FSDP's reduce-scatters without gloo's clone (``rank_records``'s)."""
 
 
 def figures(record: StepRecord) -> dict[str, Any]:
@@ -160,14 +167,16 @@ def figures(record: StepRecord) -> dict[str, Any]:
     }
 
 
-def real_figures(cases: Sequence[Case], d: int, *, timeout_s: float = 600.0) -> list[list[dict[str, Any]]]:
+def real_figures(
+    cases: Sequence[Case], d: int, *, steps: int = 1, timeout_s: float = 600.0
+) -> list[list[dict[str, Any]]]:
     """``figures`` of each case's real step on each of ``d`` CPU ranks (``run_ranks``, one process group for all
-    of them): one list per case, by rank.
+    of them): one list per case, by rank; of ``steps`` tracked steps, the one that held least (Note: [late frees]).
 
     Raises:
         as ``run_ranks``.
     """
-    out = run_ranks(d, functools.partial(_cases, tuple(cases)), timeout_s=timeout_s)
+    out = run_ranks(d, functools.partial(_cases, tuple(cases), steps), timeout_s=timeout_s)
     try:
         by_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(d)]
     finally:
@@ -175,9 +184,13 @@ def real_figures(cases: Sequence[Case], d: int, *, timeout_s: float = 600.0) -> 
     return [[by_rank[r][i] for r in range(d)] for i in range(len(cases))]
 
 
-def _cases(cases: tuple[Case, ...], mesh: DeviceMesh, out: Path) -> None:
-    """Every case's real step on this rank, its ``figures`` written to ``out/rank<r>.json``."""
-    rows = [figures(rank_record(c.source, c.wl, c.policy, mesh, in_place=c.in_place)) for c in cases]
+def _cases(cases: tuple[Case, ...], steps: int, mesh: DeviceMesh, out: Path) -> None:
+    """Every case's real steps on this rank, the ``figures`` of the one that held least (the least sum of its phase
+    peaks) written to ``out/rank<r>.json``."""
+    rows = []
+    for c in cases:
+        each = [figures(r) for r in rank_records(c.source, c.wl, c.policy, mesh, steps=steps, in_place=c.in_place)]
+        rows.append(min(each, key=lambda f: sum(f["phases"].values())))
     (out / f"rank{mesh.get_local_rank()}.json").write_text(json.dumps(rows))
 
 
