@@ -1,6 +1,8 @@
-"""One rank of a parallel step, on a fake process group: the group, the meshes, and the model split over them.
+"""One rank of a parallel step, on a fake process group: the group, its mesh, FSDP2's initialisation, the notes.
 
-Rank 0 of ``tp`` tensor-parallel ranks (``--tp``) times ``dp`` FSDP2 ranks (``--fsdp --dp``). PyTorch's testing
+Rank 0 (or any other: ``step_record``) of ``tp`` tensor-parallel ranks (``--tp``) or of ``dp`` FSDP2 ranks
+(``--fsdp --dp``; not both: FSDP2 over TP concatenates the two meshes, which reads their ranks' values inside the
+fake mode, which fake tensors refuse). PyTorch's testing
 ``FakeProcessGroup`` accepts every collective and moves no data, which is all a trace on fake tensors needs: the
 shapes, and so every byte, are those of a real rank. Each mesh dim is a process group of its own named as a mesh
 names its dims (``mesh_tp``, ``mesh_dp``), so that the collectives traced say which dim they run on

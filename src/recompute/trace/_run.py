@@ -5,9 +5,9 @@ on the meta device, its parameters become ``FakeTensor``s, the policy is applied
 ``recompute.apply``, and one steady-state step (forward, backward, AdamW step) runs under ``StepTracker``.
 Nothing is allocated, so Llama-3.1-70B at s = 8192 traces on a laptop.
 
-Over 400 lines because its entry points (``trace``, ``trace_layer``, ``step_work(s)``, ``trace_module``) share one
-fake step: the model built on meta and made fake, the fake process group, the policy applied; the scaling and layer
-kinds live in ``_scale`` and ``_kinds``.
+Over 400 lines because its entry points (``trace``, ``step_record``, ``trace_layer``, ``step_work(s)``,
+``trace_module``) share one fake step: the model built on meta and made fake, the policy applied between the
+parallel transforms; the scaling, layer kinds and fake process group live in ``_scale``, ``_kinds`` and ``_mesh``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def trace(
             scale.
 
     A CUDA step on a machine without CUDA is traced on fake CPU tensors under CUDA's rules (its dropout,
-    attention and norm kernels, its 512-byte blocks: ``recompute.trace._cuda``).
+    attention and norm kernels, its 512-byte blocks: ``recompute.trace._cuda``). With ``wl.tp`` > 1 or
+    ``wl.fsdp`` it is rank 0's step on a fake process group: recompute's tensor parallelism, or FSDP2 full shard
+    over ``wl.dp`` ranks (``recompute.parallel.shard`` after the policy; the states as traced; ``layers`` >= 3).
     """
     source = _source_of(model, hf)
     _check_traceable(source, wl)
@@ -147,9 +149,10 @@ def step_work(
     class with each op's FLOPs and bytes filed (``recompute.core.timing`` prices it on a device).
 
     ``layers``: trace this many layers and one more and scale (``scale_work``), as ``trace`` does; identical
-    layers only (a preset). With ``wl.tp`` > 1 it is rank 0's step (recompute's GPT/Llama on a fake process
-    group), every collective filed with the kernels (``recompute.core.comms``). A CUDA step on a machine
-    without CUDA is traced on fake CPU tensors under CUDA's rules, with CUDA's kernels (``recompute.trace._cuda``).
+    layers only (a preset). With ``wl.tp`` > 1 or ``wl.fsdp`` it is rank 0's step on a fake process group, every
+    collective filed with the kernels (``recompute.core.comms``; FSDP2's on the ``dp`` dim, traced whole). A CUDA
+    step on a machine without CUDA is traced on fake CPU tensors under CUDA's rules, with CUDA's kernels
+    (``recompute.trace._cuda``).
 
     Raises:
         ConfigError: as ``trace``.
@@ -231,8 +234,8 @@ def _work_tracer(
     source: ModelSource, wl: Workload
 ) -> Iterator[tuple[Callable[[Policy, int], dict[str, tuple[Any, ...]]], int]]:
     """A function tracing the step's work of the model at ``n`` layers under a policy, and the model's layer
-    count (a CUDA step without CUDA under CUDA's rules: ``step_built``); with ``wl.tp`` > 1, rank 0 of a fake
-    process group, its collectives filed with its kernels."""
+    count (a CUDA step without CUDA under CUDA's rules: ``step_built``); with ``wl.tp`` > 1 or ``wl.fsdp``, rank 0
+    of a fake process group, its collectives filed with its kernels."""
     # One rank of one micro-batch's whole model: the pipeline and data parallelism lay it out (recompute.core.pricing);
     # FSDP2's rank is traced, its all-gathers and reduce-scatters filed on the dp dim
     wl = dataclasses.replace(wl, pp=1, interleave=1, n_microbatches=None, dp=wl.dp if wl.fsdp else 1)
