@@ -20,8 +20,13 @@ Note: [private torch pieces] every private torch name recompute reads, and how i
 - ``torch.distributed.distributed_c10d._resolve_process_group``: ``resolve_process_group`` (None without it);
 - ``torch.distributed._tools.fake_collectives`` (2.8 and later: c10d's collectives on fake tensors):
   ``fake_collectives`` registers the same rules itself without it (``_create_work_from_future`` for the work);
-- ``torch.cpu.Stream.record_event`` (2.8 and later), which FSDP2 calls on the CPU: ``require_fsdp`` refuses
-  ``fully_shard`` on the CPU in one line without it;
+- ``torch.cpu.Stream.record_event`` and ``wait_event`` (2.8 and later), which FSDP2 calls on the CPU:
+  ``cpu_stream_events`` adds them as no-ops for a trace on fake tensors (CPU work is synchronous: exact);
+  ``require_fsdp`` refuses real steps of ``fully_shard`` on the CPU in one line without them (2.6's all-gather
+  copy-out also bumps the version counter of the gathered parameters, which fails a real backward; fake tensors
+  keep their counters at 0);
+- FSDP2's own per-parameter records (``FSDPParam``) are never read: a shard's size comes from the shapes
+  (``ceil(rows / d)`` rows);
 - FlopCounterMode's attention formulas refuse grouped-query shapes before 2.13: ``recompute.trace._flops``
   registers its own (``flop_counter`` for a plain ``FlopCounterMode`` with them).
 """
@@ -40,6 +45,7 @@ from recompute.core.errors import ConfigError
 from recompute.core.torch_range import require_supported_torch, supported_range
 
 __all__ = [
+    "cpu_stream_events",
     "current_autograd_node",
     "drop_library",
     "fake_collectives",
@@ -173,9 +179,38 @@ def _done_work() -> Any:
     return _create_work_from_future(future).boxed()
 
 
+@contextlib.contextmanager
+def cpu_stream_events() -> Iterator[None]:
+    """``torch.cpu.Stream.record_event`` and ``wait_event`` while inside, as no-ops where this torch lacks them
+    (2.6), so that ``fully_shard`` runs on fake CPU tensors; nothing where it has them (2.8 and later).
+
+    The CPU runs its work in order on one stream, so an event has nothing to wait for: the no-ops change no
+    figure. For traces on fake tensors only: a real CPU step of 2.6 also fails in its backward (its all-gather
+    bumps the version counters of the weights the forward saved), which ``require_fsdp`` refuses outside.
+    """
+    stream = torch.cpu.Stream
+    added = [name for name in ("record_event", "wait_event") if not hasattr(stream, name)]
+    for name in added:
+        setattr(stream, name, _record_event if name == "record_event" else _wait_event)
+    try:
+        yield
+    finally:
+        for name in added:
+            delattr(stream, name)
+
+
+def _record_event(self: Any, event: Any = None) -> Any:
+    return event if event is not None else torch.cpu.Event()
+
+
+def _wait_event(self: Any, event: Any) -> None:
+    return None
+
+
 def require_fsdp(device_type: str) -> None:
     """Refuse FSDP2 (``fully_shard``) on the CPU where this torch cannot run it (2.6: its CPU streams record no
-    events, and ``fully_shard``'s all-gather waits on one)."""
+    events, and ``fully_shard``'s all-gather waits on one; inside ``cpu_stream_events``, a trace on fake tensors,
+    they do)."""
     if device_type == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):
         raise ConfigError(
             f"FSDP2 (dp > 1) on the CPU needs a later torch than {torch.__version__} (its fully_shard records events "

@@ -2,9 +2,12 @@
 
 ``bench`` runs one process (peak memory, step time, tokens/s, overhead against the analytic figures);
 ``bench_parallel`` runs under torchrun with tensor, sequence and data parallelism and measures what one rank
-keeps per layer. ``read_bench`` reads either's JSON back (``recompute.core.results``).
+keeps per layer; ``bench_fsdp`` runs FSDP2 full shard under torchrun and sets each rank's real step next to the
+fake trace of that rank (``with_traces``). ``read_bench`` reads ``bench``'s and ``bench_parallel``'s JSON back
+(``recompute.core.results``).
 """
 
+from recompute.bench._sharded import ShardedBench, ShardedRow, bench_fsdp, render_fsdp_bench, with_traces
 from recompute.bench._single import CPU_GPT2, BenchResult, BenchRow, bench, bench_source, bench_spec, render_bench
 from recompute.bench._torchrun import (
     ParallelBench,
@@ -21,12 +24,17 @@ __all__ = [
     "BenchRow",
     "ParallelBench",
     "RankRow",
+    "ShardedBench",
+    "ShardedRow",
     "bench",
+    "bench_fsdp",
     "bench_parallel",
     "bench_source",
     "bench_spec",
     "predict_parallel",
     "render_bench",
+    "render_fsdp_bench",
     "render_parallel_bench",
     "with_predictions",
+    "with_traces",
 ]

@@ -13,11 +13,14 @@ import torch.distributed as dist
 
 from recompute.bench import (
     bench,
+    bench_fsdp,
     bench_parallel,
     bench_source,
     render_bench,
+    render_fsdp_bench,
     render_parallel_bench,
     with_predictions,
+    with_traces,
 )
 from recompute.bench.calibrate import cached_calibration
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
@@ -82,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         read_plan(name) if name.endswith(".json") or os.path.isfile(name) else Policy.parse(name)
     distinct_policies("--policies", policies)
     wl = workload_from(args, source)
+    if wl.fsdp:
+        return _run_fsdp(args, source, wl, policies)
     if wl.tp > 1 or wl.dp > 1:
         return _run_parallel(args, source, wl, policies)
     runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
@@ -126,6 +131,20 @@ def _run_parallel(args: argparse.Namespace, source: ModelSource, wl: Workload, p
                     device = with_network(cached_calibration(wl.device, progress=progress))
                 result = with_predictions(result, spec, policies, device, progress=progress)
         emit_json(result.to_dict()) if args.json else print(render_parallel_bench(result))
+        sys.stdout.flush()
+    return 0
+
+
+def _run_fsdp(args: argparse.Namespace, source: ModelSource, wl: Workload, policies: list[str]) -> int:
+    """``bench --fsdp --dp D`` under torchrun: every rank measures its real step, rank 0 traces each rank and prints
+    them side by side (any model source: ``recompute.parallel.shard`` takes any layer list)."""
+    require(args.loss_modes is None, "--loss-modes is not run under --fsdp; drop it (bench one --loss at a time)")
+    with progress_bar("bench", enabled=_rank() == 0 and not args.json) as progress:
+        result = bench_fsdp(source, wl, policies, steps=args.steps, seed=args.seed, argv=args.argv, progress=progress)
+    end_process_group()  # Note: [ending together]
+    if result is not None:  # rank 0, once the group has ended: the trace runs on a fake one
+        result = with_traces(result, source, policies)
+        emit_json(result.to_dict()) if args.json else print(render_fsdp_bench(result))
         sys.stdout.flush()
     return 0
 

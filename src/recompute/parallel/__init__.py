@@ -1,8 +1,12 @@
-"""Tensor and sequence parallelism for recompute's GPT and Llama (Korthikanti et al. 2022), on DTensor.
+"""Tensor and sequence parallelism for recompute's GPT and Llama (Korthikanti et al. 2022), on DTensor; FSDP2
+full shard for any transformer.
 
 ``parallelize(model, mesh)`` splits each layer Megatron's way over the ``tp`` ranks of a DeviceMesh with
 ``torch.distributed.tensor.parallel``, and shards it with FSDP2 over a ``dp`` dim; ``recompute.apply`` then
-composes with it (every policy). Launch with torchrun; ``init_from_env`` starts gloo (CPU) or NCCL (CUDA).
+composes with it (every policy). ``shard(model, dp_mesh, mp_dtype=...)`` is the FSDP2 part alone, for any model
+with a layer list (transformers' classes too): ``fully_shard`` on each layer, then the root, with FSDP's
+``MixedPrecisionPolicy`` when asked (``mixed_dtype(workload)``); call it after ``apply`` (torchtitan's order).
+Launch with torchrun; ``init_from_env`` starts gloo (CPU) or NCCL (CUDA).
 
 Each layer, per rank:
 
@@ -44,6 +48,7 @@ torch.compile is not covered.
 
 import recompute._compat  # noqa: F401  (a torch outside the supported range: one ConfigError, here)
 from recompute.parallel._env import end_process_group, init_from_env, under_torchrun
+from recompute.parallel._fsdp import mixed_dtype, shard
 from recompute.parallel._ops import column_parallel, scatter_sequence, vocab_parallel_cross_entropy
 from recompute.parallel._plan import check_parallel, parallelize, qkv_row_order
 
@@ -52,9 +57,11 @@ __all__ = [
     "column_parallel",
     "end_process_group",
     "init_from_env",
+    "mixed_dtype",
     "parallelize",
     "qkv_row_order",
     "scatter_sequence",
+    "shard",
     "under_torchrun",
     "vocab_parallel_cross_entropy",
 ]

@@ -15,7 +15,6 @@ import operator
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -31,6 +30,7 @@ from recompute.core.spec import ModelSpec
 from recompute.core.workload import check_head_split, check_sequence_split
 from recompute.models.gpt import GPT
 from recompute.models.llama import Llama
+from recompute.parallel._fsdp import shard
 from recompute.parallel._ops import (
     SEQ,
     column_parallel,
@@ -63,18 +63,23 @@ def qkv_row_order(spec: ModelSpec, tp: int) -> Tensor:
     return _rank_major_qkv(torch.arange(spec.q_dim + 2 * spec.kv_dim), spec, tp)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp: bool = True) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, *, sp: bool = True, mp_dtype: torch.dtype | None = None
+) -> nn.Module:
     """Split ``model`` over ``mesh``, in place: tensor parallel, sequence parallel, and FSDP2 with ``dp``.
 
-    Call it before ``recompute.apply`` (every policy composes with it) and before building the optimizer.
-    Parameters become DTensors; GPT's fused ``c_attn`` rows are reordered (``qkv_row_order``).
+    Call it before building the optimizer; ``recompute.apply`` composes with it before or after (every
+    policy). torchtitan's order, TP, then ``apply``, then FSDP, is ``parallelize(model, mesh["tp"])``,
+    ``apply``, then ``shard(model, mesh["dp"])``, which is what the trace runs. Parameters become DTensors;
+    GPT's fused ``c_attn`` rows are reordered (``qkv_row_order``).
 
     Args:
         model: recompute's ``GPT`` or ``Llama``, the same (same seed) on every rank.
         mesh: a 1-D tensor-parallel mesh, or a 2-D mesh with dims ``("dp", "tp")`` (1-D and named ``dp``:
             FSDP only); a ``dp`` dim of size > 1 shards each layer, then the root, with ``fully_shard``
-            (torchtitan's order: TP, then FSDP).
+            (``shard``; TP first, as torchtitan).
         sp: sequence parallelism: norms, dropouts and the residual stream hold s/t positions per rank.
+        mp_dtype: with a ``dp`` dim, FSDP's ``MixedPrecisionPolicy`` in this dtype (``shard``'s).
 
     Returns:
         ``model``.
@@ -94,9 +99,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp: bool = True) -> nn.Mo
         check_parallel(model.spec, tp=tp_mesh.size(), sp=sp)
         _tensor_parallel(model, tp_mesh, sp=sp)
     if dp_mesh is not None and dp_mesh.size() > 1:
-        for layer in model.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+        shard(model, dp_mesh, mp_dtype=mp_dtype)
     return model
 
 

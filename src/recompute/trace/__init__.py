@@ -18,7 +18,7 @@ from recompute.trace._profile import cached_profile, cached_profiles, profile, p
 from recompute.trace._ranks import saved_bytes_per_layer
 from recompute.trace._render import render_trace
 from recompute.trace._result import COMPONENTS, PartTrace, TraceResult
-from recompute.trace._run import step_needs, step_work, step_works, trace, trace_layer, trace_module
+from recompute.trace._run import step_needs, step_record, step_work, step_works, trace, trace_layer, trace_module
 from recompute.trace._work import cached_works
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "resolve_source",
     "saved_bytes_per_layer",
     "step_needs",
+    "step_record",
     "step_work",
     "step_works",
     "trace",

@@ -32,10 +32,9 @@ marked ``.replay``: a replayed region runs its collectives again.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from types import FrameType
 from typing import Any
 
@@ -51,12 +50,13 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-from recompute._compat import member, resolve_process_group
+from recompute._compat import resolve_process_group
 from recompute.core.comms import comm_name
 from recompute.offload import moving
+from recompute.trace._memtracker import propagating
 from recompute.trace._tracker import Phase
 
-__all__ = ["SDPA_FORMULAS", "PhaseFlops", "flop_counter", "op_name", "sharding_propagation", "span", "tensors_of"]
+__all__ = ["SDPA_FORMULAS", "PhaseFlops", "flop_counter", "op_name", "span", "tensors_of"]
 
 aten = torch.ops.aten
 
@@ -190,7 +190,7 @@ class PhaseFlops:
         """File one op that ran in ``phase`` (``StepTracker`` calls this after every op)."""
         if self.layers is not None and phase.part == "layer" and phase.layer not in self.layers:
             return
-        if _PROPAGATING or moving():  # Note: [DTensor's shape propagation runs no kernel]; offload's copies are
+        if propagating() or moving():  # Note: [DTensor's shape propagation runs no kernel]; offload's copies are
             return  # priced over the host link (recompute.core.pricing.offload_seconds), not as kernels
         args, kwargs, out = _local((args, kwargs, out))  # Note: [DTensor ops are local kernels]
         name = op_name(func, kwargs)
@@ -219,38 +219,6 @@ class PhaseFlops:
             return
         nbytes = sum(span(t) for t in tensors)
         self.work.setdefault(phase, Counter())[name, _dtype(tensors), flops, nbytes] += 1
-
-
-_PROPAGATING: list[None] = []
-"""Non-empty while DTensor infers an op's output shape (``sharding_propagation``)."""
-
-
-@contextlib.contextmanager
-def sharding_propagation() -> Iterator[None]:
-    """While tracing a tensor-parallel rank: the ops DTensor runs to infer an op's global output shape are not
-    counted.
-
-    Note: [DTensor's shape propagation runs no kernel] for an op whose output shape it has not cached (a
-    row-parallel matmul's Partial output), DTensor's sharding propagation runs the op on fake tensors of the
-    global shapes, under the trace's own fake mode (``_propagate_tensor_meta_non_cached``); the rank then runs
-    the local kernel. Counting both filed a row-parallel matmul at t + 1 times its local FLOPs.
-    """
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = member(ShardingPropagator, "_propagate_tensor_meta_non_cached", "tracing one rank of --tp")
-
-    def quiet(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _PROPAGATING.append(None)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _PROPAGATING.pop()
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = quiet  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 def _local(tree: Any) -> Any:

@@ -19,6 +19,8 @@ kept and raised at the next op or at ``__exit__``, as a Python error.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -28,9 +30,9 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModSt
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from recompute._compat import missing
+from recompute._compat import member, missing
 
-__all__ = ["PortableMemTracker"]
+__all__ = ["PortableMemTracker", "propagating", "sharding_propagation"]
 
 _DEVICE = torch.ops.prim.device.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -54,6 +56,45 @@ _MEMBERS = (
 """MemTracker's private members that recompute's trackers use (present from 2.6 to 2.13)."""
 _MOD_TRACKER_MEMBERS = ("parents", "is_bw", "get_known_fqn")
 """And its ModTracker's."""
+
+
+_PROPAGATING: list[None] = []
+"""Non-empty while DTensor infers an op's output shape (``sharding_propagation``)."""
+
+
+@contextlib.contextmanager
+def sharding_propagation() -> Iterator[None]:
+    """While tracing a rank of a parallel job: the ops DTensor runs to infer an op's global output shape are
+    neither counted as kernels (``recompute.trace._flops``) nor as memory (``PortableMemTracker``).
+
+    Note: [DTensor's shape propagation runs no kernel] for an op whose output shape it has not cached (a
+    row-parallel matmul's Partial output, the first AdamW step on FSDP2's sharded parameters), DTensor's
+    sharding propagation runs the op on fake tensors of the global shapes, under the trace's own fake mode
+    (``_propagate_tensor_meta_non_cached``); the rank then runs the local kernel. Counting both filed a
+    row-parallel matmul at t + 1 times its local FLOPs, and put whole-size tensors into the first AdamW step of
+    an FSDP2 rank, which a real step makes under a fake mode of DTensor's own, counted by no tracker.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = member(ShardingPropagator, "_propagate_tensor_meta_non_cached", "tracing one rank of --tp or --fsdp")
+
+    def quiet(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _PROPAGATING.append(None)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _PROPAGATING.pop()
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = quiet  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+def propagating() -> bool:
+    """Whether DTensor is inferring an op's output shape now (inside ``sharding_propagation``)."""
+    return bool(_PROPAGATING)
 
 
 class PortableMemTracker(MemTracker):
@@ -115,7 +156,7 @@ class PortableMemTracker(MemTracker):
         self._raise_deferred()
         # A fake wait_tensor returns a new tensor; a real one returns its input.
         out = args[0] if func is _WAIT and active_fake_mode() is not None else func(*args, **kwargs)
-        if active_fake_mode() is self._entry_mode:  # not DTensor's propagation under a fake mode of its own
+        if active_fake_mode() is self._entry_mode and not propagating():  # not DTensor's shape propagation
             tree_map_only(torch.Tensor, partial(self._track, self._reftype()), out)
             self._update_peak_stats(self._peak_state())
         return out

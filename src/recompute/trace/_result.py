@@ -156,12 +156,13 @@ def from_record(
     parameter_count: int = 0,
 ) -> TraceResult:
     """Aggregate a ``StepRecord`` into a ``TraceResult``, its model states priced for ``workload``'s precision
-    (``recompute.core.states``; the step itself runs in one dtype, or under autocast for ``amp``)."""
+    (``recompute.core.states``; the step itself runs in one dtype, or under autocast for ``amp``); under ``fsdp``
+    as traced (FSDP2's rank keeps its states in ``Workload.param_dtype``, gathered by its own policy)."""
     by_layer: dict[int, list[SavedRecord]] = {}
     for r in record.saved:
         by_layer.setdefault(r.layer, []).append(r)
     st = record.states
-    precision = workload.get("precision")
+    precision = None if workload.get("fsdp") else workload.get("precision")  # FSDP2's states are traced as they are
     restate = Restate.of(st.get("Parameter", 0), workload.get("dtype", "fp32"), precision, workload.get("dp", 1),
                          traced=precision)  # fmt: skip
     priced = {

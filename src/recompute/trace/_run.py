@@ -5,9 +5,9 @@ on the meta device, its parameters become ``FakeTensor``s, the policy is applied
 ``recompute.apply``, and one steady-state step (forward, backward, AdamW step) runs under ``StepTracker``.
 Nothing is allocated, so Llama-3.1-70B at s = 8192 traces on a laptop.
 
-Over 400 lines because its entry points (``trace``, ``trace_layer``, ``step_work(s)``, ``trace_module``) share one
-fake step: the model built on meta and made fake, the fake process group, the policy applied; the scaling and layer
-kinds live in ``_scale`` and ``_kinds``.
+Over 400 lines because its entry points (``trace``, ``step_record``, ``trace_layer``, ``step_work(s)``,
+``trace_module``) share one fake step: the model built on meta and made fake, the policy applied between the
+parallel transforms; the scaling, layer kinds and fake process group live in ``_scale``, ``_kinds`` and ``_mesh``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 import time
-import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +24,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-from recompute._compat import fake_collectives, fake_store
 from recompute.checkpointing import applied_policy, apply, find_layers
 from recompute.core.errors import ConfigError, first_line, positive_int, require
 from recompute.core.plan_file import Traced
@@ -37,17 +34,17 @@ from recompute.core.timing import StepWork, scale_work, work_list
 from recompute.core.workload import AMP, Workload
 from recompute.models.loss import LossFn, lm_loss
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
-from recompute.parallel import parallelize
+from recompute.parallel import mixed_dtype, parallelize, shard
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
 from recompute.trace._cuda import cuda_rules, fake_device_note, stands_in, trace_device
-from recompute.trace._flops import sharding_propagation
 from recompute.trace._kinds import Kinds, Run, layer_kinds, runs_of, short_model
+from recompute.trace._mesh import fake_group, initialize_fsdp, meshes, rank_notes, world
 from recompute.trace._result import PartTrace, TraceResult, from_record, part_trace
 from recompute.trace._scale import cut_counts, grown, scale_runs, scaled_runs
 from recompute.trace._step import StepRecord, prime_optimizer, record_saved, run_step
 
-__all__ = ["step_needs", "step_work", "step_works", "trace", "trace_layer", "trace_module"]
+__all__ = ["step_needs", "step_record", "step_work", "step_works", "trace", "trace_layer", "trace_module"]
 
 
 def trace(
@@ -77,7 +74,9 @@ def trace(
             scale.
 
     A CUDA step on a machine without CUDA is traced on fake CPU tensors under CUDA's rules (its dropout,
-    attention and norm kernels, its 512-byte blocks: ``recompute.trace._cuda``).
+    attention and norm kernels, its 512-byte blocks: ``recompute.trace._cuda``). With ``wl.tp`` > 1 or
+    ``wl.fsdp`` it is rank 0's step on a fake process group: recompute's tensor parallelism, or FSDP2 full shard
+    over ``wl.dp`` ranks (``recompute.parallel.shard`` after the policy; the states as traced; ``layers`` >= 3).
     """
     source = _source_of(model, hf)
     _check_traceable(source, wl)
@@ -90,10 +89,10 @@ def trace(
     if layers is None or layers >= n_layers - 1:
         counts: tuple[int, ...] = (n_layers,)
         record, built, n_params = _trace_layers(
-            source, wl, pol, n_layers, device=device, allocations=wl.device == "cuda"
+            source, wl, pol, n_layers, device=device, allocations=wl.device == "cuda" and not wl.fsdp
         )
     else:
-        _check_scalable(source, pol, layers)
+        _check_scalable(source, pol, layers, fsdp=wl.fsdp)
         cut = _cut(source, wl, layers, n_layers)
         kinds = cut.kinds
         record, built, n_params, counts = _scaled(cut, source, wl, pol, layers, device=device)
@@ -108,6 +107,23 @@ def trace(
         seconds=time.perf_counter() - start,
         parameter_count=n_params,
     )
+
+
+def step_record(
+    model: ModelSpec | ModelSource | str, wl: Workload, policy: Policy | str = "none", *, rank: int = 0
+) -> StepRecord:
+    """The tracker's raw record of ``trace``'s whole step (every layer traced, nothing scaled or repriced): each
+    phase's peak, each layer's forward and backward apart, and the states as traced; of ``rank`` of the job's
+    ranks with ``wl.tp`` > 1 or ``wl.fsdp`` (``trace`` reports rank 0). What a real rank's ``run_step`` is held to.
+
+    Raises:
+        ConfigError: as ``trace``, and a rank outside the job's.
+    """
+    source = _source_of(model, False)
+    _check_traceable(source, wl)
+    require(0 <= rank < world(wl), f"rank {rank} is not one of the job's {world(wl)} ranks (0 to {world(wl) - 1})")
+    n = source.n_layers or _count_layers(source, wl)
+    return _trace_layers(source, wl, Policy.parse(policy), n, device=trace_device(wl.device), rank=rank)[0]
 
 
 def step_needs(model: ModelSpec | ModelSource | str) -> Callable[[Policy, Workload], Traced]:
@@ -133,9 +149,10 @@ def step_work(
     class with each op's FLOPs and bytes filed (``recompute.core.timing`` prices it on a device).
 
     ``layers``: trace this many layers and one more and scale (``scale_work``), as ``trace`` does; identical
-    layers only (a preset). With ``wl.tp`` > 1 it is rank 0's step (recompute's GPT/Llama on a fake process
-    group), every collective filed with the kernels (``recompute.core.comms``). A CUDA step on a machine
-    without CUDA is traced on fake CPU tensors under CUDA's rules, with CUDA's kernels (``recompute.trace._cuda``).
+    layers only (a preset). With ``wl.tp`` > 1 or ``wl.fsdp`` it is rank 0's step on a fake process group, every
+    collective filed with the kernels (``recompute.core.comms``; FSDP2's on the ``dp`` dim, traced whole). A CUDA
+    step on a machine without CUDA is traced on fake CPU tensors under CUDA's rules, with CUDA's kernels
+    (``recompute.trace._cuda``).
 
     Raises:
         ConfigError: as ``trace``.
@@ -146,6 +163,11 @@ def step_work(
         tokens = wl.micro_batch * wl.seq_len
         if layers is not None and layers < n - 1:
             _check_scalable(source, pol, layers)
+            require(
+                not wl.fsdp,
+                f"the step's work of an FSDP2 rank is traced whole: its first and last layers run other collectives "
+                f"than the rest, which scaling {layers} and {layers + 1} layers would copy; drop the layer count",
+            )
             kinds = _cut(source, wl, layers, n).kinds
             require(
                 kinds is None,
@@ -170,6 +192,7 @@ def step_works(
 
     That shortcut holds where a policy changes only its layers' kernels and the first layer's are the others'
     (both checked on the traces); where either fails, the policy is traced at one and two layers and scaled.
+    Under ``wl.fsdp`` every policy is traced whole (an FSDP2 rank's first and last layers differ).
 
     Raises:
         ConfigError: as ``trace``.
@@ -180,6 +203,8 @@ def step_works(
         _check_scalable(source, pol, 1)
     with _work_tracer(source, wl) as (work_of, n):
         tokens = wl.micro_batch * wl.seq_len
+        if wl.fsdp:  # FSDP2's first and last layers run other collectives: every policy traced whole
+            return {pol.name: StepWork(work_of(pol, n), tokens) for pol in pols}
         progress("trace none", 0, len(pols) + 1)
         small, big = work_of(Policy("none"), 1), work_of(Policy("none"), 2)
         base = scale_work(StepWork(small, tokens), StepWork(big, tokens), 1, n)
@@ -209,10 +234,11 @@ def _work_tracer(
     source: ModelSource, wl: Workload
 ) -> Iterator[tuple[Callable[[Policy, int], dict[str, tuple[Any, ...]]], int]]:
     """A function tracing the step's work of the model at ``n`` layers under a policy, and the model's layer
-    count (a CUDA step without CUDA under CUDA's rules: ``step_built``); with ``wl.tp`` > 1, rank 0 of a fake
-    process group, its collectives filed with its kernels."""
-    # One rank of one micro-batch's whole model: the pipeline and data parallelism lay it out (recompute.core.pricing)
-    wl = dataclasses.replace(wl, pp=1, interleave=1, n_microbatches=None, dp=1)
+    count (a CUDA step without CUDA under CUDA's rules: ``step_built``); with ``wl.tp`` > 1 or ``wl.fsdp``, rank 0
+    of a fake process group, its collectives filed with its kernels."""
+    # One rank of one micro-batch's whole model: the pipeline and data parallelism lay it out (recompute.core.pricing);
+    # FSDP2's rank is traced, its all-gathers and reduce-scatters filed on the dp dim
+    wl = dataclasses.replace(wl, pp=1, interleave=1, n_microbatches=None, dp=wl.dp if wl.fsdp else 1)
     _check_traceable(source, wl)
     device = trace_device(wl.device)
     n = source.n_layers or _count_layers(source, wl)
@@ -220,7 +246,7 @@ def _work_tracer(
     def work_of(pol: Policy, k: int) -> dict[str, tuple[Any, ...]]:
         return _work(source, wl, pol, k, device)
 
-    with _fake_group(wl.tp):
+    with fake_group(wl):
         yield work_of, n
 
 
@@ -248,6 +274,12 @@ def _check_traceable(source: ModelSource, wl: Workload) -> None:
         fields=("pp",),
     )  # a data-parallel rank runs the same step: dp only shards a distributed optimizer's state
     require(
+        wl.tp == 1 or not wl.fsdp,
+        f"trace runs one rank of tensor parallelism or of FSDP2, not both (FSDP2 over TP joins their meshes, which "
+        f"the fake process group cannot); drop tp {wl.tp} or fsdp",
+        fields=("tp", "fsdp"),
+    )
+    require(
         wl.ep == 1 and wl.capacity_factor == 1.0,
         "trace runs transformers' experts on one rank, where every routed token copy is computed whatever the "
         "routing; drop ep and capacity_factor (recompute estimate models expert parallelism)",
@@ -271,7 +303,7 @@ def _check_traceable(source: ModelSource, wl: Workload) -> None:
     )
 
 
-def _check_scalable(source: ModelSource, pol: Policy, layers: int) -> None:
+def _check_scalable(source: ModelSource, pol: Policy, layers: int, *, fsdp: bool = False) -> None:
     # Note: [prose, not fields] these messages say "layers" as a word, so they name no field for the CLI to
     # turn into its option; they say what to do in words.
     positive_int("layers", layers)
@@ -291,6 +323,11 @@ def _check_scalable(source: ModelSource, pol: Policy, layers: int) -> None:
         f"{scaling} misses offload's largest backward (layer 1's: it holds layer 0's copies too); "
         "trace at least 2 layers, or every layer (no layer count)",
     )
+    require(
+        layers >= 3 or not fsdp,
+        f"{scaling} misses an FSDP2 rank's largest backward (its first two and last two layers hold other "
+        "collective buffers than the rest); trace at least 3 layers, or every layer (no layer count)",
+    )
 
 
 def _count_layers(source: ModelSource, wl: Workload) -> int:
@@ -308,11 +345,12 @@ def _trace_layers(
     device: str,
     build: Callable[[], BuiltModel] | None = None,
     allocations: bool = False,
+    rank: int = 0,
 ) -> tuple[StepRecord, BuiltModel, int]:
-    """One fake step of ``source`` cut to ``n`` layers (of rank 0, with ``wl.tp`` > 1), and its parameter count;
-    ``build`` makes the model instead (a short model of some of its layers); ``allocations``: record the step's
-    allocation stream."""
-    with _fake_group(wl.tp), fake_kernels():
+    """One fake step of ``source`` cut to ``n`` layers (of ``rank``, with ``wl.tp`` > 1 or ``wl.fsdp``), and its
+    parameter count; ``build`` makes the model instead (a short model of some of its layers); ``allocations``:
+    record the step's allocation stream."""
+    with fake_group(wl, rank), fake_kernels():
         if wl.tp > 1:
             # Note: [DTensor's first call] the first time DTensor meets an op and its shardings it works out
             # the output by running the op on whole-size tensors, which the tracker would count as memory (2 GiB
@@ -394,7 +432,7 @@ def _scaled(
         for counts in shapes
     ]
     (base, built, p_base), bigs = traced[0], dict(zip(long, traced[1:]))
-    record = scale_runs(base, {i: big[0] for i, big in bigs.items()}, cut.runs, k)
+    record = scale_runs(base, {i: big[0] for i, big in bigs.items()}, cut.runs, k, fsdp=wl.fsdp)
     n_params = grown(p_base, {i: big[2] for i, big in bigs.items()}, cut.runs, k)
     return record, built, n_params, tuple(sum(counts) for counts in shapes)
 
@@ -461,35 +499,6 @@ def step_built(
     return record, built, n_params
 
 
-@contextlib.contextmanager
-def _fake_group(tp: int) -> Iterator[None]:
-    """With ``tp`` > 1: a fake process group of ``tp`` ranks (this process is rank 0) for the trace's duration.
-
-    PyTorch's testing ``FakeProcessGroup`` accepts every collective and moves no data, which is all a trace
-    on fake tensors needs: the shapes (and so every byte) are those of a real rank.
-    """
-    if tp == 1:
-        yield
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise ConfigError(
-            "--tp traces one rank on a fake process group, but a process group is already running here; "
-            "run recompute trace outside torchrun"
-        )
-    hook = sys.excepthook  # each process group wraps it (a "[rank0]:" prefix): the fake one's is undone
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=tp)
-    try:
-        with sharding_propagation(), fake_collectives(), warnings.catch_warnings():
-            # torch 2.6 warns at every random op that a CPU mesh's RNG is not CUDA's; a trace draws nothing
-            warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
-            yield
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
-
-
 def _fake_model(
     source: ModelSource, wl: Workload, pol: Policy, n: int, *, device: str
 ) -> tuple[BuiltModel, nn.ModuleList, FakeTensorMode]:
@@ -500,23 +509,22 @@ def _fake_model(
 
 
 def _prepare(built: BuiltModel, wl: Workload, pol: Policy, *, device: str) -> tuple[nn.ModuleList, FakeTensorMode]:
-    """Make a meta-built model fake, in training mode, parallelized (``wl.tp``) and with ``pol`` applied (and
-    the chunked loss, when ``wl.loss`` says so)."""
+    """Make a meta-built model fake, in training mode, with ``pol`` applied (and the chunked loss, when ``wl.loss``
+    says so), as rank 0 of ``wl``'s job (inside ``fake_group``), in torchtitan's order: tensor parallelism
+    (``wl.tp``), the policy, then FSDP2 (``wl.fsdp``: ``recompute.parallel.shard``)."""
     model = built.model
     mode = FakeTensorMode()
     fakeify(model, mode, device)
-    if wl.tp > 1:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-
-        # A group of its own (not the default one a whole-world mesh reuses), named as a mesh names its dims, so
-        # that the collectives traced say which dimension they run on (``recompute.trace._flops``).
-        group = dist.new_group(ranks=list(range(wl.tp)), group_desc="mesh_tp")
-        mesh = DeviceMesh.from_group(group, device, mesh_dim_names=("tp",))  # outside the fake mode
+    tp_mesh, dp_mesh = meshes(wl, device)  # outside the fake mode
+    if tp_mesh is not None:
         with mode:
-            parallelize(model, mesh, sp=wl.sp)
+            parallelize(model, tp_mesh, sp=wl.sp)
     model.train()
     apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
+    if dp_mesh is not None:
+        with mode:
+            shard(model, dp_mesh, mp_dtype=mixed_dtype(wl))
+            initialize_fsdp(model)
     return find_layers(model), mode
 
 
@@ -535,7 +543,7 @@ def trace_layer(spec: ModelSpec, wl: Workload, policy: Policy | str = "none", *,
     require(pol.is_uniform, f"trace_layer needs one policy for every layer, got {pol.describe()}")
     device = trace_device(wl.device)
     cuda = stands_in(wl.device, device)
-    with _fake_group(wl.tp), cuda_rules() if cuda else contextlib.nullcontext():
+    with fake_group(wl), cuda_rules() if cuda else contextlib.nullcontext():
         built, stack, mode = _fake_model(source, wl, pol, 2, device=device)
         with mode:
             saved = record_saved(
@@ -590,7 +598,7 @@ def trace_module(
 
 def _workload_dict(wl: Workload) -> dict[str, Any]:
     keys = ("micro_batch", "seq_len", "dtype", "attention", "device", "tp", "sp", "keep_grads", "loss", "loss_chunk")
-    states = ("precision", "dp")  # the model states are priced for them (``recompute.core.states``)
+    states = ("precision", "dp", "fsdp")  # priced for them (``recompute.core.states``), but under fsdp: traced
     return {k: getattr(wl, k) for k in (*keys, *states)}
 
 
@@ -617,11 +625,7 @@ def _notes(
         + f"; parameters, gradients and AdamW state in {wl.param_dtype}"
         + (f"; forward and loss under {wl.dtype} autocast{_autocast_rules(wl)}" if wl.precision == AMP else ""),
     ]
-    if wl.tp > 1:
-        notes.append(
-            f"one rank of {wl.tp}-way tensor parallelism{' with sequence parallelism' if wl.sp else ''} "
-            "(recompute.parallel on a fake process group): every figure is per rank"
-        )
+    notes += rank_notes(wl)
     if len(counts) == 2 and kinds is None:
         notes.append(
             f"layers are identical: traced {counts[0]} and {counts[1]} layers and scaled every figure to "

@@ -20,6 +20,13 @@ length): one trace with every long run cut to K layers and, per long run, one wi
 f = f(base) + sum over long runs of (length - K) * (f(run at K + 1) - f(base)). The categories above are taken
 per run (its first, second and last layer); a run of at most K + 1 layers is traced whole, layer by layer.
 tests/test_trace_scale.py holds a dense-first MoE model's scaled trace to its full trace.
+
+Note: [FSDP2's last two layers] under FSDP2 (``fsdp=True``) a layer's backward also holds the next layer's
+reduce-scatter input (until its own), which the last layer has none of, and the previous layer's prefetched
+all-gather, which layer 0 has none of; the forward of layer 0 still holds the root's all-gather. The layers
+between are affine in j, so the largest is at layer 1 or at the next to last: both are categories of their own
+(``second``, ``penult``), which needs K >= 3 (``trace`` asks for it under fsdp). tests/test_fsdp.py holds scaled
+traces to full ones.
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ def cut_counts(runs: Sequence[Run], k: int, grown: int | None = None) -> tuple[i
     return tuple(run.length if run.length <= k + 1 else k + (1 if i == grown else 0) for i, run in enumerate(runs))
 
 
-def _keys(phase: Phase, runs: Sequence[Run], counts: Sequence[int], k: int) -> list[_Key]:
-    """Categories of a phase of a trace with ``counts`` layers per run (see the module notes)."""
+def _keys(phase: Phase, runs: Sequence[Run], counts: Sequence[int], k: int, fsdp: bool = False) -> list[_Key]:
+    """Categories of a phase of a trace with ``counts`` layers per run (see the module notes; ``fsdp``: Note:
+    [FSDP2's last two layers])."""
     if phase.part != "layer":
         return [(phase.stage, phase.part, -1, "", 0)]
     i, start = 0, 0
@@ -63,17 +71,19 @@ def _keys(phase: Phase, runs: Sequence[Run], counts: Sequence[int], k: int) -> l
         keys.append((phase.stage, "layer", i, "first", 0))
     if offset == 1 and k >= 2:  # layer 1 of the run is in both traces
         keys.append((phase.stage, "layer", i, "second", 0))
+    if fsdp and offset == c - 2 and k >= 3:
+        keys.append((phase.stage, "layer", i, "penult", 0))
     if offset == c - 1:
         keys.append((phase.stage, "layer", i, "last", 0))
     return keys
 
 
 def _by_category(
-    record: StepRecord, runs: Sequence[Run], counts: Sequence[int], k: int
+    record: StepRecord, runs: Sequence[Run], counts: Sequence[int], k: int, fsdp: bool = False
 ) -> dict[_Key, tuple[int, dict[str, int]]]:
     out: dict[_Key, tuple[int, dict[str, int]]] = {}
     for phase, value in record.phase_peaks.items():
-        for key in _keys(phase, runs, counts, k):
+        for key in _keys(phase, runs, counts, k, fsdp):
             out[key] = value
     return out
 
@@ -83,7 +93,7 @@ def _phase(key: _Key, runs: Sequence[Run]) -> Phase:
     if part != "layer":
         return Phase(stage, part)
     run = runs[i]
-    index = {"at": offset, "first": 0, "second": 1, "last": run.length - 1}[which]
+    index = {"at": offset, "first": 0, "second": 1, "penult": run.length - 2, "last": run.length - 1}[which]
     return Phase(stage, "layer", run.start + index)
 
 
@@ -97,14 +107,19 @@ def grown_dict(base: dict[str, int], bigs: Mapping[int, dict[str, int]], runs: S
     return {key: grown(base.get(key, 0), {i: big.get(key, 0) for i, big in bigs.items()}, runs, k) for key in keys}
 
 
-def scale_runs(base: StepRecord, bigs: Mapping[int, StepRecord], runs: Sequence[Run], k: int) -> StepRecord:
+def scale_runs(
+    base: StepRecord, bigs: Mapping[int, StepRecord], runs: Sequence[Run], k: int, *, fsdp: bool = False
+) -> StepRecord:
     """The record of the whole model from ``base`` (every run cut as ``cut_counts(runs, k)``) and, for each long
-    run ``i``, ``bigs[i]`` (the same with run ``i`` at ``k + 1`` layers)."""
+    run ``i``, ``bigs[i]`` (the same with run ``i`` at ``k + 1`` layers); ``fsdp``: a rank of FSDP2 (Note:
+    [FSDP2's last two layers]; ``k`` >= 3)."""
     if sorted(bigs) != list(scaled_runs(runs, k)):
         raise ValueError(f"need one trace per run longer than {k + 1} layers, got {sorted(bigs)}")
+    if fsdp and k < 3:
+        raise ValueError(f"a rank of FSDP2 scales from traces of 3 or more layers, got {k}")
     counts = cut_counts(runs, k)
-    cat_base = _by_category(base, runs, counts, k)
-    cat_bigs = {i: _by_category(big, runs, cut_counts(runs, k, i), k) for i, big in bigs.items()}
+    cat_base = _by_category(base, runs, counts, k, fsdp)
+    cat_bigs = {i: _by_category(big, runs, cut_counts(runs, k, i), k, fsdp) for i, big in bigs.items()}
     phase_peaks = {}
     for key, (value, snap) in cat_base.items():
         values = {i: cat[key][0] for i, cat in cat_bigs.items()}
