@@ -47,7 +47,7 @@ from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
 from recompute.core.workload import Workload
 from recompute.models.source import ModelSource, build_source
-from recompute.parallel import mixed_dtype, shard
+from recompute.parallel import mixed_dtype, reduce_dtype, shard
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, forward_autocast, random_batch
 from recompute.trace._step import StepRecord, run_step
 
@@ -81,7 +81,7 @@ def rank_records(
     built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype], device=mesh.device_type)
     model = built.model.train()
     apply(model, policy, loss=wl.loss, loss_chunk=wl.loss_chunk)
-    shard(model, mesh, mp_dtype=mixed_dtype(wl))
+    shard(model, mesh, mp_dtype=mixed_dtype(wl), reduce=reduce_dtype(wl))
     optimizer = torch.optim.AdamW(model.parameters())
     batch = random_batch(
         built.vocab, wl.micro_batch, wl.seq_len, device=mesh.device_type, seed=seed + mesh.get_local_rank()

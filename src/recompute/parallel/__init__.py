@@ -48,7 +48,7 @@ torch.compile is not covered.
 
 import recompute._compat  # noqa: F401  (a torch outside the supported range: one ConfigError, here)
 from recompute.parallel._env import end_process_group, init_from_env, under_torchrun
-from recompute.parallel._fsdp import mixed_dtype, shard
+from recompute.parallel._fsdp import mixed_dtype, reduce_dtype, shard
 from recompute.parallel._ops import column_parallel, scatter_sequence, vocab_parallel_cross_entropy
 from recompute.parallel._plan import check_parallel, parallelize, qkv_row_order
 
@@ -60,6 +60,7 @@ __all__ = [
     "mixed_dtype",
     "parallelize",
     "qkv_row_order",
+    "reduce_dtype",
     "scatter_sequence",
     "shard",
     "under_torchrun",

@@ -7,8 +7,10 @@ root group holds the rest (embeddings, final norm, output layer). Order with rec
 
 Precision (``Workload`` under ``fsdp``, ``mixed_dtype``): the parameters are kept in ``param_dtype`` (fp32 for
 ``mixed`` and ``amp``, else ``dtype``); under ``mixed`` and ``amp`` FSDP's ``MixedPrecisionPolicy`` gathers the
-fp32 shards in ``dtype`` for compute and reduces the gradients in fp32 (torchtitan's ``mixed_precision_param``
-and ``mixed_precision_reduce``); ``amp`` runs the forward under autocast besides (HF Trainer, accelerate).
+fp32 shards in ``dtype`` for compute; ``mixed`` reduces the gradients in fp32 (torchtitan's
+``mixed_precision_param`` and ``mixed_precision_reduce``), ``amp`` in ``dtype`` and runs the forward under autocast
+besides (accelerate's ``MixedPrecisionPolicy(param_dtype=reduce_dtype=output_dtype=bf16)`` and its autocast, which
+HF Trainer's FSDP runs: ``reduce_dtype``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from recompute.core.errors import ConfigError
 from recompute.core.workload import Workload
 from recompute.runtime import TORCH_DTYPES
 
-__all__ = ["mixed_dtype", "shard"]
+__all__ = ["mixed_dtype", "reduce_dtype", "shard"]
 
 
 def mixed_dtype(wl: Workload) -> torch.dtype | None:
@@ -33,11 +35,18 @@ def mixed_dtype(wl: Workload) -> torch.dtype | None:
     return TORCH_DTYPES[wl.dtype] if wl.mixed_policy else None
 
 
+def reduce_dtype(wl: Workload) -> torch.dtype:
+    """The dtype FSDP reduces ``wl``'s gradients in under its mixed policy: fp32 under ``mixed`` (torchtitan's),
+    the dtype under ``amp`` (accelerate's)."""
+    return torch.float32 if wl.precision == "mixed" else TORCH_DTYPES[wl.dtype]
+
+
 def shard(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
     mp_dtype: torch.dtype | None = None,
+    reduce: torch.dtype = torch.float32,
     reshard_after_forward: bool | None = None,
     layers: str | None = None,
 ) -> nn.Module:
@@ -50,8 +59,8 @@ def shard(
         model: any model with a layer list ``find_layers`` finds (recompute's GPT and Llama, transformers'
             classes), on the mesh's device type (or fake tensors of it).
         mesh: a 1-D mesh of the data-parallel ranks (``mesh["dp"]`` of a 2-D ``("dp", "tp")`` one).
-        mp_dtype: gather the parameters in this dtype for compute and reduce the gradients in fp32
-            (``MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)``); None: no policy.
+        mp_dtype: gather the parameters in this dtype for compute and reduce the gradients in ``reduce``
+            (``MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=reduce)``); None: no policy.
         reshard_after_forward: ``fully_shard``'s; None leaves its default (every layer resharded after its
             forward, the root kept gathered from its forward to its backward on torch 2.13; 2.6 never
             reshards the root either).
@@ -69,7 +78,7 @@ def shard(
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ConfigError(f"{type(model).__name__} is sharded already (fully_shard); shard a fresh model")
     require_fsdp(mesh.device_type)
-    mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=reduce) if mp_dtype else MixedPrecisionPolicy()
     for module in (*find_layers(model, path=layers), model):
         if reshard_after_forward is None:  # fully_shard's own default, which differs by release
             fully_shard(module, mesh=mesh, mp_policy=mp)

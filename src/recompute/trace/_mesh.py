@@ -102,8 +102,9 @@ def rank_notes(wl: Workload) -> list[str]:
             "(recompute.parallel on a fake process group): every figure is per rank"
         )
     if wl.fsdp:
+        reduce = "fp32" if wl.precision == "mixed" else wl.dtype
         policy = (
-            f"MixedPrecisionPolicy(param_dtype={wl.dtype}, reduce_dtype=fp32)"
+            f"MixedPrecisionPolicy(param_dtype={wl.dtype}, reduce_dtype={reduce})"
             if wl.mixed_policy
             else f"no MixedPrecisionPolicy: parameters, gradients and their reduction in {wl.param_dtype}"
         )

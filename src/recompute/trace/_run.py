@@ -34,7 +34,7 @@ from recompute.core.timing import StepWork, scale_work, work_list
 from recompute.core.workload import AMP, Workload
 from recompute.models.loss import LossFn, lm_loss
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
-from recompute.parallel import mixed_dtype, parallelize, shard
+from recompute.parallel import mixed_dtype, parallelize, reduce_dtype, shard
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
 from recompute.trace._cuda import cuda_rules, fake_device_note, stands_in, trace_device
@@ -523,7 +523,7 @@ def _prepare(built: BuiltModel, wl: Workload, pol: Policy, *, device: str) -> tu
     apply(model, pol, loss=wl.loss, loss_chunk=wl.loss_chunk)
     if dp_mesh is not None:
         with mode:
-            shard(model, dp_mesh, mp_dtype=mixed_dtype(wl))
+            shard(model, dp_mesh, mp_dtype=mixed_dtype(wl), reduce=reduce_dtype(wl))
             initialize_fsdp(model)
     return find_layers(model), mode
 
