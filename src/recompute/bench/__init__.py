@@ -5,6 +5,7 @@
 keeps per layer. ``read_bench`` reads either's JSON back (``recompute.core.results``).
 """
 
+from recompute.bench._predict import MAX_MINUTES
 from recompute.bench._single import CPU_GPT2, BenchResult, BenchRow, bench, bench_source, bench_spec, render_bench
 from recompute.bench._torchrun import (
     ParallelBench,
@@ -17,6 +18,7 @@ from recompute.bench._torchrun import (
 
 __all__ = [
     "CPU_GPT2",
+    "MAX_MINUTES",
     "BenchResult",
     "BenchRow",
     "ParallelBench",
