@@ -185,15 +185,17 @@ def test_rounds_share_the_timed_steps_out_and_build_every_policy_afresh() -> Non
 
 
 def test_one_model_is_alive_at_a_time() -> None:
-    """Each run's model is built once the one before it has been released: bench holds one model at a time."""
-    refs: list[weakref.ref[nn.Module]] = []
+    """Each run's model is built once the one before it has been released, its weights too (the memory step's
+    MemTracker kept them referenced): bench holds one model at a time."""
+    refs: list[weakref.ref[nn.Parameter]] = []
     alive_at_build: list[int] = []
 
     def factory() -> nn.Module:
         model = GPT(SPEC)
-        if not next(model.parameters()).is_meta:  # a real build, not the trace's
+        weight = next(model.parameters())
+        if not weight.is_meta:  # a real build, not the trace's
             alive_at_build.append(sum(ref() is not None for ref in refs))
-            refs.append(weakref.ref(model))
+            refs.append(weakref.ref(weight))
         return model
 
     source = ModelSource(name="tracked", origin="a test's factory", factory=factory)
