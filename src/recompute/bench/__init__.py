@@ -5,7 +5,7 @@
 keeps per layer. ``read_bench`` reads either's JSON back (``recompute.core.results``).
 """
 
-from recompute.bench._predict import MAX_MINUTES
+from recompute.bench._predict import MAX_MINUTES, run_precision
 from recompute.bench._single import CPU_GPT2, BenchResult, BenchRow, bench, bench_source, bench_spec, render_bench
 from recompute.bench._torchrun import (
     ParallelBench,
@@ -30,5 +30,6 @@ __all__ = [
     "predict_parallel",
     "render_bench",
     "render_parallel_bench",
+    "run_precision",
     "with_predictions",
 ]

@@ -160,12 +160,12 @@ def require_time(flops: Sequence[float], dtype: str, *, max_minutes: float = MAX
 
 def matmul_rate(device: str, dtype: str) -> float:
     """FLOP/s of a square ``dtype`` matmul on ``device``, measured now: the size doubled from 256 until one product
-    takes 20 ms (or n = 2048), the best of two at that size (about a second at most on a CPU)."""
+    takes 0.1 s (or n = 2048), the best of three at that size (a second or two on a CPU)."""
     n = 256
     while True:
         a = torch.ones(n, n, dtype=TORCH_DTYPES[dtype], device=device)
-        best = min(_timed_matmul(a, device) for _ in range(2))
-        if best >= 0.02 or n >= 2048:
+        best = min(_timed_matmul(a, device) for _ in range(3))
+        if best >= 0.1 or n >= 2048:
             return 2 * n**3 / best
         n *= 2
 

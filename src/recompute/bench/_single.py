@@ -131,10 +131,10 @@ def bench(
     per_run = rounds * warmup + 1 + count + steps
     again = (warmup + steps) * (len(runs) > 1 and rounds == 1)  # Note: [drift]
     taken = [per_run + again] + [per_run] * (len(runs) - 1)
-    predicted = predict(source, runs, device, steps=taken, max_minutes=max_minutes)
     if isinstance(device_profile, Device):
         gpu = torch.cuda.get_device_name() if device == "cuda" else None
         device_profile.check_runs_on(device, gpu, threads=torch.get_num_threads())
+    predicted = predict(source, runs, device, steps=taken, max_minutes=max_minutes)
     if callable(device_profile):
         device_profile = device_profile()  # measured only for a run that fits
     timings = _predicted_times(source, runs, device_profile) if device_profile else None
