@@ -13,6 +13,7 @@ largest one does: on a GPU the memory check decides; on the CPU a run must also 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -158,9 +159,10 @@ def require_time(flops: Sequence[float], dtype: str, *, max_minutes: float = MAX
         )
 
 
+@functools.cache
 def matmul_rate(device: str, dtype: str) -> float:
-    """FLOP/s of a square ``dtype`` matmul on ``device``, measured now: the size doubled from 256 until one product
-    takes 0.1 s (or n = 2048), the best of three at that size (a second or two on a CPU)."""
+    """FLOP/s of a square ``dtype`` matmul on ``device``, measured once a process: the size doubled from 256 until
+    one product takes 0.1 s (or n = 2048), the best of three at that size (a second or two on a CPU)."""
     n = 256
     while True:
         a = torch.ones(n, n, dtype=TORCH_DTYPES[dtype], device=device)
