@@ -56,7 +56,7 @@ def _workload(b: int, s: int, attention: str) -> Workload:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="timed steps of each policy, interleaved")
+    parser.add_argument("--rounds", type=int, default=3, help="timed steps of each policy, one per round")
     args = parser.parse_args()
     use_allocator("reuse")
     torch.set_num_threads(1)
@@ -64,7 +64,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for label, spec, wl in configs():
         works = step_works(spec, wl, POLICIES)
-        measured = {r.policy: r.step_times for r in bench(spec, wl, POLICIES, steps=args.rounds, warmup=1).rows}
+        result = bench(spec, wl, POLICIES, steps=args.rounds, warmup=1, rounds=args.rounds)
+        measured = {r.policy: r.step_times for r in result.rows}
         step = statistics.median(measured["none"])
         row: dict[str, Any] = {
             "config": label,

@@ -10,7 +10,7 @@ most). For budgets from 30 % to 90 % of the activations stored without recomputa
   (c) every-k candidates: for every policy and k, the settings whose estimate fits, the two fastest by
       predicted time and the one with the fewest FLOPs, of which the fastest measured counts,
 
-then runs every distinct policy interleaved (one step each per round; overhead = median over rounds of the
+then runs every distinct policy in rounds (one step each per round, built afresh; overhead = median over rounds of the
 step time over the same round's ``none``, as in benchmarks/plan_vs_uniform.py, with the same allocator and
 thread settings). Prints a table and writes benchmarks/results/plan_time_vs_flops.json.
 
@@ -109,8 +109,8 @@ def main() -> None:
         for pol in m["every_k"]:
             policies[pol.describe()] = pol
     distinct = list({p.describe(): p for p in policies.values()}.values())
-    print(f"benching {len(distinct)} distinct policies, {args.rounds} rounds, interleaved", flush=True)
-    result = bench(spec, wl, distinct, steps=args.rounds, warmup=2)
+    print(f"benching {len(distinct)} distinct policies, {args.rounds} rounds", flush=True)
+    result = bench(spec, wl, distinct, steps=args.rounds, warmup=2, rounds=args.rounds)
     rows = {r.policy: r for r in result.rows}
     base = rows["none"].step_times
 

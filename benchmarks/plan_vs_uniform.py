@@ -29,10 +29,10 @@ and every variant, compiled ones too, runs with it.
 
 Note: [paired overheads] even with one thread the host's load moves a policy's step times by tens of per cent
 over a run (the JSON keeps each step's time; ``step_time_spread`` sums it up), more than the overheads it
-compares; steps run next to each other are moved more alike. The policies run interleaved, one step each per
-round, so a policy's overhead is the median over rounds of its step time over the same round's ``none`` step,
-and the plan-to-every-k ratio comes with a bootstrap interval over the rounds (2000 resamples, 5th to 95th
-percentile).
+compares; steps run next to each other are moved more alike. The policies run in rounds (``bench(rounds=...)``:
+each round builds every policy afresh), one step each per round, so a policy's overhead is the median over rounds
+of its step time over the same round's ``none`` step, and the plan-to-every-k ratio comes with a bootstrap
+interval over the rounds (2000 resamples, 5th to 95th percentile).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def main() -> None:
     measured = None
     if args.cost == "measured":
         print("benching every uniform policy for the planner's measured costs")
-        costs = bench(spec, wl, list(POLICIES), steps=args.steps, warmup=1)
+        costs = bench(spec, wl, list(POLICIES), steps=args.steps, warmup=1, rounds=args.steps)
         measured = Path(__file__).parent / "results" / "plan_vs_uniform_costs.json"
         measured.write_text(json.dumps(costs.to_dict(), indent=2) + "\n")
     table = analytic_table(spec, wl)
@@ -231,8 +231,8 @@ def main() -> None:
         if u is not None:
             policies[f"uniform {f:.0%}"] = u[0]
     distinct = list({p.describe(): p for p in policies.values()}.values())
-    print(f"benching {len(distinct)} distinct policies, {args.steps} steps each, interleaved")
-    result = bench(spec, wl, distinct, steps=args.steps, warmup=1)
+    print(f"benching {len(distinct)} distinct policies, {args.steps} steps each, one per round")
+    result = bench(spec, wl, distinct, steps=args.steps, warmup=1, rounds=args.steps)
     rows = {r.policy: r for r in result.rows}
     base_times = rows[Policy("none").describe()].step_times
     spread = {r.policy: (max(r.step_times) - min(r.step_times)) / r.step_s for r in result.rows}

@@ -3,10 +3,10 @@
 For every model (recompute's GPT with dropout and its Llama), attention (eager, SDPA) and shape (s from 256 to
 2048, b from 1 to 8), it predicts each policy's step time and time overhead from the fake-tensor trace of the
 step priced on the calibrated device (``recompute.core.timing``), and measures real steps with
-``recompute.bench``: every policy one step per round, interleaved, so a policy's measured overhead is the
-median over rounds of its step time over the same round's ``none`` step (paired ratios; see the notes of
-benchmarks/plan_vs_uniform.py on this shared machine's noise). Writes per-configuration rows and per-policy
-errors to benchmarks/results/time_model_<device>.json and the device profile beside it.
+``recompute.bench``: every policy one step per round (``rounds``: each round builds every policy afresh), so a
+policy's measured overhead is the median over rounds of its step time over the same round's ``none`` step (paired
+ratios; see the notes of benchmarks/plan_vs_uniform.py on this shared machine's noise). Writes per-configuration
+rows and per-policy errors to benchmarks/results/time_model_<device>.json and the device profile beside it.
 
     python benchmarks/time_model.py [--device cpu|cuda] [--rounds 7] [--quick]
 
@@ -75,7 +75,7 @@ def run_config(spec: ModelSpec, wl: Workload, device: Device, rounds: int) -> di
     predicted = {p: timing(works[p], works["none"], device) for p in POLICIES}
     bare_device = dataclasses.replace(device, host=None)
     bare = {p: timing(works[p], works["none"], bare_device) for p in POLICIES}
-    result = bench(spec, wl, list(POLICIES), steps=rounds, warmup=2)
+    result = bench(spec, wl, list(POLICIES), steps=rounds, warmup=2, rounds=rounds)
     rows = {r.policy: r for r in result.rows}
     base = rows["none"].step_times
     measured_step = statistics.median(base)

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import json
 import statistics
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from recompute import ModelSpec, Workload
-from recompute.bench import BenchResult, bench, bench_spec, render_bench
+from recompute.bench import MAX_MINUTES, BenchResult, bench, bench_source, bench_spec, render_bench
+from recompute.bench._predict import matmul_rate
 from recompute.cli import main
 from recompute.core.analytic import estimate
+from recompute.core.analytic.params import bytes_per_param
 from recompute.core.errors import ConfigError
+from recompute.core.policy import POLICIES
+from recompute.models import GPT
+from recompute.models.source import ModelSource
+from recompute.runtime import HEADROOM
 from recompute.trace import trace
+from tiny import tiny_llama
 
 SPEC = ModelSpec(hidden=64, n_layers=3, n_heads=4, vocab=256, max_positions=64, name="tiny-gpt")
 WL = Workload(attention="eager", micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
@@ -21,9 +31,14 @@ WL = Workload(attention="eager", micro_batch=2, seq_len=64, dtype="fp32", device
 
 @pytest.fixture(scope="module")
 def result() -> BenchResult:
+    """none then block, each in a block of its own, then none again (the drift check)."""
     calls: list[tuple[str, int, int]] = []
     r = bench(SPEC, WL, ["none", "block"], steps=2, warmup=1, progress=lambda *c: calls.append(c))
-    assert calls[0] == ("none: warm-up 1/1", 0, 8) and calls[-2:] == [("block: step 2/2", 7, 8), ("done", 8, 8)]
+    block = ["warm-up 1/1", "step 1/2", "step 2/2", "memory step"]
+    labels = [f"{p}: {what}" for p in ("none", "block") for what in block]
+    labels += [f"none (again): {what}" for what in block[:-1]] + ["done"]
+    total = len(labels) - 1
+    assert calls == [(label, i, total) for i, label in enumerate(labels[:-1])] + [("done", total, total)]
     return r
 
 
@@ -67,7 +82,7 @@ def test_cli_json_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     data = json.loads(out)
     assert [r["policy"] for r in data["rows"]] == ["none", "block"] and data["steps"] == 1
-    assert err.strip().splitlines()[-1] == "bench: 4/4 done"  # plain progress lines: stderr is no terminal
+    assert err.strip().splitlines()[-1] == "bench: 5/5 done"  # 2 x (step, memory step), none again; plain lines
 
 
 @pytest.mark.parametrize(
@@ -75,7 +90,7 @@ def test_cli_json_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--seq-len", "2048"], "exceeds gpt2's 1024 positions"),
         (["--policies", "none,everything"], "is not a policy"),
-        (["--model", "llama3.1-8b"], "too many to run real steps of here; shrink it"),
+        (["--model", "llama3.1-8b"], "GiB is available on cpu; use a smaller model (--layers, --hidden, --vocab)"),
         (["--tp", "2"], "--tp 2 needs torchrun: torchrun --nproc-per-node 2 -m recompute bench --device cpu --tp 2"),
     ],
 )
@@ -147,3 +162,102 @@ def test_bad_loss_modes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None
     assert main([*argv, "--no-time", "--loss-modes", "full,sometimes"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "loss" in err
+
+
+def test_the_reference_runs_again_to_measure_the_drift(result: BenchResult) -> None:
+    """The closing run's median step over the first's: the machine's drift, in the result and its notes."""
+    assert result.drift is not None and result.drift > -1
+    assert f"none ran again last, its median step {result.drift:+.1%} against its first block's" in render_bench(result)
+    assert BenchResult.from_dict(result.to_dict()).drift == result.drift
+    one = bench(SPEC, WL, ["block"], steps=1, warmup=0)
+    assert one.drift is None and not any("ran again" in n for n in one.notes)
+
+
+def test_rounds_share_the_timed_steps_out_and_build_every_policy_afresh() -> None:
+    calls: list[str] = []
+    r = bench(SPEC, WL, ["none", "block"], steps=3, warmup=0, rounds=2, progress=lambda *c: calls.append(c[0]))
+    first = [f"{p}: {what}" for p in ("none", "block") for what in ("step 1/2", "step 2/2", "memory step")]
+    assert calls == [*first, "none, round 2/2: step 1/1", "block, round 2/2: step 1/1", "done"]
+    assert [len(row.step_times) for row in r.rows] == [3, 3] and r.drift is not None
+    assert f"none's median step in the last round {r.drift:+.1%} against the first round's" in render_bench(r)
+    with pytest.raises(ConfigError, match=r"rounds must be from 1 to steps \(2\), got 3"):
+        bench(SPEC, WL, steps=2, rounds=3)
+
+
+def test_one_model_is_alive_at_a_time() -> None:
+    """Each run's model is built once the one before it has been released, its weights too (the memory step's
+    MemTracker kept them referenced): bench holds one model at a time."""
+    refs: list[weakref.ref[nn.Parameter]] = []
+    alive_at_build: list[int] = []
+
+    def factory() -> nn.Module:
+        model = GPT(SPEC)
+        weight = next(model.parameters())
+        if not weight.is_meta:  # a real build, not the trace's
+            alive_at_build.append(sum(ref() is not None for ref in refs))
+            refs.append(weakref.ref(weight))
+        return model
+
+    source = ModelSource(name="tracked", origin="a test's factory", factory=factory)
+    bench(source, Workload(seq_len=8, micro_batch=2, dtype="fp32", device="cpu"), ["none", "block"], steps=1)
+    assert alive_at_build == [0, 0, 0]  # none, block, none again
+
+
+def test_runs_that_fit_one_at_a_time_are_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for the largest step alone is enough; every model resident at once would not have fitted."""
+    policies = ["none", "attn", "block"]
+    peaks = [max(trace(SPEC, WL, p).peak, estimate(SPEC, WL, p).peak) for p in policies]
+    states = trace(SPEC, WL).parameters + trace(SPEC, WL).optimizer
+    room = 1.01 * max(peaks)
+    assert max(peaks) + (len(policies) - 1) * states > room  # what the old design needed
+    monkeypatch.setattr("recompute.runtime.available_memory", lambda device: room / HEADROOM)
+    r = bench(SPEC, WL, policies, steps=1, warmup=0)
+    assert [row.policy for row in r.rows] == policies
+
+
+def test_a_cpu_run_predicted_too_long_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("recompute.bench._predict.matmul_rate", lambda device, dtype: 1.0)  # 1 FLOP/s
+    argv = ["bench", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq-len", "16"]
+    argv += ["--steps", "1", "--warmup", "0", "--no-time", "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bench would take at least about" in err
+    assert f"at this CPU's 0.0 GFLOP/s fp32 matmul rate), over --max-minutes {MAX_MINUTES:g}; use a shorter" in err
+    assert main([*argv, "--max-minutes", "1e12", "--json"]) == 0  # the limit raised: it runs
+
+
+def test_the_cpu_matmul_rate_is_measured() -> None:
+    """The rate the time check divides by: a finite positive FLOP/s, measured in the dtype asked for."""
+    rate = matmul_rate("cpu", "fp32")
+    assert 0 < rate < float("inf")
+
+
+@pytest.mark.parametrize("model", ["preset", "transformers config"])
+def test_every_row_is_predicted_within_one_percent(model: str, tmp_path: Path) -> None:
+    """bench predicts the step it runs: bf16 with the workload's default precision (mixed) runs, and is priced,
+    as plain bf16 training; every policy's peak under both losses within 1 % of the measured one."""
+    source = _tiny_source(model, tmp_path)
+    wl = Workload(micro_batch=2, seq_len=32, dtype="bf16", device="cpu")
+    assert wl.precision == "mixed"
+    r = bench(source, wl, list(POLICIES), steps=1, warmup=0, losses=["full", "chunked"])
+    assert [(row.policy, row.loss) for row in r.rows] == [(p, m) for m in ("full", "chunked") for p in POLICIES]
+    for row in r.rows:
+        assert abs(row.predicted_peak / row.peak - 1) < 0.01, (row.policy, row.loss, row.predicted_peak, row.peak)
+    mixed, plain = (f"{sum(bytes_per_param(p).values()):g} B per parameter" for p in ("mixed", "bf16"))
+    said = f"ran and priced bf16 precision: {plain} in bf16; the workload asked for mixed ({mixed})"
+    assert any(note.startswith(said) for note in r.notes)
+    assert r.workload["precision"] == "bf16"
+
+
+def _tiny_source(model: str, folder: Path) -> ModelSource:
+    """A tiny Llama: recompute's preset, or transformers' class from a config.json (skipped without it)."""
+    if model == "preset":
+        return ModelSource.preset(tiny_llama())
+    pytest.importorskip("transformers")
+    from test_zoo import ZOO
+
+    path = folder / "llama.json"
+    path.write_text(json.dumps({"model_type": "llama", **ZOO["llama"], "vocab_size": 256}))
+    return bench_source(str(path))

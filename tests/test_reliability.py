@@ -112,7 +112,7 @@ def test_verify_refuses_before_building(argv: list[str], says: str, capsys: pyte
         (["estimate", "--every", "0"], "--every must be a positive integer, got 0"),
         (["estimate", "--micro-batch", "100000000000"], "--micro-batch must be at most 1,048,576"),
         (["estimate", "--micro-batch", "1e30"], "invalid int value: '1e30'"),
-        (["bench", "--model", "llama3.1-405b"], "use `recompute trace` (fake tensors, any size) or `recompute"),
+        (["bench", "--model", "llama3.1-405b"], "`recompute trace` (fake tensors, any size) or `recompute estimate`"),
         (["bench", "--seed", str(10**23)], "--seed must be an integer from -2^63 to 2^64 - 1"),
         (["verify", "--seed", str(10**23)], "--seed must be an integer from -2^63 to 2^64 - 1"),
         (["train", "--seed", str(10**23)], "--seed must be an integer from -2^63 to 2^64 - 1"),

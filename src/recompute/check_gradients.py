@@ -31,6 +31,7 @@ __all__ = [
     "VerifyResult",
     "build_checked",
     "loss_of",
+    "named_spec",
     "render_verify",
     "verify",
     "verify_need",
@@ -260,17 +261,26 @@ def verify_need(spec: ModelSpec, wl: Workload) -> float:
     return est.peak - est.states.optimizer + 3 * est.states.gradients
 
 
-def verify_spec(model: str, **sizes: int | None) -> tuple[ModelSpec, bool]:
-    """The spec ``--model`` names (``hf:`` prefix stripped; ``hf:llama`` = ``llama3.1-8b``), resized.
+def named_spec(model: str, **sizes: int | None) -> tuple[ModelSpec, bool]:
+    """The spec ``--model`` names (``hf:`` prefix stripped; ``hf:llama`` = ``llama3.1-8b``), resized, at any size.
 
     Returns the spec and whether to build the Hugging Face model.
 
     Raises:
-        ConfigError: an unknown model, or one over ``CPU_PARAM_LIMIT`` parameters (real steps run here).
+        ConfigError: an unknown model, or sizes it cannot take.
     """
     hf = model.startswith("hf:")
     base = model.removeprefix("hf:")
-    spec = resolve_model(HF_ALIASES.get(base, base) if hf else base).resized(**sizes)
+    return resolve_model(HF_ALIASES.get(base, base) if hf else base).resized(**sizes), hf
+
+
+def verify_spec(model: str, **sizes: int | None) -> tuple[ModelSpec, bool]:
+    """``named_spec``, refused over ``CPU_PARAM_LIMIT`` parameters (verify keeps three gradient sets).
+
+    Raises:
+        ConfigError: as ``named_spec``, or a model over ``CPU_PARAM_LIMIT`` parameters.
+    """
+    spec, hf = named_spec(model, **sizes)
     if n_params(spec) > CPU_PARAM_LIMIT:
         raise ConfigError(
             f"{spec.name} has {n_params(spec) / 1e9:.1f}B parameters, too many to run real steps of here; "

@@ -7,6 +7,7 @@ fake trace of that rank (``with_traces``). ``read_bench`` reads ``bench``'s and 
 (``recompute.core.results``).
 """
 
+from recompute.bench._predict import MAX_MINUTES, run_precision
 from recompute.bench._sharded import ShardedBench, ShardedRow, bench_fsdp, render_fsdp_bench, with_traces
 from recompute.bench._single import CPU_GPT2, BenchResult, BenchRow, bench, bench_source, bench_spec, render_bench
 from recompute.bench._torchrun import (
@@ -20,6 +21,7 @@ from recompute.bench._torchrun import (
 
 __all__ = [
     "CPU_GPT2",
+    "MAX_MINUTES",
     "BenchResult",
     "BenchRow",
     "ParallelBench",
@@ -35,6 +37,7 @@ __all__ = [
     "render_bench",
     "render_fsdp_bench",
     "render_parallel_bench",
+    "run_precision",
     "with_predictions",
     "with_traces",
 ]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from recompute.bench import (
+    MAX_MINUTES,
     bench,
     bench_fsdp,
     bench_parallel,
@@ -66,8 +67,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(default: --loss's alone)",
     )
     p.add_argument("--steps", type=int, default=3, help="timed steps per policy, after warm-up (default: 3)")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per policy (default: 1)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per policy and round (default: 1)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="share the timed steps out over this many rounds, each building every policy afresh: steps side by "
+        "side on a drifting machine, for a build and warm-up per policy per round (default: 1, one block each)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default: 0)")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=MAX_MINUTES,
+        help="on the CPU, refuse a run predicted (its FLOPs at this CPU's matmul rate) to take longer "
+        f"(default: {MAX_MINUTES:g})",
+    )
     p.add_argument(
         "--device-profile",
         help="this device's `recompute calibrate -o` file, for predicted step times (default: a quick calibration "
@@ -89,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_fsdp(args, source, wl, policies)
     if wl.tp > 1 or wl.dp > 1:
         return _run_parallel(args, source, wl, policies)
-    runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
+    runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed, "rounds": args.rounds}
     require(not (args.no_time and args.device_profile), "--no-time and --device-profile exclude each other")
+    require(args.max_minutes > 0, f"--max-minutes must be a number above 0, got {args.max_minutes:g}")
     device = None
     if not args.no_time:
         device = choose_device(device_profile=args.device_profile) if args.device_profile else None
@@ -101,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
         timed: Device | Callable[[], Device] | None = device
         if not args.no_time and device is None:
             timed = functools.partial(cached_calibration, wl.device, progress=progress)  # after the memory check
-        result = bench(source, wl, policies, **runs, progress=progress, device_profile=timed, losses=losses)
+        result = bench(
+            source, wl, policies, **runs, progress=progress, device_profile=timed, losses=losses,
+            max_minutes=args.max_minutes,
+        )  # fmt: skip
     emit_json(result.to_dict()) if args.json else print(render_bench(result))
     return 0
 
@@ -116,6 +135,7 @@ def _run_parallel(args: argparse.Namespace, source: ModelSource, wl: Workload, p
         )
     runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
     require(not (args.no_time and args.device_profile), "--no-time and --device-profile exclude each other")
+    require(args.rounds == 1, "--rounds is the one-process bench's; drop it under --tp/--dp", fields=("rounds",))
     device = None
     if not args.no_time and args.device_profile:  # refused on every rank before the steps, if it is
         device = choose_device(device_profile=args.device_profile)

@@ -27,7 +27,8 @@ class BenchRow:
 
     policy: str
     peak: int
-    """Peak bytes of the step: MemTracker on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU."""
+    """Peak bytes of the step: MemTracker on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU (with the model
+    and its optimizer state held between steps)."""
     traced_peak: int
     """Peak bytes MemTracker saw (equal to ``peak`` on the CPU)."""
     activations: int
@@ -41,7 +42,7 @@ class BenchRow:
     predicted_overhead: float
     """Analytic recompute overhead: recomputed FLOPs / model FLOPs of the step."""
     predicted_peak: float
-    """Analytic peak (``recompute estimate``) for the same workload."""
+    """The peak of the same step's fake-tensor trace (``recompute trace``): the step bench runs, in its precision."""
     step_times: tuple[float, ...] = ()
     """Every timed step's seconds, in order (their spread is the machine's noise)."""
     predicted_step_s: float | None = None
@@ -50,6 +51,13 @@ class BenchRow:
     """The time model's overhead: predicted step time over the predicted step without recomputation."""
     loss: str = "full"
     """The loss mode the step ran with (``bench --loss-modes full,chunked`` runs each policy under both)."""
+    reserved: int | None = None
+    """``torch.cuda.max_memory_reserved`` over the policy's steps, the cache emptied after its model was built (what
+    PyTorch's caching allocator took from the GPU); ``None`` off CUDA."""
+    predicted_reserved: float | None = None
+    """What the trace's replay of the caching allocator predicts for ``reserved`` (``TraceResult.reserved``)."""
+    analytic_peak: float | None = None
+    """A preset's analytic peak (``recompute estimate``) for the same step; ``None`` for another source."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchRow:
@@ -69,6 +77,9 @@ class BenchRow:
         for key in ("predicted_step_s", "predicted_time_overhead"):
             if row.get(key) is not None:
                 _figure(f"{name}: {key}", row[key], low=-math.inf)
+        for key in ("reserved", "predicted_reserved", "analytic_peak"):
+            if row.get(key) is not None:
+                _figure(f"{name}: {key}", row[key])
         times = row.get("step_times", ())
         if not isinstance(times, list | tuple):
             raise ConfigError(f"{name}: step_times must be a list of seconds, got {times!r}")
@@ -101,7 +112,11 @@ class BenchResult:
     device: str
     rows: tuple[BenchRow, ...]
     notes: tuple[str, ...] = ()
-    """The first names the class built and its source; then where the predicted columns come from."""
+    """The first names the class built and its source; then the precision run, where the predicted columns come
+    from and how the runs were laid out in time."""
+    drift: float | None = None
+    """The reference's median step when it ran again after every other run, over its first run's, minus one: how
+    far the machine's speed drifted over the benchmark (``None``: one run, or a result from before it was kept)."""
 
     @property
     def reference(self) -> BenchRow:
@@ -134,7 +149,10 @@ class BenchResult:
     def from_dict(cls, data: dict[str, Any]) -> BenchResult:
         rows = tuple(BenchRow.from_dict(r) for r in data["rows"])
         given = {k: data[k] for k in ("model", "spec", "workload", "steps", "warmup", "device")}
-        return cls(**given, rows=rows, notes=tuple(data.get("notes", ())))
+        drift = data.get("drift")
+        if drift is not None:
+            _figure("drift", drift, low=-1.0)
+        return cls(**given, rows=rows, notes=tuple(data.get("notes", ())), drift=drift)
 
 
 @dataclass(frozen=True)

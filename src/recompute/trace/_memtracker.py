@@ -11,6 +11,14 @@ entry mode that 2.13's ``__enter__`` alone sets). So this class dispatches by it
 keeps its own entry mode; it uses MemTracker's bookkeeping (storages, categories, module and optimizer
 hooks), whose private members ``__init__`` checks for: a torch without one is refused in one line.
 
+Note: [hooks left behind] MemTracker's ModTracker marks each module's backward with
+``register_multi_grad_hook`` on its inputs and outputs and keeps no handle; in ``all`` mode the hook holds the
+grad_fn nodes it watches, so each such node and its hook form a cycle through C++ that Python's collector cannot
+see, and the graph behind them stays alive, down to the ``AccumulateGrad`` nodes and so the parameters: every
+real model a tracker had seen stayed in memory (``recompute bench`` ran its policies one after another, and each
+memory step kept the last model's weights). This tracker records those hooks while it is entered and removes
+them at its exit, which frees the graph.
+
 Note: [no abort] every ``.device`` of a fake tensor that C++ asks is an op here (``prim.device``): the
 autograd engine asks from code that cannot pass a Python exception on, and the process aborts (``terminate
 called after throwing an instance of 'python_error'``). Nothing on that path may raise: an error there is
@@ -25,6 +33,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed._tools.mod_tracker as mod_tracker
 from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 from torch.distributed.tensor import DTensor
@@ -117,21 +126,30 @@ class PortableMemTracker(MemTracker):
         self._entered = 0
         self._deferred: BaseException | None = None
         """An error raised where it could not propagate (Note: [no abort]), raised at the next chance."""
+        self._hooks = contextlib.ExitStack()
+        """Removes the ModTracker's multi-grad hooks at the outermost exit (Note: [hooks left behind])."""
 
     def __enter__(self) -> PortableMemTracker:
         if self._entered == 0:
             self._entry_mode = active_fake_mode()
+            self._hooks.enter_context(_hooks_removed_at_exit())
         self._entered += 1
         try:
             super().__enter__()
         except BaseException:
             self._entered -= 1
+            if self._entered == 0:
+                self._hooks.close()
             raise
         return self
 
     def __exit__(self, *args: Any) -> None:
         self._entered -= 1
-        super().__exit__(*args)
+        try:
+            super().__exit__(*args)
+        finally:
+            if self._entered == 0:
+                self._hooks.close()
         if self._entered == 0 and args[0] is None:
             self._raise_deferred()
 
@@ -183,3 +201,27 @@ class PortableMemTracker(MemTracker):
         if self._mod_tracker.is_bw and not self._in_ac:
             return _MemRefType.TEMP
         return _MemRefType.ACT
+
+
+@contextlib.contextmanager
+def _hooks_removed_at_exit() -> Iterator[None]:
+    """The multi-grad hooks ModTracker registers meanwhile, recorded and removed at the end (Note: [hooks left
+    behind]); a torch whose ModTracker registers none this way is left as it is."""
+    register = getattr(mod_tracker, "register_multi_grad_hook", None)
+    if register is None:
+        yield
+        return
+    handles: list[Any] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        handle = register(*args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    mod_tracker.register_multi_grad_hook = recorded
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = register
+        for handle in handles:
+            handle.remove()

@@ -9,9 +9,10 @@ ranks, docs/fsdp.md):
 - forward of layer j: the root's parameters, gathered all step, and layer j's twice (its unsharded parameters
   and the flat all-gather output they were copied out of, kept until the next group's copy-out);
 - the loss (the head's forward): the root's;
-- backward of layer j: the root's and layer j's, layer j - 1's prefetched all-gather output, layer j's unsharded
-  gradients, layer j + 1's reduce-scatter input (held until layer j's reduce-scatter, in the reduce dtype), and
-  the root's unsharded gradients that the head's backward made (reduced only at the end of the backward);
+- backward of layer j: the root's and layer j's, layer j - 1's prefetched all-gather output, layer j + 1's
+  reduce-scatter input (held until layer j's reduce-scatter, in the reduce dtype), and the root's unsharded
+  gradients that the head's backward made (reduced only at the end of the backward); layer j's own unsharded
+  gradients come after the peak of its backward, as a one-device layer's do;
 - the embedding's backward: the root's parameters and all their gradients, and its reduce-scatter input.
 
 w is the bytes of a gathered element (the parameters' dtype; the compute dtype under FSDP's mixed precision,
@@ -84,7 +85,7 @@ class Gathered:
         """During layer j's backward (its replay included)."""
         prefetched = self.layers[j - 1] if j > 0 else 0.0
         held = self.reduce[j + 1] if j + 1 < self.n else 0.0
-        return self.root + 2 * self.layers[j] + prefetched + held + self.head_grads
+        return self.root + self.layers[j] + prefetched + held + self.head_grads
 
     def embedding(self) -> float:
         """During the embedding's backward, the last of the step's backward."""

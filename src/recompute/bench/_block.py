@@ -1,0 +1,188 @@
+"""One policy's block of ``bench``: its model and optimizer built from the seed, its steps, then released.
+
+Only one block is alive at a time, so a bench holds one model, its AdamW state and one step's activations: what
+the largest policy's step needs alone. Each block builds its model from the same seed (the same weights) and
+draws the same batch, warms up, runs its timed steps back to back, then measures one step's memory (after a
+step, so that AdamW's state exists, as the trace has it) and, where asked, counts one step's FLOPs. On CUDA the
+caching allocator's cache is emptied once the model is built, so the block's ``max_memory_reserved`` is what its
+steps reserve beside the model (as ``recompute trace`` replays it).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from recompute.checkpointing import apply, find_layers
+from recompute.core.policy import Policy
+from recompute.core.workload import Workload
+from recompute.models.loss import LossFn
+from recompute.models.source import BuiltModel, ModelSource, build_source
+from recompute.runtime import TORCH_DTYPES, random_batch, sync
+from recompute.trace import flop_counter, trace_module
+
+__all__ = ["Measured", "run_block"]
+
+Step = tuple[float, float, float]
+"""(forward, backward, optimizer) seconds of one training step."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What one block measured of its policy's step."""
+
+    policy: Policy
+    loss: str
+    times: tuple[Step, ...]
+    """Each timed step, in order."""
+    class_name: str
+    """The class built (``BuiltModel.class_name``)."""
+    notes: tuple[str, ...]
+    """What differs from what was asked (``BuiltModel.notes``)."""
+    about: dict[str, object]
+    """The model as a result describes one without a spec: class, parameters, layers, vocabulary."""
+    memory: tuple[int, int, int] = (0, 0, 0)
+    """(device peak, traced peak, saved activation bytes) of the memory step; zeros when not measured."""
+    flops: int = 0
+    """FLOPs of a forward and backward (counted only when asked)."""
+    reserved: int | None = None
+    """``torch.cuda.max_memory_reserved`` over the block's steps (CUDA only)."""
+
+
+@dataclass
+class _Run:
+    """A block's live objects: dropped with the block."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    batch: tuple[Tensor, Tensor]
+
+
+def run_block(
+    source: ModelSource,
+    wl: Workload,
+    policy: Policy,
+    *,
+    seed: int,
+    device: str,
+    warmup: int,
+    steps: int,
+    tick: Callable[[str], None],
+    measure: bool = True,
+    count: bool = False,
+    name: str = "",
+) -> Measured:
+    """Build ``source`` under ``policy`` from ``seed`` on ``device``, run ``warmup`` steps, ``steps`` timed steps,
+    one memory step (``measure``) and one FLOP-counted forward and backward (``count``), and release it.
+
+    ``tick`` is called with a label before each step; ``name`` labels them (default: the policy).
+    """
+    run, built = _build(source, wl, policy, seed, device)
+    label = name or policy.describe()
+    for i in range(warmup):
+        tick(f"{label}: warm-up {i + 1}/{warmup}")
+        _timed_step(run, device)
+    times = []
+    for i in range(steps):
+        tick(f"{label}: step {i + 1}/{steps}")
+        times.append(_timed_step(run, device))
+    reserved = _reserved(device)
+    memory, flops = (0, 0, 0), 0
+    if measure:  # after a step: AdamW's state exists, as in every step but the first (and in the trace)
+        tick(f"{label}: memory step")
+        memory = _memory(run, device, wl.keep_grads)
+    if count:
+        tick(f"{label}: FLOP count")
+        flops = _count_flops(run)
+    if reserved is not None:
+        reserved = max(reserved, _reserved(device) or 0)  # the memory step reset the peak: the larger of both
+    about = _described(run.model, built)
+    return Measured(policy, wl.loss, tuple(times), built.class_name, built.notes, about, memory, flops, reserved)
+
+
+def _build(source: ModelSource, wl: Workload, policy: Policy, seed: int, device: str) -> tuple[_Run, BuiltModel]:
+    """The block's model (the same weights for every block with this seed), optimizer and batch; the previous
+    block's objects collected first, and on CUDA the cache emptied after the build."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(seed)
+    built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device)
+    model = built.model.train()
+    apply(model, policy, loss=wl.loss, loss_chunk=wl.loss_chunk)
+    batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed)
+    if device == "cuda":  # the build's own temporaries (a config is built in fp32, then cast) are not the steps'
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return _Run(model, torch.optim.AdamW(model.parameters()), built.loss_fn, batch), built
+
+
+def _reserved(device: str) -> int | None:
+    return int(torch.cuda.max_memory_reserved()) if device == "cuda" else None
+
+
+def _timed_step(run: _Run, device: str) -> Step:
+    """(forward, backward, optimizer) seconds of one training step."""
+    sync(device)
+    t0 = time.perf_counter()
+    _, loss = run.loss_fn(run.model, *run.batch)
+    sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    sync(device)
+    t2 = time.perf_counter()
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def _count_flops(run: _Run) -> int:
+    """FLOPs of one forward and backward of ``run`` (recomputation included); no optimizer step.
+
+    A step of its own: under ``FlopCounterMode`` the memory step's peak grew (module hooks keep tensors alive).
+    """
+    with flop_counter() as counter:  # FlopCounterMode that takes grouped-query attention on every torch
+        _, loss = run.loss_fn(run.model, *run.batch)
+        loss.backward()
+    run.model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+def _memory(run: _Run, device: str, keep_grads: bool = False) -> tuple[int, int, int]:
+    """(device peak, traced peak, saved activation bytes) of one step of ``run``."""
+    traced = trace_module(run.model, run.batch, optimizer=run.optimizer, loss_fn=run.loss_fn, keep_grads=keep_grads)
+    if device != "cuda":
+        return traced.peak, traced.peak, traced.activations
+    own = _resident_bytes(run)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _timed_step(run, device)
+    peak = own + torch.cuda.max_memory_allocated() - base  # the step's peak over what it found, plus the model
+    return peak, traced.peak, traced.activations
+
+
+def _resident_bytes(run: _Run) -> int:
+    """Bytes of ``run``'s parameters and optimizer state (what it holds between steps)."""
+    tensors = list(run.model.parameters()) + [
+        v for state in run.optimizer.state.values() for v in state.values() if isinstance(v, Tensor)
+    ]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    return sum(storages.values())
+
+
+def _described(model: nn.Module, built: BuiltModel) -> dict[str, object]:
+    """What the result says of a model that has no spec: its class, parameter count, layers and vocabulary."""
+    return {
+        "class": built.class_name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "n_layers": len(find_layers(model)),
+        "vocab": built.vocab,
+    }
