@@ -261,3 +261,16 @@ def _tiny_source(model: str, folder: Path) -> ModelSource:
     path = folder / "llama.json"
     path.write_text(json.dumps({"model_type": "llama", **ZOO["llama"], "vocab_size": 256}))
     return bench_source(str(path))
+
+
+@pytest.mark.parametrize("model", ["preset", "transformers config"])
+def test_amp_runs_autocast_and_is_predicted_exactly(model: str, tmp_path: Path) -> None:
+    """precision amp: bench runs autocast over fp32 weights for real, and every row's peak is the fake trace of
+    that very step, to the byte (a preset's overhead then counted too: the formulas take one dtype)."""
+    source = _tiny_source(model, tmp_path)
+    wl = Workload(micro_batch=2, seq_len=32, dtype="bf16", precision="amp", device="cpu")
+    r = bench(source, wl, ["none", "block"], steps=1, warmup=0)
+    for row in r.rows:
+        assert row.predicted_peak == row.peak, (row.policy, row.predicted_peak, row.peak)
+    assert any(note.startswith("ran and priced amp precision: 16 B per parameter") for note in r.notes)
+    assert r.workload["precision"] == "amp"

@@ -14,6 +14,7 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,7 @@ from recompute.core.policy import Policy
 from recompute.core.workload import Workload
 from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source
-from recompute.runtime import TORCH_DTYPES, random_batch, sync
+from recompute.runtime import TORCH_DTYPES, autocast_dtype, forward_autocast, random_batch, sync
 from recompute.trace import flop_counter, trace_module
 
 __all__ = ["Measured", "run_block"]
@@ -113,14 +114,28 @@ def _build(source: ModelSource, wl: Workload, policy: Policy, seed: int, device:
     if device == "cuda":
         torch.cuda.empty_cache()
     torch.manual_seed(seed)
-    built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.dtype], device=device)
+    built = build_source(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype], device=device)
     model = built.model.train()
     apply(model, policy, loss=wl.loss, loss_chunk=wl.loss_chunk)
     batch = random_batch(built.vocab, wl.micro_batch, wl.seq_len, device=device, seed=seed)
     if device == "cuda":  # the build's own temporaries (a config is built in fp32, then cast) are not the steps'
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    return _Run(model, torch.optim.AdamW(model.parameters()), built.loss_fn, batch), built
+    loss_fn = _autocast_loss(built.loss_fn, autocast_dtype(wl), device)
+    return _Run(model, torch.optim.AdamW(model.parameters()), loss_fn, batch), built
+
+
+def _autocast_loss(loss_fn: LossFn, dtype: torch.dtype | None, device: str) -> LossFn:
+    """``loss_fn`` with its forward and loss under autocast to ``dtype`` (``precision`` amp: what HF Trainer,
+    Lightning and accelerate run), the backward and the optimizer step outside it; ``loss_fn`` for None."""
+    if dtype is None:
+        return loss_fn
+
+    def autocast(model: nn.Module, idx: Tensor, targets: Tensor) -> tuple[Any, Tensor]:
+        with forward_autocast(dtype, device):
+            return loss_fn(model, idx, targets)
+
+    return autocast
 
 
 def _reserved(device: str) -> int | None:

@@ -26,7 +26,7 @@ from recompute.core.errors import ConfigError
 from recompute.core.policy import Policy
 from recompute.core.spec import ModelSpec
 from recompute.core.states import traced_precision
-from recompute.core.workload import Workload
+from recompute.core.workload import AMP, Workload
 from recompute.models.source import ModelSource
 from recompute.runtime import HEADROOM, TORCH_DTYPES, available_memory, require_memory, sync
 from recompute.trace import TraceResult, trace
@@ -59,10 +59,11 @@ def run_precision(wl: Workload) -> str:
     """The precision mode bench runs ``wl`` in: the one it can run as asked, else the plain one-dtype step.
 
     bench builds its model in ``wl.dtype`` and steps a plain AdamW over it: the ``fp32`` mode (4 + 4 + 8 B per
-    parameter) or, in bf16 or fp16, the ``bf16`` mode (2 + 2 + 4 B). A workload asking for ``mixed`` or
-    ``distributed`` (fp32 master weights, a sharded optimizer) runs, and is priced, as that plain step.
+    parameter) or, in bf16 or fp16, the ``bf16`` mode (2 + 2 + 4 B); under ``amp`` it runs autocast over fp32
+    weights, as asked. A workload asking for ``mixed`` or ``distributed`` (fp32 master weights, a sharded
+    optimizer) runs, and is priced, as the plain one-dtype step.
     """
-    return traced_precision(wl.dtype)
+    return traced_precision(wl.dtype, wl.precision)
 
 
 def as_run(wl: Workload) -> Workload:
@@ -91,6 +92,8 @@ class Predicted:
     """The fake-tensor trace of each run's step: the predicted peak (and, on CUDA, reserve)."""
     analytic: tuple[Estimate, ...] | None
     """A preset's analytic estimate of each run's step (its overhead and peak); ``None`` for another source."""
+    why: str = "the analytic model describes recompute's reference GPT-2 and Llama, not this class"
+    """Why there is no analytic estimate, when there is none."""
 
     @property
     def peaks(self) -> tuple[float, ...]:
@@ -104,7 +107,7 @@ class Predicted:
             return f"{peak}; predicted overhead and analytic peak: the preset's analytic model (recompute estimate)"
         return (
             f"{peak}; predicted overhead: its FLOPs counted (FlopCounterMode) in a forward and backward over the "
-            "first policy's; the analytic model describes recompute's reference GPT-2 and Llama, not this class"
+            f"first policy's; {self.why}"
         )
 
 
@@ -118,7 +121,7 @@ def predict(source: ModelSource, runs: Runs, device: str, *, steps: Sequence[int
         ConfigError: the largest run's step needs more memory than ``device`` has free (on CUDA what the caching
             allocator is predicted to reserve), or, on the CPU, the runs would take over ``max_minutes``.
     """
-    spec = source.spec
+    spec = source.spec if all(wl.precision != AMP for wl, _ in runs) else None  # the formulas take one dtype
     analytic = tuple(estimate(spec, as_run(wl), pol) for wl, pol in runs) if spec is not None else None
     if spec is not None and analytic is not None:
         fix = _smaller(spec, runs, device)
@@ -130,6 +133,8 @@ def predict(source: ModelSource, runs: Runs, device: str, *, steps: Sequence[int
     if spec is None:  # Kaplan et al.'s 6 N T, and a forward's 2 N T more for a policy that replays
         per_token = [(6 + 2 * (pol.name not in ("none", "offload"))) * traces[0].parameter_count for _, pol in runs]
         _require_time_of(runs, [f * wl.tokens for f, (wl, _) in zip(per_token, runs)], device, steps, max_minutes)
+    if source.spec is not None and spec is None:
+        return Predicted(traces, None, "the analytic model describes one-dtype steps, not autocast's (amp)")
     return Predicted(traces, analytic)
 
 

@@ -44,7 +44,7 @@ from recompute.core.results import BenchResult, BenchRow
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table
 from recompute.core.timing import Device, Timing, timing
-from recompute.core.workload import LOSSES, Workload
+from recompute.core.workload import AMP, LOSSES, Workload
 from recompute.models.source import ModelSource, resolve_source
 from recompute.runtime import device_name, resolve_device
 from recompute.trace import step_work
@@ -127,7 +127,8 @@ def bench(
     """
     source = spec if isinstance(spec, ModelSource) else ModelSource.preset(spec, hf=hf)
     runs, device = _runs(source, wl, policies, losses, steps=steps, warmup=warmup, rounds=rounds)
-    count = source.spec is None  # a preset's overheads are the analytic model's; another's are counted
+    # a preset's overheads are the analytic model's (one dtype); another's, or any under amp, are counted
+    count = source.spec is None or any(w.precision == AMP for w, _ in runs)
     per_run = rounds * warmup + 1 + count + steps
     again = (warmup + steps) * (len(runs) > 1 and rounds == 1)  # Note: [drift]
     taken = [per_run + again] + [per_run] * (len(runs) - 1)
