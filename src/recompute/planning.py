@@ -84,14 +84,20 @@ class ModelTables:
 
 
 def is_profiled(
-    model: str | Any, *, analytic: bool = False, profile: str | None = None, precision: str | None = None
+    model: str | Any,
+    *,
+    analytic: bool = False,
+    profile: str | None = None,
+    precision: str | None = None,
+    fsdp: bool = False,
 ) -> bool:
     """Whether ``model`` (a name, or a ``ModelSource``) is planned from a measured profile: anything but a
     preset, unless ``analytic``; a preset too under ``precision`` amp, whose activations autocast decides (the
-    formulas describe one dtype: ``recompute.core.analytic.memory.check_one_dtype``)."""
+    formulas describe one dtype: ``recompute.core.analytic.memory.check_one_dtype``), and under ``fsdp``, whose
+    rank is traced as it is (the formulas' FSDP terms are approximate: ``recompute.core.analytic.sharding``)."""
     require(not (analytic and profile), "--analytic and --profile exclude each other; drop one")
     preset = isinstance(model, str) and model in PRESETS
-    return profile is not None or (not analytic and (not preset or precision == AMP))
+    return profile is not None or (not analytic and (not preset or precision == AMP or fsdp))
 
 
 def max_positions(model: str) -> int | None:
@@ -137,7 +143,8 @@ def cost_tables(
     if "chunked" in modes and wl.dtype == "fp16" and wl.loss != "chunked":
         modes.remove("chunked")
         notes.append(f"the chunked loss not considered: {FP16_CHUNKED}")
-    if is_profiled(model, analytic=analytic, profile=str(profile) if profile else None, precision=wl.precision):
+    given = str(profile) if profile else None
+    if is_profiled(model, analytic=analytic, profile=given, precision=wl.precision, fsdp=wl.fsdp):
         require(  # it was dropped: the plan came out in FLOPs, exit 0
             measured is None,
             "--cost measured prices a preset by its bench results; a profiled model is priced by predicted time "
@@ -270,7 +277,8 @@ RESTATED = ("precision", "dp", "fsdp")
 def _restated_alternatives(measured: Sequence[Profile], wl: Workload) -> Callable[[Workload], float | None]:
     """The smallest achievable peak of a profiled model at another workload: known where only its states change
     (precision within one-dtype steps or within amp, data parallelism, FSDP), re-priced from the same profiles;
-    None where the step itself changes (it would be measured again)."""
+    None where the step itself changes (it would be measured again), as it does for any other sharding of a
+    profile traced as one FSDP rank."""
     same = {k: v for k, v in wl.to_dict().items() if k not in RESTATED}
 
     def alternatives(change: Workload) -> float | None:
@@ -278,6 +286,8 @@ def _restated_alternatives(measured: Sequence[Profile], wl: Workload) -> Callabl
             return None
         if (change.precision == AMP) != (wl.precision == AMP):
             return None
+        if wl.fsdp and (change.precision, change.dp, change.fsdp) != (wl.precision, wl.dp, True):
+            return None  # an FSDP rank's profile is of its own sharding (Profile.restated)
         restated = (p.restated(change.precision, change.dp, fsdp=change.fsdp) for p in measured)
         return smallest_achievable(tuple(p.cost_table(None) for p in restated))
 
@@ -319,7 +329,8 @@ def profiles_of(
         "a profile measures one device's step; drop tp and pp (recompute estimate --analytic models them)",
         fields=("tp", "pp"),
     )
-    one = one_device(wl)  # a data-parallel rank runs the same step; its states are re-priced (Profile.restated)
+    # a data-parallel rank runs the same step, its states re-priced (Profile.restated); an FSDP rank is traced as it is
+    one = wl if wl.fsdp else one_device(wl)
     wanted = [with_loss(one, mode) for mode in dict.fromkeys((wl.loss, *modes))]
     if isinstance(model, str) and is_path(model):
         identity = store.config_identity(hf_config_dict(model))

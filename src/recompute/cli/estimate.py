@@ -50,7 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = time_device(args)
-    if is_profiled(args.model, analytic=args.analytic, profile=args.profile, precision=args.precision):
+    if is_profiled(args.model, analytic=args.analytic, profile=args.profile, precision=args.precision, fsdp=args.fsdp):
         return _run_profiled(args, device)
     spec = analytic_model(args.model)
     wl = workload_from(args, spec)

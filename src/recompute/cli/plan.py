@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     source = {"analytic": args.analytic, "profile": args.profile}
     with progress_bar("plan", enabled=not args.json) as progress:
         # refuse before pricing (tracing) time
-        if device is not None and not is_profiled(args.model, **source, precision=wl.precision):
+        if device is not None and not is_profiled(args.model, **source, precision=wl.precision, fsdp=wl.fsdp):
             unpriced = cost_tables(args.model, wl, losses=losses, offload="offload" in consider and not said, **source)
             require_fits(unpriced.tables, budget, host_budget=host_budget, alternatives=unpriced.alternatives)
         found = cost_tables(

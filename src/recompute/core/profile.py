@@ -347,6 +347,15 @@ class Profile:
             ConfigError: another precision asked of a profile stored before it recorded its phases' gradients.
         """
         dtype, ran = str(self.workload.get("dtype", "fp32")), self.workload.get("precision")
+        if self.workload.get("fsdp"):  # one FSDP rank traced as it is: its own workload only
+            asked = (precision or ran, dp, fsdp)
+            require(
+                asked == (ran, self.workload.get("dp"), True),
+                f"this profile is of one rank of FSDP over {self.workload.get('dp')} ranks under {ran}; profile "
+                "the model again for another sharding or precision",
+                fields=("precision", "dp", "fsdp"),
+            )
+            return self
         restate = Restate.of(self.parameters, dtype, precision, dp, traced=str(ran) if ran else None, fsdp=fsdp)
         workload = {**self.workload, "precision": restate.wanted, "dp": dp, **({"fsdp": True} if fsdp else {})}
         if restate.identity and dp == 1:

@@ -80,6 +80,8 @@ def step_key(identity: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
     wl = {k: workload[k] for k in MEASURED_WORKLOAD}
     if workload.get("precision") == "amp":
         wl["autocast"] = True  # only then: the keys of one-dtype steps stay as they were
+    if workload.get("fsdp"):  # one rank of FSDP2 over dp ranks, its states and transients traced as they are
+        wl.update(fsdp=True, dp=workload["dp"], precision=workload.get("precision"))
     blob = json.dumps(
         {"format": KEY_FORMAT, "model": identity, "workload": wl, "versions": library_versions()},
         sort_keys=True,

@@ -61,6 +61,7 @@ from recompute.trace._build import build_meta, fake_kernels
 from recompute.trace._chain import Node, Site, chain, chain_positions, chain_sites, kind_keys, lead_picks, leads
 from recompute.trace._cuda import fake_device_note, trace_device
 from recompute.trace._kinds import layer_kinds, ranges, short_model
+from recompute.trace._mesh import fake_group
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
@@ -120,9 +121,11 @@ def cached_profiles(
 
 
 def _one_device(wl: Workload) -> None:
+    """A profile measures one rank's step: one device's, or one of FSDP2's ``dp`` ranks (traced as itself)."""
     require(
-        wl.tp == wl.pp == wl.dp == 1,
-        "a profile measures one device's step; drop tp, pp and dp (recompute estimate --analytic models them)",
+        wl.tp == wl.pp == 1 and (wl.dp == 1 or wl.fsdp),
+        "a profile measures one device's step (or one FSDP rank's, with --fsdp); drop tp, pp and dp (recompute "
+        "estimate --analytic models them)",
         fields=("tp", "pp", "dp"),
     )
 
@@ -163,8 +166,15 @@ def profiles(
         _check_traceable(source, w)
     device = trace_device(wl.device)
     start = time.perf_counter()
+    # Note: [an FSDP rank's profile] the whole step (every phase's peak, the states) is one FSDP rank's, traced
+    # as it is on a fake process group; what each policy does to a layer (the short models, the chain) is the
+    # one-device step's, whose activations are the rank's (its weights in the dtype FSDP gathers them in): in the
+    # chain FSDP's gradients would blur the per-layer backward figures (tests/test_fsdp.py holds the composition
+    # to whole FSDP traces).
+    one = dataclasses.replace(wl, fsdp=False, dp=1) if wl.fsdp else wl
+    weights = wl.dtype if wl.mixed_policy else None
     with fake_kernels():
-        shape = _Shape.of(source, wl)
+        shape = _Shape.of(source, one, weights)
         steps = len(workloads) * (1 + len(shape.anchors)) + (1 if shape.chain else 0)
         # Every model built on meta before a step makes one of them fake: the chained one once.
         built = {loss: shape.models(chained=i == 0) for i, loss in enumerate(workloads)}
@@ -173,7 +183,8 @@ def profiles(
         measured: dict[str, tuple[StepRecord, int, dict[tuple[Any, ...], Site], dict[str, int]]] = {}
         for loss, w in workloads.items():
             whole, anchors, _ = built[loss]
-            base, _, n_params = step_built(whole, w, Policy("none"), device=device, flops=True)
+            base, n_params = _whole_step(source, whole, w, device)
+            w = dataclasses.replace(w, fsdp=False, dp=1) if w.fsdp else w
             done += 1
             progress("profile", done, steps)
             records, shared = {}, {}
@@ -192,13 +203,26 @@ def profiles(
             first = next(iter(workloads))
             chained = built[first][2]
             assert chained is not None
-            links = _chained(shape, chained, workloads[first], device, measured[first][3])
+            first_one = dataclasses.replace(workloads[first], fsdp=False, dp=1)
+            links = _chained(shape, chained, first_one, device, measured[first][3])
             progress("profile", steps, steps)
     seconds = time.perf_counter() - start
     return {
         loss: shape.profile(source, workloads[loss], base, n_params, records | links, seconds)
         for loss, (base, n_params, records, _) in measured.items()
     }
+
+
+def _whole_step(source: ModelSource, whole: BuiltModel, wl: Workload, device: str) -> tuple[StepRecord, int]:
+    """The whole model's step under ``none`` and its parameter count: one FSDP rank's under ``wl.fsdp`` (the
+    model built again in its parameters' dtype, sharded on a fake process group), else ``whole``'s."""
+    if not wl.fsdp:
+        record, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
+        return record, n_params
+    with fake_group(wl):
+        sharded = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype])
+        record, _, n_params = step_built(sharded, wl, Policy("none"), device=device, flops=True)
+    return record, n_params
 
 
 def with_loss(wl: Workload, loss: str) -> Workload:
@@ -247,8 +271,9 @@ class _Shape:
     """The model's layers each anchor's short model copies."""
 
     @classmethod
-    def of(cls, source: ModelSource, wl: Workload) -> _Shape:
-        whole = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype])
+    def of(cls, source: ModelSource, wl: Workload, weights: str | None = None) -> _Shape:
+        """``weights``: the dtype to build the parameters in, instead of ``wl.param_dtype``."""
+        whole = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[weights or wl.param_dtype])
         layers = find_layers(whole.model)
         found = layer_kinds(whole.model, layers)
         kind_of, reps, labels = list(found.kind_of), list(found.reps), found.labels
@@ -545,6 +570,7 @@ def _assemble(
         workload={
             **{k: getattr(wl, k) for k in store.MEASURED_WORKLOAD},
             **({"precision": AMP} if wl.precision == AMP else {}),  # a step of its own (its states: Profile.restated)
+            **({"fsdp": True, "dp": wl.dp, "precision": wl.precision} if wl.fsdp else {}),  # one FSDP rank as it is
         },
         kinds=kinds,
         layer_kind=kind_of,

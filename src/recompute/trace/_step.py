@@ -231,8 +231,9 @@ def record_saved(
         tracker.set_stage("forward")
         with saved_tensors_hooks(tracker.pack, tracker.unpack), forward_autocast(autocast, batch[0].device):
             kept, loss = loss_fn(model, *batch)
+        saved = tuple(tracker.saved)  # before the graph goes: freeing it in the forward drops its records
         del kept, loss
-    return tuple(tracker.saved)
+    return saved
 
 
 def _merged_now(tracker: StepTracker) -> dict[str, int]:
