@@ -52,6 +52,10 @@ REGIONS = {"none": 0, "core_attn": 1, "attn": 1, "mlp": 1, "attn+mlp": 2, "block
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, Any]]:
+    return make_plan(tmp_path_factory)
+
+
+def make_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, Any]]:
     """The config's folder, and a plan of it: the frontier's point with the most kinds of policy, chunked loss."""
     folder = tmp_path_factory.mktemp("qwen") / "tiny-qwen"
     folder.mkdir()
@@ -197,9 +201,9 @@ def test_an_accelerate_loop_takes_the_plan_before_prepare(planned: tuple[Path, P
     results = []
     for with_plan in (False, True):
         model = build(folder).train()
-        if with_plan:
-            prepare(model, None, plan_path)
         accelerator = Accelerator(cpu=True)
+        if with_plan:
+            prepare(model, None, plan_path, accelerator=accelerator)  # checked against the loop's step
         model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
@@ -207,6 +211,48 @@ def test_an_accelerate_loop_takes_the_plan_before_prepare(planned: tuple[Path, P
         optimizer.step()
     assert applied_policy(accelerator.unwrap_model(model)) is not None
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"mixed_precision": "bf16"}, "precision fp32 in the plan, amp in this run (mixed_precision='bf16' over fp32"),
+        ({"gradient_accumulation_steps": 2}, "keep_grads False in the plan, True in this run"),
+    ],
+    ids=["bf16", "accumulation"],
+)
+def test_an_accelerate_loop_for_another_step_is_refused(
+    planned: tuple[Path, Path, dict[str, Any]], settings: dict[str, Any], named: str
+) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    folder, plan_path, _ = planned
+    AcceleratorState._reset_state(True)  # accelerate's own tests' reset: one process, several Accelerators
+    try:
+        model = build(folder)
+        with pytest.raises(ConfigError) as refused:
+            prepare(model, None, plan_path, accelerator=Accelerator(cpu=True, **settings))
+    finally:
+        AcceleratorState._reset_state(True)
+    message = str(refused.value)
+    assert "\n" not in message and named in message and "--precision" in message
+    assert applied_policy(model) is None
+
+
+def test_accelerates_fsdp_plugin_is_read_and_its_own_checkpointing_refused() -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin as Plugin
+
+    from recompute.integrations.hf import fsdp_plugin_workload
+
+    assert fsdp_plugin_workload(Plugin(fsdp_version=2), 8) == {
+        "fsdp": (True, "accelerate's FSDP, full shard"),
+        "dp": (8, "the processes under FSDP"),
+    }
+    with pytest.raises(ConfigError, match=r"^FullyShardedDataParallelPlugin\(activation_checkpointing=True\)"):
+        fsdp_plugin_workload(Plugin(fsdp_version=2, activation_checkpointing=True), 8)
+    with pytest.raises(ConfigError, match="recompute models FSDP full shard; this plugin sets reshard_after_forward"):
+        fsdp_plugin_workload(Plugin(fsdp_version=2, reshard_after_forward=False), 8)
 
 
 # --- a plain loop: apply, then torch.compile, then FSDP2 -------------------------------------------------------

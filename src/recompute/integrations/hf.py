@@ -48,16 +48,23 @@ except ImportError:  # transformers before 4.42: no callback state in checkpoint
 from recompute.checkpointing import HF_CHECKPOINTING, applied_policy, apply
 from recompute.core.errors import ConfigError, require
 from recompute.core.plan import plan as plan_tables
-from recompute.core.plan_file import Plan, check_plan_dict, plan_loss
+from recompute.core.plan_file import Plan
 from recompute.core.policy import Policy
 from recompute.core.pricing import choose_device
-from recompute.core.results import read_json
-from recompute.core.table import gib
-from recompute.core.workload import AMP, build_workload, workload_fields
+from recompute.core.workload import AMP, build_workload
+from recompute.integrations._plan import differences, mismatch, plan_data, summary
 from recompute.models.source import ModelSource
 from recompute.planning import cost_tables
 
-__all__ = ["PLAN_FILE", "RecomputeCallback", "prepare", "summary", "trainer_workload"]
+__all__ = [
+    "PLAN_FILE",
+    "RecomputeCallback",
+    "accelerator_workload",
+    "fsdp_plugin_workload",
+    "prepare",
+    "summary",
+    "trainer_workload",
+]
 
 PLAN_FILE = "recompute_plan.json"
 """The plan's copy in the run's ``output_dir``."""
@@ -72,6 +79,8 @@ def prepare(
     model: nn.Module,
     args: TrainingArguments | None,
     plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any],
+    *,
+    accelerator: Any = None,
     **apply_options: Any,
 ) -> None:
     """Apply ``plan`` to ``model`` for a ``Trainer`` run with ``args``, refusing transformers' checkpointing.
@@ -80,28 +89,23 @@ def prepare(
         args: the run's ``TrainingArguments`` (None: a loop of your own, e.g. with accelerate).
         plan: what ``recompute.apply`` takes: a plan file (``recompute plan -o``), a ``Plan``, a ``Policy``
             or a policy name.
+        accelerator: a loop's ``accelerate.Accelerator``: the plan is checked against the step it runs
+            (``accelerator_workload``).
         apply_options: ``recompute.apply``'s keywords (``loss``, ``loss_chunk``, ``layers``, ``attn``, ``mlp``).
 
     Raises:
-        ConfigError: ``args`` or the model with transformers' checkpointing on; a plan for another model; what
-            ``recompute.apply`` refuses.
+        ConfigError: ``args`` or the model with transformers' checkpointing on; a plan for another model, or
+            for another step than the accelerator's; what ``recompute.apply`` refuses.
     """
     if args is not None:
         _refuse_checkpointing(args)
-    apply(model, _as_data(plan), **apply_options)
-
-
-def summary(plan: Mapping[str, Any]) -> str:
-    """One line: the policy, the loss mode, the model and, for a plan, its predicted peak against its budget."""
-    policy = Policy.from_dict(dict(plan))
-    loss = plan_loss(plan)
-    text = f"recompute: {policy.describe()}" + ("; chunked loss" if loss and loss[0] == "chunked" else "")
-    if policy.model is not None:
-        text += f" for {policy.model.describe()}"
-    predicted, budget = plan.get("predicted"), plan.get("budget")
-    if isinstance(predicted, Mapping) and isinstance(predicted.get("peak"), (int, float)) and budget:
-        text += f"; predicted peak {gib(predicted['peak'])} of the {gib(float(budget))} budget"
-    return text
+    data = plan_data(plan)
+    if accelerator is not None:
+        run = accelerator_workload(accelerator, model)
+        differ = differences(data.get("workload"), run)
+        if differ:
+            raise ConfigError(mismatch(differ, run, "make the plan with those flags"))
+    apply(model, data, **apply_options)
 
 
 class RecomputeCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
@@ -125,7 +129,7 @@ class RecomputeCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
         replan: bool = False,
         **apply_options: Any,
     ) -> None:
-        self.plan = _as_data(plan)
+        self.plan = plan_data(plan)
         self.replan = replan
         self.apply_options = apply_options
 
@@ -151,11 +155,11 @@ class RecomputeCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
     def _prepare(self, model: nn.Module, args: TrainingArguments) -> None:
         """Check the plan against the step the Trainer runs (or plan that step), then ``prepare``."""
         run = trainer_workload(args, model)
-        differ = _differences(self.plan.get("workload"), run)
+        differ = differences(self.plan.get("workload"), run)
         if differ and self.replan:
             self.plan = _replanned(model, self.plan, run)
         elif differ:
-            raise ConfigError(_mismatch(self.plan, differ, run))
+            raise ConfigError(mismatch(differ, run, "RecomputeCallback(plan, replan=True)"))
         prepare(model, args, self.plan, **self.apply_options)
 
     def state(self) -> dict[str, Any]:
@@ -174,14 +178,8 @@ def trainer_workload(args: TrainingArguments, model: nn.Module) -> dict[str, tup
         "micro_batch": (int(args.per_device_train_batch_size), "per_device_train_batch_size"),
         "keep_grads": (int(args.gradient_accumulation_steps) > 1, "gradient_accumulation_steps"),
     }
-    weights = next((p.dtype for p in model.parameters()), None)
     half = "bf16" if args.bf16 else "fp16" if args.fp16 else None
-    if half is not None and weights == _torch_dtype("float32"):
-        out.update(dtype=(half, f"{half}=True"), precision=(AMP, f"{half}=True over fp32 weights"))
-    elif weights == _torch_dtype("bfloat16"):
-        out.update(dtype=("bf16", "the model's bf16 weights"), precision=("bf16", "the model's bf16 weights"))
-    elif weights == _torch_dtype("float32"):
-        out.update(dtype=("fp32", "fp32 weights, no bf16/fp16"), precision=("fp32", "fp32 weights, no bf16/fp16"))
+    out.update(_precision(model, half, f"{half}=True"))
     for name in ("max_length", "max_seq_length"):  # TRL's SFTConfig
         value = getattr(args, name, None)
         if isinstance(value, int) and value > 0:
@@ -196,6 +194,59 @@ def trainer_workload(args: TrainingArguments, model: nn.Module) -> dict[str, tup
         )
         out.update(fsdp=(True, "fsdp='full_shard'"), dp=(int(args.world_size), "the world size under fsdp"))
     return out
+
+
+def accelerator_workload(accelerator: Any, model: nn.Module) -> dict[str, tuple[Any, str]]:
+    """The ``Workload`` fields an ``accelerate.Accelerator`` loop fixes (its mixed precision over the model's
+    weights, gradient accumulation, FSDP full shard over its processes), each with the setting it comes from.
+
+    Raises:
+        ConfigError: a sharding recompute does not model; FSDP's own activation checkpointing.
+    """
+    mixed = str(getattr(accelerator, "mixed_precision", "no"))
+    half = mixed if mixed in ("bf16", "fp16") else None
+    out: dict[str, tuple[Any, str]] = {
+        "keep_grads": (int(accelerator.gradient_accumulation_steps) > 1, "gradient_accumulation_steps"),
+        **_precision(model, half, f"mixed_precision={mixed!r}"),
+    }
+    if str(getattr(accelerator, "distributed_type", "")).endswith("FSDP"):
+        out.update(fsdp_plugin_workload(accelerator.state.fsdp_plugin, int(accelerator.num_processes)))
+    return out
+
+
+def fsdp_plugin_workload(plugin: Any, world_size: int) -> dict[str, tuple[Any, str]]:
+    """The sharding fields of accelerate's ``FullyShardedDataParallelPlugin`` over ``world_size`` processes.
+
+    Raises:
+        ConfigError: a sharding other than full shard; the plugin's own ``activation_checkpointing``.
+    """
+    require(
+        not getattr(plugin, "activation_checkpointing", False),
+        "FullyShardedDataParallelPlugin(activation_checkpointing=True) checkpoints every layer on top of the "
+        "recompute plan; drop it: the plan decides what each layer recomputes",
+    )
+    if int(getattr(plugin, "fsdp_version", 1) or 1) >= 2:
+        full, setting = getattr(plugin, "reshard_after_forward", True) is not False, "reshard_after_forward"
+    else:
+        name = str(getattr(getattr(plugin, "sharding_strategy", None), "name", "FULL_SHARD"))
+        full, setting = name == "FULL_SHARD", f"sharding_strategy {name}"
+    require(full, f"recompute models FSDP full shard; this plugin sets {setting}=False: shard fully")
+    if world_size < 2:
+        return {}
+    return {"fsdp": (True, "accelerate's FSDP, full shard"), "dp": (world_size, "the processes under FSDP")}
+
+
+def _precision(model: nn.Module, half: str | None, setting: str) -> dict[str, tuple[Any, str]]:
+    """``dtype`` and ``precision`` of a step: ``half`` (bf16/fp16 autocast, from ``setting``) over fp32 weights
+    is amp; bf16 weights the bf16 step; fp32 weights alone fp32."""
+    weights = next((p.dtype for p in model.parameters()), None)
+    if half is not None and weights == _torch_dtype("float32"):
+        return {"dtype": (half, setting), "precision": (AMP, f"{setting} over fp32 weights")}
+    if weights == _torch_dtype("bfloat16"):
+        return {"dtype": ("bf16", "the model's bf16 weights"), "precision": ("bf16", "the model's bf16 weights")}
+    if weights == _torch_dtype("float32"):
+        return {"dtype": ("fp32", "fp32 weights, no bf16/fp16"), "precision": ("fp32", "fp32 weights, no bf16/fp16")}
+    return {}
 
 
 def _torch_dtype(name: str) -> Any:
@@ -217,34 +268,6 @@ def _fsdp_options(args: TrainingArguments) -> set[str]:
     return {word for item in items for word in item.split()}
 
 
-def _differences(planned: Any, run: Mapping[str, tuple[Any, str]]) -> list[str]:
-    """Each field of the run's step that the plan's workload prices otherwise, as ``field planned -> run (why)``."""
-    if not isinstance(planned, Mapping):
-        return []  # a policy, not a plan: nothing was priced
-    defaults = {f.name: f.default for f in workload_fields()}
-    out = []
-    for name, (value, why) in run.items():
-        was = planned.get(name, defaults.get(name))
-        if was != value:
-            out.append(f"{name} {was} in the plan, {value} in this run ({why})")
-    return out
-
-
-def _mismatch(plan: Mapping[str, Any], differ: list[str], run: Mapping[str, tuple[Any, str]]) -> str:
-    flags = " ".join(_flag(name, value) for name, (value, _) in run.items())
-    return (
-        f"this plan was made for another step than this Trainer runs: {'; '.join(differ)}; plan this one "
-        f"(recompute plan --model <config> {flags} ...) or pass RecomputeCallback(plan, replan=True)"
-    )
-
-
-def _flag(name: str, value: Any) -> str:
-    flag = next(f.metadata["flag"] for f in workload_fields() if f.name == name)
-    if isinstance(value, bool):
-        return flag if value else ""
-    return f"{flag} {value}"
-
-
 def _replanned(model: nn.Module, plan: Mapping[str, Any], run: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
     """The plan of the run's step: the model's config planned at the plan's budget, on its device's datasheet
     row (FLOPs where the plan was priced otherwise), the chunked loss weighed, as ``recompute.plan`` does.
@@ -261,28 +284,6 @@ def _replanned(model: nn.Module, plan: Mapping[str, Any], run: Mapping[str, tupl
     result = plan_tables(found.tables, float(plan["budget"]), alternatives=found.alternatives, notes=found.notes)
     logger.warning("recompute: planned this Trainer's step again (%s)", result.policy.describe())
     return result.to_dict()
-
-
-def _as_data(plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any]) -> dict[str, Any]:
-    """The plan as a plan file's JSON (a policy's alone for a ``Policy`` or a name); checked readable now."""
-    if isinstance(plan, (Plan, Policy)):
-        data = plan.to_dict()
-    elif isinstance(plan, Mapping):
-        data = dict(plan)
-    elif isinstance(plan, (str, os.PathLike)) and (os.fspath(plan).endswith(".json") or Path(plan).is_file()):
-        data = read_json(os.fspath(plan), "plan file", "pass a file written by `recompute plan -o plan.json`")
-    elif isinstance(plan, str):
-        data = Policy.parse(plan).to_dict()
-    else:
-        raise ConfigError(f"expected a plan file, a Plan, a Policy or a policy name; got {type(plan).__name__}")
-    check_plan_dict(data)
-    try:
-        Policy.from_dict(data)
-    except (TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"not a recompute plan or policy ({e}); pass a file written by `recompute plan -o`") from e
-    return data
 
 
 def _checkpointing_asked(args: TrainingArguments) -> bool:
