@@ -55,7 +55,7 @@ def main() -> None:
         for name in wanted:
             source = source_of(MODELS[name], Path(folder))
             for precision, dtype in PRECISIONS.items():
-                seq_len = min(args.seq_len, source.spec.max_positions)
+                seq_len = min(args.seq_len, source.spec.max_positions) if source.spec else args.seq_len
                 wl = Workload(micro_batch=1, seq_len=seq_len, dtype=dtype, precision=precision, fsdp=True, dp=args.dp)
                 start = time.perf_counter()
                 table = profile(source, wl).cost_table(None)
