@@ -94,3 +94,23 @@ def test_a_cpu_step_is_planned_in_flops_without_offload(capsys: pytest.CaptureFi
     assert not any("offload" in p["layers"] for p in data["frontier"]) and "offload" not in data["uniform"]
     plan = recompute.plan("gpt2", "3GiB", seq_len=256, device="cpu")
     assert plan.cost_kind == "FLOPs" and CPU_IN_FLOPS in plan.notes
+
+
+def test_nothing_fits_reads_as_one_sentence() -> None:
+    """The report's answer read "Nothing fits. no plan fits 40.0 GiB: ...": the planner's own reason, capitalised,
+    is the sentence; a reason that does not say it is why nothing fits."""
+    import recompute
+    from recompute.core.errors import ConfigError
+    from recompute.report.answer import answer_data, answer_html
+
+    with pytest.raises(ConfigError) as refused:
+        recompute.plan("llama3.1-8b", "40GiB", seq_len=8192, precision="distributed", dp=8, consider=())
+    reason = str(refused.value)
+    assert reason.startswith("no plan fits 40.0"), reason
+    shown = {}
+    for said in (reason, "the budget is below the model states"):
+        page = answer_html(answer_data(None, budget=40 * 2**30, gpu="H100", usable=80e9, command="c", refusal=said))
+        shown[said] = page.split("<p class='verdict'>")[1].split("</p>")[0]
+    assert shown[reason].startswith("No plan fits 40.") and "Nothing fits" not in shown[reason]
+    assert shown[reason].endswith(".") and not shown[reason].endswith("..")
+    assert shown["the budget is below the model states"] == "Nothing fits: the budget is below the model states."

@@ -22,6 +22,9 @@ from the stacks' code (the releases named in ``source``; docs/export.md quotes t
 - Lightning 2.6.5 (be98784): ``FSDPStrategy(activation_checkpointing_policy=...)``, a set of module classes
   made a ``ModuleWrapPolicy`` for torch's ``apply_activation_checkpointing`` (src/lightning/fabric/strategies/
   fsdp.py); ``ModelParallelStrategy`` takes none. Torch-free.
+
+Over 400 lines because the four stacks' vocabularies (settings, the file each writes, the notes) are read
+together: one stack's words for an option are checked against the others' in docs/export.md.
 """
 
 from __future__ import annotations
