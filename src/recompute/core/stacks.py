@@ -268,7 +268,7 @@ class HF(Stack):
     def exact(self, plan_file: str, chunked: bool) -> list[str]:
         loss = ", the plan's chunked loss included" if chunked else ""
         return [
-            f"exact{loss}, with activation_checkpointing off: the plan's callback (recompute.integrations.hf)",
+            f"exact{loss}, with transformers' and FSDP's checkpointing off: the plan's callback",
             "  from recompute.integrations.hf import RecomputeCallback",
             f"  trainer = Trainer(model=model, args=args, train_dataset=train_dataset, "
             f"callbacks=[RecomputeCallback({json.dumps(plan_file)})])",
