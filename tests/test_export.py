@@ -377,9 +377,8 @@ def test_cli_prints_and_writes_the_export(tmp_path: Path, capsys: pytest.Capture
         assert main([*args, "--export", stack]) == 0
         printed = capsys.readouterr().out
         written = (tmp_path / f"plan.{stack}.{suffix}").read_text()
-        assert (
-            printed.endswith(written) and f"recompute.apply(model, {json.dumps(str(tmp_path / 'plan.json'))}" in written
-        )
+        exact = "RecomputeCallback(" if stack == "hf" else "recompute.apply(model, "
+        assert printed.endswith(written) and f"{exact}{json.dumps(str(tmp_path / 'plan.json'))}" in written
         assert main([*args, "--export", stack, "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         assert data["export"]["text"] == written and data["export"]["stack"] == stack

@@ -373,3 +373,29 @@ def test_fsdp_own_checkpointing_is_refused(planned: tuple[Path, Path, dict[str, 
     args = training_args(tmp_path, fsdp_config={"activation_checkpointing": True})
     with pytest.raises(ConfigError, match=r'^fsdp_config=\{"activation_checkpointing": True\} checkpoints every'):
         prepare(build(folder), args, plan_path)
+
+
+@pytest.mark.parametrize("log_level", ["passive", "error"])
+def test_the_plan_summary_shows_by_default(
+    planned: tuple[Path, Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str], log_level: str
+) -> None:
+    """The callback's one-line summary was logged at INFO, under transformers' default WARNING: never seen. It is
+    on stderr once when training begins (the Trainer's processes that log), unless ``log_level`` silences it."""
+    from recompute.integrations.hf import summary
+
+    folder, plan_path, plan = planned
+    args = training_args(tmp_path, max_steps=1, save_strategy="no", log_level=log_level)
+    trainer = transformers.Trainer(
+        model=build(folder), args=args, train_dataset=dataset(), callbacks=[RecomputeCallback(plan_path)]
+    )
+    verbosity = transformers.utils.logging.get_verbosity()
+    capsys.readouterr()
+    try:
+        trainer.train()  # sets transformers' verbosity to log_level
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("recompute: ")]
+    line = summary(plan)
+    assert line.startswith(f"recompute: {Policy.from_dict(plan).describe()}; chunked loss for 'tiny-qwen'")
+    assert " predicted peak " in line
+    assert lines == ([] if log_level == "error" else [line])

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,3 +95,73 @@ def test_a_cpu_step_is_planned_in_flops_without_offload(capsys: pytest.CaptureFi
     assert not any("offload" in p["layers"] for p in data["frontier"]) and "offload" not in data["uniform"]
     plan = recompute.plan("gpt2", "3GiB", seq_len=256, device="cpu")
     assert plan.cost_kind == "FLOPs" and CPU_IN_FLOPS in plan.notes
+
+
+def test_nothing_fits_reads_as_one_sentence() -> None:
+    """The report's answer read "Nothing fits. no plan fits 40.0 GiB: ...": the planner's own reason, capitalised,
+    is the sentence; a reason that does not say it is why nothing fits."""
+    import recompute
+    from recompute.core.errors import ConfigError
+    from recompute.report.answer import answer_data, answer_html
+
+    with pytest.raises(ConfigError) as refused:
+        recompute.plan("llama3.1-8b", "40GiB", seq_len=8192, precision="distributed", dp=8, consider=())
+    reason = str(refused.value)
+    assert reason.startswith("no plan fits 40.0"), reason
+    shown = {}
+    for said in (reason, "the budget is below the model states"):
+        page = answer_html(answer_data(None, budget=40 * 2**30, gpu="H100", usable=80e9, command="c", refusal=said))
+        shown[said] = page.split("<p class='verdict'>")[1].split("</p>")[0]
+    assert shown[reason].startswith("No plan fits 40.") and "Nothing fits" not in shown[reason]
+    assert shown[reason].endswith(".") and not shown[reason].endswith("..")
+    assert shown["the budget is below the model states"] == "Nothing fits: the budget is below the model states."
+
+
+def test_a_chunked_llama_gives_its_logits_wherever_they_are_asked_for(tmp_path: Path) -> None:
+    """``recompute.apply(..., loss="chunked")`` on a transformers Llama: the training forward drops the logits (the
+    memory saving); eval mode and ``no_grad`` return the plain model's, and a real Trainer's ``evaluate`` (with
+    ``compute_metrics``) and ``predict`` equal a run without recompute (issue 36 item 1)."""
+    import copy
+
+    import torch
+
+    import recompute
+
+    transformers = pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"})
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config)
+    model = copy.deepcopy(ref)
+    recompute.apply(model, "block", loss="chunked", loss_chunk=16)
+    ids = torch.randint(256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=ids)
+        model.train()
+        got = model(input_ids=ids, labels=ids)  # train mode, autograd off
+    torch.testing.assert_close(got.logits, want.logits)
+    model.eval()
+    got = model(input_ids=ids, labels=ids)  # eval mode, autograd on
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.loss, want.loss)
+    model.train()
+    assert model(input_ids=ids, labels=ids).logits is None  # the training forward keeps the saving
+
+    def accuracy(pred: Any) -> dict[str, float]:
+        logits, labels = pred.predictions, pred.label_ids
+        return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean())}
+
+    rows = ids.tolist() * 2
+    data = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    runs = {}
+    for name, net in (("ref", ref), ("chunked", model)):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_eval_batch_size=2, use_cpu=True, report_to=[]
+        )
+        trainer = transformers.Trainer(model=net, args=args, eval_dataset=data, compute_metrics=accuracy)
+        metrics, predicted = trainer.evaluate(), trainer.predict(data)
+        assert predicted.predictions.shape == (4, 24, 256)
+        runs[name] = (metrics, torch.as_tensor(predicted.predictions))
+    assert runs["chunked"][0]["eval_accuracy"] == runs["ref"][0]["eval_accuracy"]
+    assert runs["chunked"][0]["eval_loss"] == pytest.approx(runs["ref"][0]["eval_loss"], rel=1e-6)
+    torch.testing.assert_close(runs["chunked"][1], runs["ref"][1])

@@ -10,7 +10,6 @@ its figures and the reasons in comments. Torch-free.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -231,9 +230,6 @@ def _header(plan: Plan, out: Export, kind: Stack, plan_file: str) -> list[str]:
             f"  {out.setting.label}: {runs(out.priced.layers)}",
             f"  {_fit(out.priced, plan.budget)}; {_cost(out.priced, plan)}",
         ]
-    chunk = ', loss="chunked"' if plan.loss == "chunked" else ""
-    lines.append(
-        f"exact in any stack, with its own checkpointing off: recompute.apply(model, {json.dumps(plan_file)}{chunk})"
-    )
+    lines += kind.exact(plan_file, plan.loss == "chunked")
     lines += [f"note: {n}" for n in out.notes]
     return [f"# {line}" for line in lines]

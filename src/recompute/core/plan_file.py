@@ -119,7 +119,9 @@ class Plan:
     chosen: PlanPoint
     peak_phase: str
     held: float
-    """Bytes the first stage's layers hold for the backward (one micro-batch)."""
+    """Bytes the first stage's layers hold for the backward (one micro-batch): absolute from the analytic model's
+    table; from a profile's, relative to ``none`` (its base phases hold none's), so negative where the plan
+    recomputes (``Profile.cost_table``; issue 36's ``held=-30009985024.0``)."""
     kept: tuple[float, ...]
     """Bytes each layer of the first stage saves for the backward under its option."""
     cost_kind: str

@@ -22,11 +22,15 @@ from the stacks' code (the releases named in ``source``; docs/export.md quotes t
 - Lightning 2.6.5 (be98784): ``FSDPStrategy(activation_checkpointing_policy=...)``, a set of module classes
   made a ``ModuleWrapPolicy`` for torch's ``apply_activation_checkpointing`` (src/lightning/fabric/strategies/
   fsdp.py); ``ModelParallelStrategy`` takes none. Torch-free.
+
+Over 400 lines because the four stacks' vocabularies (settings, the file each writes, the notes) are read
+together: one stack's words for an option are checked against the others' in docs/export.md.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,6 +79,12 @@ class Stack:
 
     def notes(self, table: CostTable) -> list[str]:
         return []
+
+    def exact(self, plan_file: str, chunked: bool) -> list[str]:
+        """The comment lines that run the plan exactly, whatever the stack can say."""
+        chunk = ', loss="chunked"' if chunked else ""
+        line = f"recompute.apply(model, {json.dumps(plan_file)}{chunk})"
+        return [f"exact in any stack, with its own checkpointing off: {line}"]
 
     def why_not(self, layers: Sequence[str], loss: str, placed: bool) -> list[str]:
         """Why no setting of the stack is the plan: the loss, an option it has no word for, or the layers
@@ -221,7 +231,15 @@ def _flags(values: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class HF(Stack):
+    """``TrainingArguments``; under FSDP (``--fsdp``) FSDP's own checkpointing, ``fsdp_config``'s: the argument
+    ``activation_checkpointing`` there adds an all-gather to the backward, and transformers warns against it."""
+
     def settings(self, table: CostTable) -> list[Setting]:
+        if _fsdp(table):  # accelerate wraps every decoder layer (transformer_layer_cls_to_wrap): all or none
+            return [
+                Setting(f"fsdp_config={{'activation_checkpointing': {on}}}", _fsdp_values(on), _all(table, option))
+                for on, option in ((False, "none"), (True, "block"))
+            ]
         out = [Setting("activation_checkpointing=False", {"activation_checkpointing": False}, _all(table, "none"))]
         for k in range(1, table.n + 1):  # _set_gradient_checkpointing: layer i when i % every_n_layers == 0
             kwargs: dict[str, Any] = {"use_reentrant": False} | ({"every_n_layers": k} if k > 1 else {})
@@ -234,18 +252,36 @@ class HF(Stack):
 
     def body(self, setting: Setting, table: CostTable) -> list[str]:
         args = [f"    {key}={value!r}," for key, value in setting.values.items()]
-        old = ", ".join(f"{key.replace('activation', 'gradient')}={value!r}" for key, value in setting.values.items())
-        return [
+        lines = [
             "from transformers import TrainingArguments",
             "",
             "args = TrainingArguments(",
             '    output_dir="out",  # and the rest of your arguments',
             *args,
             ")",
-            f"# transformers before the rename to activation_checkpointing (aliases until v6): {old}",
+        ]
+        if _fsdp(table):
+            return lines
+        old = ", ".join(f"{key.replace('activation', 'gradient')}={value!r}" for key, value in setting.values.items())
+        return [*lines, f"# transformers before the rename to activation_checkpointing (aliases until v6): {old}"]
+
+    def exact(self, plan_file: str, chunked: bool) -> list[str]:
+        loss = ", the plan's chunked loss included" if chunked else ""
+        return [
+            f"exact{loss}, with transformers' and FSDP's checkpointing off: the plan's callback",
+            "  from recompute.integrations.hf import RecomputeCallback",
+            f"  trainer = Trainer(model=model, args=args, train_dataset=train_dataset, "
+            f"callbacks=[RecomputeCallback({json.dumps(plan_file)})])",
         ]
 
     def notes(self, table: CostTable) -> list[str]:
+        if _fsdp(table):
+            return [
+                "under FSDP, FSDP's own checkpointing (fsdp_config) wraps every decoder layer or none; the "
+                "activation_checkpointing argument would add an all-gather to each layer's backward (transformers "
+                "issue 30404)",
+                "chunked loss: no counterpart in TrainingArguments; use_liger_kernel=True is close, not priced here",
+            ]
         return [
             "every_n_layers (transformers PR #48200) counts the decoder layers from 0, as recompute's "
             "block:every=k; without it (older releases) only every layer or none",
@@ -254,7 +290,16 @@ class HF(Stack):
             "chunked loss: no counterpart in TrainingArguments; use_liger_kernel=True (Liger's fused linear "
             "cross-entropy, the liger-kernel package, for the architectures it patches) avoids the logits too, "
             "not priced here",
+            "under FSDP (TrainingArguments fsdp=True) plan with --fsdp: checkpointing then goes in fsdp_config",
         ]
+
+
+def _fsdp(table: CostTable) -> bool:
+    return bool(table.workload.get("fsdp", False))
+
+
+def _fsdp_values(on: bool) -> dict[str, Any]:
+    return {"fsdp": True, "fsdp_config": {"activation_checkpointing": on}}
 
 
 @dataclass(frozen=True)
@@ -269,12 +314,21 @@ class Lightning(Stack):
 
     def body(self, setting: Setting, table: CostTable) -> list[str]:
         names = setting.values.get("activation_checkpointing_policy")
-        policy = f"activation_checkpointing_policy={{{', '.join(names)}}}" if names else ""
+        if not names:
+            return ["from lightning.pytorch.strategies import FSDPStrategy", "", "strategy = FSDPStrategy()"]
+        wanted = "{" + ", ".join(json.dumps(n) for n in names) + "}"
         return [
             "from lightning.pytorch.strategies import FSDPStrategy",
             "",
             f"# {_where_classes(table)}",
-            f"strategy = FSDPStrategy({policy})",
+            "# the classes taken by name from your model (model: the module you train, a LightningModule or the",
+            "# network inside it), so that no import of your model's module is needed",
+            f"names = {wanted}",
+            "policy = {type(m) for m in model.modules() if type(m).__name__ in names}",
+            "missing = names - {c.__name__ for c in policy}",
+            "if missing:",
+            '    raise ValueError(f"the model has no module of class {sorted(missing)}: name its classes in names")',
+            "strategy = FSDPStrategy(activation_checkpointing_policy=policy)",
         ]
 
     def notes(self, table: CostTable) -> list[str]:
@@ -301,15 +355,25 @@ def _classes(table: CostTable) -> tuple[list[str], list[str], list[str]]:
         if not _CLASS.fullmatch(parts[0]):
             return ["DecoderLayer"], ["Attention"], ["MLP"]
         layer[parts[0]] = None
-        attn[parts[0].replace("DecoderLayer", "Attention") if "DecoderLayer" in parts[0] else "Attention"] = None
-        mlp[parts[-1] if len(parts) > 1 and _CLASS.fullmatch(parts[-1]) else "MLP"] = None
+        mlp_class = parts[-1] if len(parts) > 1 and _CLASS.fullmatch(parts[-1]) else "MLP"
+        if "DecoderLayer" in parts[0]:
+            attn[parts[0].replace("DecoderLayer", "Attention")] = None
+        else:
+            attn[_OWN_ATTENTION.get(mlp_class, "Attention") if parts[0] == "Block" else "Attention"] = None
+        mlp[mlp_class] = None
     return list(layer), list(attn), list(mlp)
+
+
+_OWN_ATTENTION = {"SwiGLU": "GroupedQueryAttention", "GeluMLP": "CausalSelfAttention"}
+"""recompute's own models (``recompute.models``): a ``Block``'s attention class by its MLP's."""
 
 
 def _where_classes(table: CostTable) -> str:
     layer, attn, _ = _classes(table)
     if layer == ["DecoderLayer"]:
         return "DecoderLayer, Attention, MLP: your model's layer class and its attention and MLP sub-module classes"
+    if layer == ["Block"]:
+        return f"Block, {', '.join(attn)}: recompute.models' classes, as profiled"
     return f"{', '.join(layer)} from the profile; {', '.join(attn)} by transformers' naming: check the attention class"
 
 
@@ -339,7 +403,7 @@ STACKS: dict[str, Stack] = {
         source="transformers 5.24 TrainingArguments",
         suffix="py",
         words={"block": "activation_checkpointing"},
-        shapes="whole layers, on every layer or layers 0, k, 2k, ... (every_n_layers)",
+        shapes="whole layers, on every layer or layers 0, k, 2k, ... (every_n_layers); under FSDP every layer or none",
         missing={"offload": "offload=True keeps the checkpointed layers' inputs on the host, not this"},
         chunked="use_liger_kernel=True is close, not priced",
     ),

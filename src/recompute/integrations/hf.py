@@ -16,7 +16,8 @@ Transformers' own activation checkpointing (``TrainingArguments(activation_check
 whole layers on top of the plan: both are refused in one line, never silently combined or switched off.
 
 The callback also records the plan with the run: ``recompute_plan.json`` in ``output_dir`` when training
-begins, a summary line in the log, and the plan (without its frontier) in every checkpoint's
+begins, a summary line on stderr then (where the Trainer logs, unless its ``log_level`` is above warning; also
+to the ``recompute`` logger at INFO), and the plan (without its frontier) in every checkpoint's
 ``trainer_state.json`` (``stateful_callbacks``), from which a resumed run rebuilds the callback.
 
 Note: [the plan's workload] a plan is priced for one step (``Workload``): its precision, micro-batch, sharding.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -147,6 +149,10 @@ class RecomputeCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
             self._prepare(model, args)
         line = summary(self.plan)
         logger.info(line)
+        if args.should_log and args.get_process_log_level() <= logging.WARNING:
+            # Note: [seen by default] transformers logs at WARNING unless told otherwise, so an INFO line was never
+            # seen; once per train(), on the processes that log, unless log_level is above warning (issue 36).
+            print(line, file=sys.stderr)
         if state.is_world_process_zero and args.output_dir:
             out = Path(args.output_dir)
             out.mkdir(parents=True, exist_ok=True)

@@ -67,13 +67,23 @@ def answer_data(
     return out
 
 
+def _refused(reason: str) -> str:
+    """The planner's reason as one sentence: ``No plan fits 40.0 GiB: ...``; another reason is said to be why
+    nothing fits (the page read "Nothing fits. no plan fits 40.0 GiB: ...", issue 36)."""
+    text = reason.strip().rstrip(".")
+    if not text.lower().startswith(("no plan fits", "nothing fits")):
+        text = f"nothing fits: {text}"
+    return text[:1].upper() + text[1:] + "."
+
+
 def answer_html(a: dict[str, Any]) -> str:
     """The answer as a static block, first on the page."""
     head = f"What fits {escape(a['gpu'])}: budget {gib(a['budget'])} per GPU"
     if a.get("refusal"):
         return (
-            f"<section id='answer' class='answer none'><h2>{head}</h2><p class='verdict'>Nothing fits. "
-            f"{escape(a['refusal'])}</p><p>Plan it yourself: <code>{escape(a['command'])}</code></p></section>"
+            f"<section id='answer' class='answer none'><h2>{head}</h2><p class='verdict'>"
+            f"{escape(_refused(a['refusal']))}</p>"
+            f"<p>Plan it yourself: <code>{escape(a['command'])}</code></p></section>"
         )
     c = a["chosen"]
     used = min(1.0, c["peak"] / a["budget"]) if a["budget"] else 1.0
