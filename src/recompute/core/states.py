@@ -131,6 +131,6 @@ class Restate:
                 f"one-device step measured ({traced}), activations unchanged"
             )
         return (
-            f"model states priced for {self.wanted} precision ({sum(per.values()):g} B per parameter); the step ran "
-            f"in one dtype ({traced}), activations unchanged"
+            f"model states then priced for {self.wanted} precision ({sum(per.values()):g} B per parameter) instead "
+            f"of the traced step's {traced}; activations as traced"
         )

@@ -622,7 +622,7 @@ def _notes(
         *built.notes,
         "steady-state step: AdamW state exists, gradients "
         + ("stay allocated (zero_grad(set_to_none=False))" if wl.keep_grads else "start as None (zero_grad())")
-        + f"; parameters, gradients and AdamW state in {wl.param_dtype}"
+        + f"; traced with parameters, gradients and AdamW state in {wl.param_dtype}"
         + (f"; forward and loss under {wl.dtype} autocast{_autocast_rules(wl)}" if wl.precision == AMP else ""),
     ]
     notes += rank_notes(wl)
