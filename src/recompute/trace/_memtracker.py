@@ -68,6 +68,9 @@ _MOD_TRACKER_MEMBERS = ("parents", "is_bw", "get_known_fqn")
 """And its ModTracker's."""
 
 
+_LEAVES = (torch.Tensor, int, float, bool, torch.SymInt)
+"""What an op's flat tuple or list of outputs may hold to be walked without pytree (``_track_outputs``)."""
+
 _PROPAGATING: list[None] = []
 """Non-empty while DTensor infers an op's output shape (``sharding_propagation``)."""
 
@@ -176,9 +179,25 @@ class PortableMemTracker(MemTracker):
         # A fake wait_tensor returns a new tensor; a real one returns its input.
         out = args[0] if func is _WAIT and active_fake_mode() is not None else func(*args, **kwargs)
         if active_fake_mode() is self._entry_mode and not propagating():  # not DTensor's shape propagation
-            tree_map_only(torch.Tensor, partial(self._track, self._reftype()), out)
+            self._track_outputs(out)
             self._update_peak_stats(self._peak_state())
         return out
+
+    def _track_outputs(self, out: Any) -> None:
+        """MemTracker's ``_track`` of every tensor ``out`` holds, in order.
+
+        Note: [outputs without pytree] an op returns a tensor or a flat tuple or list of them (with None or
+        numbers) nearly always; those are walked here, without ``tree_map_only``'s flattening and rebuilding (a
+        tenth of a fake step's time), in the order it visits them. Anything else goes through it as before."""
+        reftype = self._reftype()
+        if isinstance(out, torch.Tensor):
+            self._track(reftype, out)
+        elif type(out) in (tuple, list) and all(x is None or isinstance(x, _LEAVES) for x in out):
+            for x in out:
+                if isinstance(x, torch.Tensor):
+                    self._track(reftype, x)
+        else:
+            tree_map_only(torch.Tensor, partial(self._track, reftype), out)
 
     def _device_query(self, func: Any, args: Any, kwargs: Any) -> Any:
         """``prim.device``: allocates nothing; note the peak, and raise nothing (Note: [no abort]).
