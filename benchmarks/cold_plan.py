@@ -1,0 +1,136 @@
+"""How long a cold ``recompute plan --model config.json`` takes (nothing in the profile store), before and after
+issue 39 item 1, side by side in one run, and whether the profiles it stores are the same.
+
+Targets (issue 39, item 1): a cold plan of a model up to 3B in under 10 s, of an 8B in under 20 s, on a quiet
+machine. Each plan runs in a child process (``python -m recompute plan``) with a store of its own (an empty
+``$RECOMPUTE_CACHE``), alternating the code before (``--before``, a git revision of this repository, exported to a
+temporary folder) and after (this tree). Its seconds are wall time around the child, its CPU seconds the child's
+(``resource.getrusage(RUSAGE_CHILDREN)``): the machine is shared, so the CPU seconds are the steadier figure. The
+profiles each stores (both loss modes: the plan weighs the chunked loss too) are compared byte for byte, less
+their ``seconds``.
+
+    python benchmarks/cold_plan.py [--runs 2] [--before 9727924] [--models tiny qwen2.5-1.5b]
+
+Writes benchmarks/results/cold_plan.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "benchmarks" / "configs"
+
+MODELS = {
+    "tiny": ("qwen2.5-1.5b.json", 2),  # Qwen2.5-1.5B's shape cut to 2 layers: the cost a model's size does not set
+    "qwen2.5-1.5b": ("qwen2.5-1.5b.json", None),
+    "llama-3.2-3b": ("llama-3.2-3b.json", None),
+}
+"""Name -> (config in benchmarks/configs, layers kept or None for all)."""
+
+ARGS = ("--gpu", "rtx4090-24gb", "--seq-len", "1024")
+
+
+def export(revision: str, folder: Path) -> Path:
+    """``revision``'s ``src`` folder, exported under ``folder``."""
+    archive = folder / "before.tar"
+    with archive.open("wb") as f:
+        subprocess.run(["git", "-C", str(ROOT), "archive", revision, "src"], stdout=f, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder / "before", filter="data")
+    return folder / "before" / "src"
+
+
+def cold_plan(src: Path, config: Path, store: Path) -> dict[str, Any]:
+    """One cold plan in a child process importing ``recompute`` from ``src``, with an empty store at ``store``."""
+    env = {**os.environ, "PYTHONPATH": str(src), "RECOMPUTE_CACHE": str(store)}
+    load, cpu, start = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "recompute", "plan", "--model", str(config), *ARGS],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    seconds, used = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = used.ru_utime - cpu.ru_utime + used.ru_stime - cpu.ru_stime
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "rc": done.returncode, "load_before": load, "last": last}
+
+
+def stored(store: Path) -> dict[str, Any]:
+    """The profiles a plan stored, by file name, less their ``seconds`` (the only field timing sets)."""
+    return {
+        path.name: {k: v for k, v in json.loads(path.read_text()).items() if k != "seconds"}
+        for path in sorted(store.rglob("*.json"))
+    }
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "median_s": statistics.median(r["seconds"] for r in runs),
+        "median_cpu_s": statistics.median(r["cpu_seconds"] for r in runs),
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--before", default="9727924", help="the revision whose cold plan is timed as before")
+    parser.add_argument("--models", nargs="+", default=["tiny", "qwen2.5-1.5b"], choices=list(MODELS))
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp())
+    before_src, after_src = export(args.before, folder), ROOT / "src"
+    results: dict[str, Any] = {}
+    for name in args.models:
+        file, n_layers = MODELS[name]
+        config = json.loads((CONFIGS / file).read_text())
+        if n_layers is not None:
+            config["num_hidden_layers"] = n_layers
+        path = folder / f"{name}.json"
+        path.write_text(json.dumps(config))
+        runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+        same = True
+        for i in range(args.runs):
+            found = {}
+            for side, src in (("before", before_src), ("after", after_src)):
+                store = folder / f"{name}-{side}-{i}"
+                runs[side].append(cold_plan(src, path, store))
+                found[side] = stored(store)
+            same = same and bool(found["before"]) and found["before"] == found["after"]
+        results[name] = {"config": file, "layers": n_layers or config["num_hidden_layers"], "same_profiles": same}
+        results[name] |= {side: _summary(r) for side, r in runs.items()}
+        b, a = results[name]["before"], results[name]["after"]
+        print(
+            f"{name}: before {b['median_s']:.1f} s ({b['median_cpu_s']:.1f} s CPU), after {a['median_s']:.1f} s "
+            f"({a['median_cpu_s']:.1f} s CPU); the same profiles stored: {same}"
+        )
+    result = {
+        "plan": f"recompute plan --model CONFIG {' '.join(ARGS)} (an empty store)",
+        "before_revision": args.before,
+        "models": results,
+        "targets": {"up_to_3b_s": 10, "8b_s": 20},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "command": f"python benchmarks/cold_plan.py --runs {args.runs} --before {args.before} --models "
+        + " ".join(args.models),
+    }
+    out = Path(__file__).parent / "results" / "cold_plan.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
