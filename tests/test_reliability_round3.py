@@ -102,10 +102,17 @@ def test_a_config_size_of_the_wrong_type_is_one_line_in_the_analytic_model_too(
     assert refused(capsys, "trace", "--model", str(path), "--seq-len", "16").endswith(says)
 
 
-@pytest.mark.parametrize("consider", [None, "offload", 5, ["offload", 3]])
+@pytest.mark.parametrize("consider", ["offload", 5, ["offload", 3]])
 def test_plan_consider_must_be_a_list_of_names(consider: Any) -> None:
     with pytest.raises(ConfigError, match="consider must be a list of offload and chunked"):
         recompute.plan("gpt2", "3GiB", seq_len=512, consider=consider)
+
+
+def test_plan_consider_none_is_the_default_set() -> None:
+    """``consider=None`` was a TypeError (not iterable); it means what leaving it out means: offload and chunked."""
+    assert recompute.plan("gpt2", "3GiB", seq_len=512, cost="flops", consider=None) == recompute.plan(
+        "gpt2", "3GiB", seq_len=512, cost="flops"
+    )
 
 
 def test_a_profile_of_a_pipeline_is_refused_with_a_warm_cache(
@@ -117,7 +124,7 @@ def test_a_profile_of_a_pipeline_is_refused_with_a_warm_cache(
     assert main(["profile", "--model", str(path), "--seq-len", "16", "--no-time"]) == 0
     capsys.readouterr()
     line = refused(capsys, "profile", "--model", str(path), "--seq-len", "16", "--pp", "2", "--no-time")
-    assert "a profile measures one device's step; drop --tp, --pp and --dp" in line
+    assert "a profile measures one device's step (or one FSDP rank's, with --fsdp); drop --pp 2 (recompute" in line
 
 
 @pytest.mark.parametrize(
@@ -155,3 +162,18 @@ def test_questionable_inputs_are_refused(tmp_path: Path, capsys: pytest.CaptureF
         capsys, "estimate", "--model", "gpt2", "--gpu", "a100-80gb", "--device-profile", str(tmp_path / "h100.json")
     )
     assert "--gpu a100-80gb and --device-profile" in line and "name two devices; give one of them" in line
+
+
+def test_refusals_name_only_the_flags_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pp 2`` alone was told "drop --tp, --pp and --dp"; ``--every`` alone "--every/--first apply to ..."."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    line = refused(capsys, "plan", "--model", str(path), "--seq-len", "16", "--tp", "2", "--budget", "1GiB")
+    assert line.endswith(
+        "a profile measures one device's step; drop --tp 2 (recompute estimate --analytic models them)"
+    )
+    line = refused(capsys, "estimate", "--model", "gpt2", "--no-time", "--policy", "block:every=2", "--every", "3")
+    assert line.endswith(
+        "--every applies to a plain policy name, not to 'block:every=2'; drop --every or give the layers in the "
+        "name (NAME:every=K)"
+    )

@@ -350,7 +350,9 @@ def test_calibrate_and_bench_predict_this_cpu(tmp_path: Path, capsys: pytest.Cap
     assert d.kind == "cpu" and d.threads == 1 and d.overhead > 0 and "gelu_backward" in d.ops
     assert d.host is not None and min(d.host.kernel, d.host.replay, d.host.optimizer) >= d.overhead
     assert "gpt: forward and backward" in d.host.source  # --quick times the host on one model
-    assert d.rate("matmul", "float32", 1e9) > 1e9  # more than a GFLOP/s on any CPU this runs on
+    # a measured rate is finite and positive; how high is a timing a loaded machine moves (issue 38: no unit test
+    # asserts a figure load can break; benchmarks/time_model.py measures the predictions)
+    assert 0 < d.rate("matmul", "float32", 1e9) < float("inf")
     argv = ["bench", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "32", "--micro-batch", "2"]
     assert main([*argv, "--steps", "1", "--policies", "none,block", "--device-profile", str(out), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]

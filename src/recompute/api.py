@@ -89,7 +89,7 @@ def plan(
     compiled: bool = False,
     seq_len: int | Workload | None = None,
     cost: str = "time",
-    consider: Sequence[str] = ("offload", "chunked"),
+    consider: Sequence[str] | None = None,
     host_budget: str | float | None = None,
     trace: bool = False,
     **workload: Any,
@@ -105,7 +105,8 @@ def plan(
         compiled: price the step as run under ``torch.compile`` or CUDA graphs (no eager host dispatch).
         seq_len: tokens per sequence, or a whole ``Workload``.
         cost: ``time`` (predicted on the device) or ``flops``.
-        consider: besides recomputation, ``offload`` and ``chunked`` (the chunked loss).
+        consider: besides recomputation, ``offload`` and ``chunked`` (the chunked loss); None (the default): both,
+            ``()``: recomputation alone.
         host_budget: host memory per GPU the offloaded layers may take.
         trace: check the chosen plan's peak on the real step (fake tensors) and re-plan until it fits; on CUDA
             what must fit is what the caching allocator reserves over its steps (a GPU's budget then leaves out
@@ -116,6 +117,7 @@ def plan(
         ConfigError: nothing fits (the message says the smallest achievable peak and what would fit), or bad input.
     """
     require(cost in ("time", "flops"), f"cost must be time or flops, got {cost!r}", fields=("cost",))
+    consider = ("offload", "chunked") if consider is None else consider  # None: the default set (issue 38)
     require(
         isinstance(consider, (list, tuple, set, frozenset)) and all(isinstance(c, str) for c in consider),
         f"consider must be a list of offload and chunked (or empty: recomputation alone), got {consider!r}",
