@@ -177,3 +177,14 @@ def test_refusals_name_only_the_flags_given(tmp_path: Path, capsys: pytest.Captu
         "--every applies to a plain policy name, not to 'block:every=2'; drop --every or give the layers in the "
         "name (NAME:every=K)"
     )
+
+
+def test_a_policy_file_without_its_name_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``{"every": 2}`` (hand-written) was read as block every second layer: the name's default."""
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"every": 2}))
+    line = refused(capsys, "estimate", "--model", "gpt2", "--no-time", "--policy", str(path))
+    assert line.endswith(
+        "a policy states its name (none, core_attn, attn, mlp, attn+mlp, block, experts, offload); got only the "
+        "keys ['every']"
+    )

@@ -224,6 +224,11 @@ class Policy:
         known = {"name", "every", "first", "layers", "save_ops", "offload", "model"}
         unknown = sorted(set(data) - known - {"format"})
         require(not unknown, f"unknown policy keys {unknown}; expected some of {sorted(known)}")
+        require(  # to_dict always writes it: {} was read as block, every layer recomputed (issue 38)
+            "name" in data,
+            f"a policy states its name ({', '.join(ALL_POLICIES)}); got "
+            + (f"only the keys {sorted(data)}" if data else "an empty map"),
+        )
         kwargs = {k: v for k, v in data.items() if k in known}
         for key in ("layers", "save_ops"):
             if kwargs.get(key) is not None:

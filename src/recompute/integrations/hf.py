@@ -53,7 +53,7 @@ from recompute.core.policy import Policy
 from recompute.core.pricing import choose_device
 from recompute.core.results import read_json
 from recompute.core.table import gib
-from recompute.core.workload import AMP, build_workload, workload_fields
+from recompute.core.workload import AMP, LOSSES, build_workload, workload_fields
 from recompute.models.source import ModelSource
 from recompute.planning import cost_tables
 
@@ -88,6 +88,7 @@ def prepare(
     """
     if args is not None:
         _refuse_checkpointing(args)
+    _check_apply_options(apply_options)
     apply(model, _as_data(plan), **apply_options)
 
 
@@ -126,6 +127,8 @@ class RecomputeCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
         **apply_options: Any,
     ) -> None:
         self.plan = _as_data(plan)
+        require(isinstance(replan, bool), f"replan must be True or False, got {replan!r}", fields=("replan",))
+        _check_apply_options(apply_options)  # at construction: the Trainer's would fail at its first step
         self.replan = replan
         self.apply_options = apply_options
 
@@ -261,6 +264,27 @@ def _replanned(model: nn.Module, plan: Mapping[str, Any], run: Mapping[str, tupl
     result = plan_tables(found.tables, float(plan["budget"]), alternatives=found.alternatives, notes=found.notes)
     logger.warning("recompute: planned this Trainer's step again (%s)", result.policy.describe())
     return result.to_dict()
+
+
+_APPLY_OPTIONS = ("layers", "attn", "mlp", "loss", "loss_chunk")
+"""``recompute.apply``'s keywords, which ``prepare`` and ``RecomputeCallback`` pass on."""
+
+
+def _check_apply_options(options: Mapping[str, Any]) -> None:
+    """Refuse an option ``recompute.apply`` does not take, or one of the wrong type, before the Trainer runs.
+
+    Raises:
+        ConfigError: the first such option, with what it takes.
+    """
+    unknown = sorted(set(options) - set(_APPLY_OPTIONS))
+    require(not unknown, f"unknown options {unknown}; recompute.apply takes {', '.join(_APPLY_OPTIONS)}")
+    for key in ("layers", "attn", "mlp"):
+        value = options.get(key)
+        require(value is None or isinstance(value, str), f"{key} must be a name (a str), got {value!r}", fields=(key,))
+    loss, chunk = options.get("loss"), options.get("loss_chunk")
+    require(loss in (None, *LOSSES), f"loss must be one of {', '.join(LOSSES)}, got {loss!r}", fields=("loss",))
+    whole = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
+    require(chunk is None or whole, f"loss_chunk must be a positive integer, got {chunk!r}", fields=("loss_chunk",))
 
 
 def _as_data(plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any]) -> dict[str, Any]:
