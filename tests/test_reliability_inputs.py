@@ -304,6 +304,10 @@ DAMAGED = {
         "workload is not one recompute takes (seq_len must be a positive integer, got -5)",
     ),
     "zero FLOPs": (lambda d: d.update(step_flops=0), "step_flops must be a positive integer, got 0"),
+    "negative fixed bytes": (  # was "the profile's ['fixed']['optimizer step']": an empty field name
+        lambda d: d["fixed"].update({"optimizer step": -5}),
+        "the profile's fixed['optimizer step'] must be a non-negative integer, got -5",
+    ),
     "a kind's layers": (lambda d: d["kinds"][0].update(layers=[0]), "kinds[0].layers must be the layers whose"),
     "20,000 layers": (
         lambda d: d.update(layer_kind=[0] * 20_000),

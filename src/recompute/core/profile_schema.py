@@ -219,7 +219,8 @@ def check_profile_dict(data: Mapping[str, Any]) -> None:
     for key in ("step_flops", "tokens"):  # the step's FLOPs and tokens divide
         if data.get(key) == 0:
             raise _bad(key, "a positive integer", 0)
-    _nested_counts("", {"fixed": data["fixed"]})
+    for phase, value in data["fixed"].items():  # named fixed[...], not the empty field's ['fixed'][...] (issue 38)
+        _int(f"fixed[{phase!r}]", value)
     _work("outer_work", data.get("outer_work") or {})
     for phase, pair in (data.get("phase_states") or {}).items():
         if not (isinstance(pair, list) and len(pair) == 2):
