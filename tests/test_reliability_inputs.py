@@ -308,6 +308,10 @@ DAMAGED = {
         lambda d: d["fixed"].update({"optimizer step": -5}),
         "the profile's fixed['optimizer step'] must be a non-negative integer, got -5",
     ),
+    "negative forward op count": (
+        lambda d: d["kinds"][0]["forward_ops"].update(mm=-1),
+        "the profile's kinds[0].forward_ops['mm'] must be a non-negative integer, got -1",
+    ),
     "a kind's layers": (lambda d: d["kinds"][0].update(layers=[0]), "kinds[0].layers must be the layers whose"),
     "20,000 layers": (
         lambda d: d.update(layer_kind=[0] * 20_000),

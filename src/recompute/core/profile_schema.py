@@ -132,7 +132,8 @@ def _kind(i: int, kind: Any, n_layers: int) -> tuple[str, ...]:
     _int(f"{where}.forward_flops", kind["forward_flops"])
     for key in ("components", "ops", "backward_ops"):
         _nested_counts(f"{where}.{key}", kind[key])
-    _nested_counts(where, {"forward_ops": kind["forward_ops"]})
+    for op, count in kind["forward_ops"].items():  # kinds[0].forward_ops['mm'], as the others are named
+        _int(f"{where}.forward_ops[{op!r}]", count)
     for key in ("forward_work", "backward_work"):
         work = kind.get(key) or {}
         if work and not set(policies) <= set(work):
