@@ -185,6 +185,27 @@ def test_a_policy_file_without_its_name_is_refused(tmp_path: Path, capsys: pytes
     path.write_text(json.dumps({"every": 2}))
     line = refused(capsys, "estimate", "--model", "gpt2", "--no-time", "--policy", str(path))
     assert line.endswith(
-        "a policy states its name (none, core_attn, attn, mlp, attn+mlp, block, experts, offload); got only the "
-        "keys ['every']"
+        "a policy states its name (none, core_attn, attn, mlp, attn+mlp, block, experts, offload) or one per layer "
+        "(layers); got only the keys ['every']"
     )
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"budget": "abc"}, "the plan's budget must be a positive finite number, got 'abc'"),
+        ({"policy": {"name": "block", "layers": "blockblock"}}, "a policy's layers must be a list of names"),
+        ({"policy": {"name": "block", "save_ops": 5}}, "a policy's save_ops must be a list of names, got 5"),
+        ({"policy": {"name": "block", "offload": "yes"}}, "a policy's offload must be true or false, got 'yes'"),
+    ],
+    ids=["budget", "layers a string", "save_ops a number", "offload a string"],
+)
+def test_a_damaged_plan_passed_as_a_policy_is_refused(
+    plan_data: dict[str, Any], change: dict[str, Any], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``estimate --policy plan.json`` read the policy alone: a budget of "abc" passed, layers "blockblock" were
+    read letter by letter ("'b' is not a policy") and an offload of "yes" was taken as true."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan_data, **change}))
+    line = refused(capsys, "estimate", "--model", "gpt2", "--no-time", "--policy", str(path))
+    assert line.startswith(f"recompute estimate: error: policy file '{path}': ") and says in line, line
