@@ -172,6 +172,13 @@ def test_refusals_name_only_the_flags_given(tmp_path: Path, capsys: pytest.Captu
     assert line.endswith(
         "a profile measures one device's step; drop --tp 2 (recompute estimate --analytic models them)"
     )
+    line = refused(capsys, "bench", "--model", str(path), "--seq-len", "16", "--steps", "1", "--no-time", "--dp", "2")
+    assert line.endswith(
+        f"--dp 2 bench recompute's reference GPT/Llama (recompute.parallel), not {path}; drop --dp 2, or bench a preset"
+    )
+    small = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--no-time"]
+    line = refused(capsys, "bench", *small, "--steps", "2", "--rounds", "2", "--dp", "2")
+    assert line.endswith("--rounds is the one-process bench's; drop it under --dp 2")
     line = refused(capsys, "estimate", "--model", "gpt2", "--no-time", "--policy", "block:every=2", "--every", "3")
     assert line.endswith(
         "--every applies to a plain policy name, not to 'block:every=2'; drop --every or give the layers in the "
