@@ -108,6 +108,20 @@ def test_plan_consider_must_be_a_list_of_names(consider: Any) -> None:
         recompute.plan("gpt2", "3GiB", seq_len=512, consider=consider)
 
 
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"gpu": 5}, "gpu must be a GPU's name, got 5"),  # was an AttributeError ('int' has no attribute 'strip')
+        ({"compiled": "no"}, "compiled must be True or False, got 'no'"),  # was taken as true
+        ({"trace": "yes"}, "trace must be True or False, got 'yes'"),
+    ],
+    ids=["gpu a number", "compiled a string", "trace a string"],
+)
+def test_plan_options_of_the_wrong_type_are_refused(options: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{says}$"):
+        recompute.plan("gpt2", "3GiB", seq_len=512, **options)
+
+
 def test_plan_consider_none_is_the_default_set() -> None:
     """``consider=None`` was a TypeError (not iterable); it means what leaving it out means: offload and chunked."""
     assert recompute.plan("gpt2", "3GiB", seq_len=512, cost="flops", consider=None) == recompute.plan(
