@@ -240,6 +240,14 @@ def test_an_accelerate_loop_for_another_step_is_refused(
     assert applied_policy(model) is None
 
 
+def test_prepare_refuses_what_is_not_an_accelerator(planned: tuple[Path, Path, dict[str, Any]]) -> None:
+    folder, plan_path, _ = planned
+    model = build(folder)
+    with pytest.raises(ConfigError, match=r"^accelerator= takes the loop's accelerate\.Accelerator, got a str$"):
+        prepare(model, None, plan_path, accelerator="cpu")
+    assert applied_policy(model) is None
+
+
 def test_accelerates_fsdp_plugin_is_read_and_its_own_checkpointing_refused() -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin as Plugin
 

@@ -104,6 +104,10 @@ def prepare(
     check_apply_options(apply_options)
     data = plan_data(plan)
     if accelerator is not None:
+        require(
+            all(hasattr(accelerator, a) for a in ("mixed_precision", "gradient_accumulation_steps", "state")),
+            f"accelerator= takes the loop's accelerate.Accelerator, got a {type(accelerator).__name__}",
+        )
         run = accelerator_workload(accelerator, model)
         differ = differences(data.get("workload"), run)
         if differ:
