@@ -25,6 +25,7 @@ from typing import Any
 from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.files import atomic_write, is_path
 from recompute.core.identity import ModelId
+from recompute.core.plan_schema import check_plan_dict
 from recompute.core.results import read_json
 
 __all__ = [
@@ -240,8 +241,6 @@ class Policy:
     @classmethod
     def load(cls, path: str | Path) -> Policy:
         """Read a policy or plan JSON file."""
-        from recompute.core.plan_file import check_plan_dict  # plan_file builds on this module
-
         data = read_json(path, "policy file", "pass a policy name or a file written by `recompute plan -o`")
         try:
             check_plan_dict(data)  # a plan file's figures too: one schema for every reader (issue 38)
