@@ -258,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_truth: --device cuda needs a GPU; use --device cpu --tiny for the CPU check", file=sys.stderr)
         return 2
+    labels = [c.label for c in CASES]
+    unknown = sorted(set(args.only.split(",")) - set(labels)) if args.only else []
+    if unknown or not args.budget_s > 0:
+        why = f"--only names no case {', '.join(unknown)}; the cases: {', '.join(labels)}" if unknown else ""
+        print(f"gpu_truth: {why or f'--budget-s must be a positive number of seconds, got {args.budget_s:g}'}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.tiny:
         torch.set_num_threads(1)  # tiny steps wait on a second thread more than it helps (tests/conftest.py)
     out = Path(args.out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -170,3 +171,26 @@ def test_torch_free_commands_import_no_torch(command: str) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+COMMON_ROW = {"policy", "per_layer", "peak", "peak_phase", "activation_bytes", "recompute_flops", "host"}
+"""The fields every estimate row has, whatever the model source (docs/json.md)."""
+
+
+def test_json_has_one_shape_for_every_model_source(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    config = {"model_type": "qwen2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96}
+    config |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shapes = []
+    for model in ("gpt2", str(tmp_path / "config.json")):
+        code, out, _ = run(capsys, "estimate", "--model", model, "--seq-len", "64", "--no-time", "--json")
+        assert code == 0
+        data = json.loads(out)
+        assert data["format"] == "recompute.estimate/2" and data["workload"]["seq_len"] == 64
+        assert [row["policy"] for row in data["policies"]][:6] == list(POLICIES)
+        for row in [*data["policies"], data["chosen"]]:
+            assert set(row) >= COMMON_ROW, COMMON_ROW - set(row)
+            assert row["peak"] > 0 and len(row["per_layer"]) in (2, 12)
+        shapes.append((data["source"], set(data) - {"profile"}))
+    assert shapes == [("analytic", shapes[0][1]), ("profile", shapes[0][1])]

@@ -230,3 +230,17 @@ def test_bench_fsdp_sets_each_real_rank_beside_its_trace() -> None:
         assert {k: row["states"][k] for k in want} == want
         extra = {ph: v - row["traced_phases"][ph] for ph, v in row["phases"].items() if v != row["traced_phases"][ph]}
         assert all(v > 0 and (ph.startswith("backward") or ph == "optimizer step") for ph, v in extra.items())
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh", "says"),
+    [("gpt", None, "shard takes a DeviceMesh of the data-parallel ranks, got a NoneType"),
+     ("not a model", None, "shard takes the model (a torch.nn.Module), got a str")],
+)  # fmt: skip
+def test_shard_refuses_what_is_not_a_model_or_a_mesh(model: Any, mesh: Any, says: str) -> None:
+    from recompute.parallel import shard
+
+    module = build_source(ModelSource.preset(tiny_gpt(2)), device="meta").model if model == "gpt" else model
+    with pytest.raises(ConfigError) as refused:
+        shard(module, mesh)
+    assert str(refused.value).startswith(says)

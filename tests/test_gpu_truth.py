@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_truth.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -45,3 +46,16 @@ def test_the_tiny_run_holds_every_prediction_within_one_percent(tmp_path: Path) 
         if made.plan:
             plan = case["plan"]
             assert case["rows"][0]["policy"] == plan["policy"] and plan["planned_peak"] <= plan["budget"]
+
+
+def test_bad_arguments_are_one_line_before_any_case(capsys: Any, tmp_path: Path) -> None:
+    from gpu_truth import main
+
+    for argv, says in [
+        (["--only", "nonsense"], "gpu_truth: --only names no case nonsense; the cases: "),
+        (["--budget-s", "-5"], "gpu_truth: --budget-s must be a positive number of seconds, got -5"),
+    ]:
+        assert main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "x.json"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(says) and len(err.splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()

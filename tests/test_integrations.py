@@ -240,6 +240,14 @@ def test_an_accelerate_loop_for_another_step_is_refused(
     assert applied_policy(model) is None
 
 
+def test_prepare_refuses_what_is_not_an_accelerator(planned: tuple[Path, Path, dict[str, Any]]) -> None:
+    folder, plan_path, _ = planned
+    model = build(folder)
+    with pytest.raises(ConfigError, match=r"^accelerator= takes the loop's accelerate\.Accelerator, got a str$"):
+        prepare(model, None, plan_path, accelerator="cpu")
+    assert applied_policy(model) is None
+
+
 def test_accelerates_fsdp_plugin_is_read_and_its_own_checkpointing_refused() -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin as Plugin
 
@@ -399,3 +407,22 @@ def test_the_plan_summary_shows_by_default(
     assert line.startswith(f"recompute: {Policy.from_dict(plan).describe()}; chunked loss for 'tiny-qwen'")
     assert " predicted peak " in line
     assert lines == ([] if log_level == "error" else [line])
+
+
+@pytest.mark.parametrize(
+    ("plan", "options", "says"),
+    [
+        ("block", {"lol": 3}, "unknown options ['lol']; recompute.apply takes layers, attn, mlp, loss, loss_chunk"),
+        ("block", {"loss": "partial"}, "loss must be one of full, chunked, got 'partial'"),
+        ("block", {"loss_chunk": -1}, "loss_chunk must be a positive integer, got -1"),
+        ("block", {"attn": 3}, "attn must be a name (a str), got 3"),
+        ("block", {"replan": "yes"}, "replan must be True or False, got 'yes'"),
+        ({}, {}, "a policy states its name (none, core_attn"),
+    ],
+    ids=["unknown option", "loss mode", "loss chunk", "attn", "replan", "empty policy"],
+)
+def test_the_callback_refuses_bad_options_at_construction(plan: Any, options: dict[str, Any], says: str) -> None:
+    """Issue 38: accepted, these failed at the Trainer's construction or first step (``{}`` was read as block)."""
+    with pytest.raises(ConfigError) as caught:
+        RecomputeCallback(plan, **options)
+    assert says in str(caught.value)

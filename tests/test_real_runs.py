@@ -91,9 +91,17 @@ def test_bench_runs_a_factory(capsys: pytest.CaptureFixture[str]) -> None:
     ("command", "argv", "message"),
     [
         ("bench", ["--layers", "1"], "--layers resizes presets; {path} is built as it is"),
-        ("bench", ["--tp", "2"], "--tp/--dp bench recompute's reference GPT/Llama"),
+        (
+            "bench",
+            ["--tp", "2"],
+            "--tp 2 bench recompute's reference GPT/Llama (recompute.parallel), not {path}; drop --tp 2,",
+        ),
         ("train", ["--hidden", "32"], "--hidden resizes presets; {path} is trained as it is"),
-        ("train", ["--tp", "2"], "--tp/--dp train recompute's reference GPT/Llama (recompute.parallel), not {path}"),
+        (
+            "train",
+            ["--tp", "2"],
+            "--tp 2 train recompute's reference GPT/Llama (recompute.parallel), not {path}; drop --tp 2,",
+        ),
         ("train", ["--seq-len", "128"], "--seq-len 128 exceeds the model's 64 positions"),
     ],
 )

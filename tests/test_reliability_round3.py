@@ -102,10 +102,31 @@ def test_a_config_size_of_the_wrong_type_is_one_line_in_the_analytic_model_too(
     assert refused(capsys, "trace", "--model", str(path), "--seq-len", "16").endswith(says)
 
 
-@pytest.mark.parametrize("consider", [None, "offload", 5, ["offload", 3]])
+@pytest.mark.parametrize("consider", ["offload", 5, ["offload", 3]])
 def test_plan_consider_must_be_a_list_of_names(consider: Any) -> None:
     with pytest.raises(ConfigError, match="consider must be a list of offload and chunked"):
         recompute.plan("gpt2", "3GiB", seq_len=512, consider=consider)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"gpu": 5}, "gpu must be a GPU's name, got 5"),  # was an AttributeError ('int' has no attribute 'strip')
+        ({"compiled": "no"}, "compiled must be True or False, got 'no'"),  # was taken as true
+        ({"trace": "yes"}, "trace must be True or False, got 'yes'"),
+    ],
+    ids=["gpu a number", "compiled a string", "trace a string"],
+)
+def test_plan_options_of_the_wrong_type_are_refused(options: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{says}$"):
+        recompute.plan("gpt2", "3GiB", seq_len=512, **options)
+
+
+def test_plan_consider_none_is_the_default_set() -> None:
+    """``consider=None`` was a TypeError (not iterable); it means what leaving it out means: offload and chunked."""
+    assert recompute.plan("gpt2", "3GiB", seq_len=512, cost="flops", consider=None) == recompute.plan(
+        "gpt2", "3GiB", seq_len=512, cost="flops"
+    )
 
 
 def test_a_profile_of_a_pipeline_is_refused_with_a_warm_cache(
@@ -117,7 +138,7 @@ def test_a_profile_of_a_pipeline_is_refused_with_a_warm_cache(
     assert main(["profile", "--model", str(path), "--seq-len", "16", "--no-time"]) == 0
     capsys.readouterr()
     line = refused(capsys, "profile", "--model", str(path), "--seq-len", "16", "--pp", "2", "--no-time")
-    assert "a profile measures one device's step; drop --tp, --pp and --dp" in line
+    assert "a profile measures one device's step (or one FSDP rank's, with --fsdp); drop --pp 2 (recompute" in line
 
 
 @pytest.mark.parametrize(
@@ -155,3 +176,57 @@ def test_questionable_inputs_are_refused(tmp_path: Path, capsys: pytest.CaptureF
         capsys, "estimate", "--model", "gpt2", "--gpu", "a100-80gb", "--device-profile", str(tmp_path / "h100.json")
     )
     assert "--gpu a100-80gb and --device-profile" in line and "name two devices; give one of them" in line
+
+
+def test_refusals_name_only_the_flags_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pp 2`` alone was told "drop --tp, --pp and --dp"; ``--every`` alone "--every/--first apply to ..."."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    line = refused(capsys, "plan", "--model", str(path), "--seq-len", "16", "--tp", "2", "--budget", "1GiB")
+    assert line.endswith(
+        "a profile measures one device's step; drop --tp 2 (recompute estimate --analytic models them)"
+    )
+    line = refused(capsys, "bench", "--model", str(path), "--seq-len", "16", "--steps", "1", "--no-time", "--dp", "2")
+    assert line.endswith(
+        f"--dp 2 bench recompute's reference GPT/Llama (recompute.parallel), not {path}; drop --dp 2, or bench a preset"
+    )
+    small = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--no-time"]
+    line = refused(capsys, "bench", *small, "--steps", "2", "--rounds", "2", "--dp", "2")
+    assert line.endswith("--rounds is the one-process bench's; drop it under --dp 2")
+    line = refused(capsys, "estimate", "--model", "gpt2", "--no-time", "--policy", "block:every=2", "--every", "3")
+    assert line.endswith(
+        "--every applies to a plain policy name, not to 'block:every=2'; drop --every or give the layers in the "
+        "name (NAME:every=K)"
+    )
+
+
+def test_a_policy_file_without_its_name_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``{"every": 2}`` (hand-written) was read as block every second layer: the name's default."""
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"every": 2}))
+    line = refused(capsys, "estimate", "--model", "gpt2", "--no-time", "--policy", str(path))
+    assert line.endswith(
+        "a policy states its name (none, core_attn, attn, mlp, attn+mlp, block, experts, offload) or one per layer "
+        "(layers); got only the keys ['every']"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"budget": "abc"}, "the plan's budget must be a positive finite number, got 'abc'"),
+        ({"policy": {"name": "block", "layers": "blockblock"}}, "a policy's layers must be a list of names"),
+        ({"policy": {"name": "block", "save_ops": 5}}, "a policy's save_ops must be a list of names, got 5"),
+        ({"policy": {"name": "block", "offload": "yes"}}, "a policy's offload must be true or false, got 'yes'"),
+    ],
+    ids=["budget", "layers a string", "save_ops a number", "offload a string"],
+)
+def test_a_damaged_plan_passed_as_a_policy_is_refused(
+    plan_data: dict[str, Any], change: dict[str, Any], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``estimate --policy plan.json`` read the policy alone: a budget of "abc" passed, layers "blockblock" were
+    read letter by letter ("'b' is not a policy") and an offload of "yes" was taken as true."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan_data, **change}))
+    line = refused(capsys, "estimate", "--model", "gpt2", "--no-time", "--policy", str(path))
+    assert line.startswith(f"recompute estimate: error: policy file '{path}': ") and says in line, line

@@ -135,13 +135,18 @@ def _device_json(**changes: object) -> str:
         (_device_json(network={"collectives": {"all_reduce": [[1, 1e9]]}, "ranks": "two"}), "non-negative integer"),
         (_device_json(network={"collectives": {"all_reduce": [[1, 1e9]]}}), "measured on \\(at least 2\\), got 0"),
         (_device_json(network={"notes": 5}), "'network.notes' must be a list of strings"),
+        (_device_json(network={"gpus_per_node": "8"}), "'network.gpus_per_node' must be a positive integer, got '8'"),
+        (_device_json(network={"intra": {"name": "x", "bandwidth": -1.0, "latency": 0}}), "intra.bandwidth' must"),
+        (_device_json(network={"inter": {"name": "x", "bandwidth": 1e9, "latency": "1"}}), "inter.latency' must"),
+        (_device_json(network={"intra": [1]}), "'network.intra' must be a link object, got \\[1\\]"),
     ],
     ids=[
         "missing", "not json", "another format", "unknown kind", "no compute", "negative overhead", "NaN",
         "Infinity", "string", "empty curve", "zero rate", "no memory curve", "unknown key", "fractional memory",
         "overflow", "network not an object", "network unknown key", "collectives a list", "unknown collective",
         "negative bus bandwidth", "collective curve a string", "ranks a string", "collectives without ranks",
-        "notes not a list",
+        "notes not a list", "gpus per node a string", "negative link bandwidth", "link latency a string",
+        "link a list",
     ],
 )  # fmt: skip
 def test_bad_device_profiles_are_one_line_errors(tmp_path: Path, content: str | None, message: str) -> None:
@@ -350,7 +355,9 @@ def test_calibrate_and_bench_predict_this_cpu(tmp_path: Path, capsys: pytest.Cap
     assert d.kind == "cpu" and d.threads == 1 and d.overhead > 0 and "gelu_backward" in d.ops
     assert d.host is not None and min(d.host.kernel, d.host.replay, d.host.optimizer) >= d.overhead
     assert "gpt: forward and backward" in d.host.source  # --quick times the host on one model
-    assert d.rate("matmul", "float32", 1e9) > 1e9  # more than a GFLOP/s on any CPU this runs on
+    # a measured rate is finite and positive; how high is a timing a loaded machine moves (issue 38: no unit test
+    # asserts a figure load can break; benchmarks/time_model.py measures the predictions)
+    assert 0 < d.rate("matmul", "float32", 1e9) < float("inf")
     argv = ["bench", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "32", "--micro-batch", "2"]
     assert main([*argv, "--steps", "1", "--policies", "none,block", "--device-profile", str(out), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]

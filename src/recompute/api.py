@@ -89,7 +89,7 @@ def plan(
     compiled: bool = False,
     seq_len: int | Workload | None = None,
     cost: str = "time",
-    consider: Sequence[str] = ("offload", "chunked"),
+    consider: Sequence[str] | None = None,
     host_budget: str | float | None = None,
     trace: bool = False,
     **workload: Any,
@@ -105,7 +105,8 @@ def plan(
         compiled: price the step as run under ``torch.compile`` or CUDA graphs (no eager host dispatch).
         seq_len: tokens per sequence, or a whole ``Workload``.
         cost: ``time`` (predicted on the device) or ``flops``.
-        consider: besides recomputation, ``offload`` and ``chunked`` (the chunked loss).
+        consider: besides recomputation, ``offload`` and ``chunked`` (the chunked loss); None (the default): both,
+            ``()``: recomputation alone.
         host_budget: host memory per GPU the offloaded layers may take.
         trace: check the chosen plan's peak on the real step (fake tensors) and re-plan until it fits; on CUDA
             what must fit is what the caching allocator reserves over its steps (a GPU's budget then leaves out
@@ -116,13 +117,10 @@ def plan(
         ConfigError: nothing fits (the message says the smallest achievable peak and what would fit), or bad input.
     """
     require(cost in ("time", "flops"), f"cost must be time or flops, got {cost!r}", fields=("cost",))
-    require(
-        isinstance(consider, (list, tuple, set, frozenset)) and all(isinstance(c, str) for c in consider),
-        f"consider must be a list of offload and chunked (or empty: recomputation alone), got {consider!r}",
-        fields=("consider",),
-    )
-    unknown = set(consider) - {"offload", "chunked"}
-    require(not unknown, f"consider takes offload and chunked, got {sorted(unknown)}", fields=("consider",))
+    consider = _considered(consider)
+    require(gpu is None or isinstance(gpu, str), f"gpu must be a GPU's name, got {gpu!r}", fields=("gpu",))
+    for key, value in (("compiled", compiled), ("trace", trace)):  # compiled="no" was taken as true (issue 38)
+        require(isinstance(value, bool), f"{key} must be True or False, got {value!r}", fields=(key,))
     if budget is None and gpu is None:
         raise ConfigError("plan needs a budget: give budget= (e.g. '70GiB') or gpu= (its usable memory)")
     host = parse_budget(host_budget, "host_budget") if host_budget is not None else None
@@ -151,6 +149,23 @@ def plan(
         alternatives=found.alternatives,
         notes=(*said, *found.notes),
     )
+
+
+def _considered(consider: Sequence[str] | None) -> Sequence[str]:
+    """``plan``'s ``consider``, None as the default set (it was a TypeError, issue 38), checked.
+
+    Raises:
+        ConfigError: not a list of names, or a name other than offload and chunked.
+    """
+    consider = ("offload", "chunked") if consider is None else consider
+    require(
+        isinstance(consider, (list, tuple, set, frozenset)) and all(isinstance(c, str) for c in consider),
+        f"consider must be a list of offload and chunked (or empty: recomputation alone), got {consider!r}",
+        fields=("consider",),
+    )
+    unknown = set(consider) - {"offload", "chunked"}
+    require(not unknown, f"consider takes offload and chunked, got {sorted(unknown)}", fields=("consider",))
+    return consider
 
 
 def _workload(

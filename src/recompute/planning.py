@@ -46,7 +46,7 @@ from recompute.core.profile import Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec, analytic_model, hf_config_dict
 from recompute.core.timing import Device, StepWork
-from recompute.core.workload import AMP, Workload, one_device
+from recompute.core.workload import AMP, Workload, one_device, parallel_sizes
 
 __all__ = [
     "ModelTables",
@@ -342,10 +342,11 @@ def profiles_of(
     Raises:
         ConfigError: a workload a profile cannot take (parallelism), or a model that cannot be built.
     """
+    sizes, fields = parallel_sizes(wl, ("tp", "pp"))
     require(
         wl.tp == wl.pp == wl.dp == 1 or _states_only(wl),
-        "a profile measures one device's step; drop tp and pp (recompute estimate --analytic models them)",
-        fields=("tp", "pp"),
+        f"a profile measures one device's step; drop {sizes} (recompute estimate --analytic models them)",
+        fields=fields,
     )
     # a data-parallel rank runs the same step, its states re-priced (Profile.restated); an FSDP rank is traced as it is
     one = wl if wl.fsdp else one_device(wl)

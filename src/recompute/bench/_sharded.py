@@ -25,7 +25,7 @@ from recompute.core.errors import require
 from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
 from recompute.core.table import render_table, size
-from recompute.core.workload import Workload
+from recompute.core.workload import Workload, parallel_sizes
 from recompute.models.source import ModelSource
 from recompute.parallel import init_from_env
 from recompute.trace import step_record
@@ -88,7 +88,9 @@ def bench_fsdp(
         ConfigError: ``wl`` without ``fsdp`` or with ``tp``, ``steps`` < 1, not under torchrun with ``wl.dp``
             processes, or a torch that cannot run ``fully_shard`` on this device.
     """
-    require(wl.fsdp and wl.tp == 1 and wl.pp == 1, "bench --fsdp runs FSDP2 alone; drop --tp and --pp")
+    sizes, fields = parallel_sizes(wl, ("tp", "pp"))
+    require(wl.fsdp, "bench_fsdp runs a --fsdp workload; give fsdp=True", fields=("fsdp",))
+    require(not fields, f"bench --fsdp runs FSDP2 alone; drop {sizes}", fields=fields)
     require(steps > 0, f"--steps must be > 0, got {steps}")
     mesh = init_from_env(tp=1, dp=wl.dp, argv=argv)["dp"]
     rank, cuda = mesh.get_local_rank(), mesh.device_type == "cuda"

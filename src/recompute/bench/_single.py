@@ -44,7 +44,7 @@ from recompute.core.results import BenchResult, BenchRow
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table
 from recompute.core.timing import Device, Timing, timing
-from recompute.core.workload import AMP, LOSSES, Workload
+from recompute.core.workload import AMP, LOSSES, Workload, parallel_sizes
 from recompute.models.source import ModelSource, resolve_source
 from recompute.runtime import device_name, resolve_device
 from recompute.trace import step_work
@@ -193,10 +193,9 @@ def _runs(
         f"rounds must be from 1 to steps ({steps}), got {rounds}: each round runs at least one timed step",
         fields=("rounds", "steps"),
     )
+    sizes, fields = parallel_sizes(wl)
     require(
-        wl.tp == wl.pp == wl.dp == 1 and not wl.sp,
-        "bench runs one process without parallelism; drop tp, pp, dp and sp (estimate models them)",
-        fields=("tp", "pp", "dp", "sp"),
+        not fields, f"bench runs one process without parallelism; drop {sizes} (estimate models them)", fields=fields
     )
     device = resolve_device(wl.device)
     pols = [Policy.parse(p) for p in policies]

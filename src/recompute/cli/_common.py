@@ -249,7 +249,11 @@ def policy_from(args: argparse.Namespace) -> Policy:
     pol = Policy.parse(args.policy)
     if args.every is not None or args.first is not None:
         if not pol.is_uniform:
-            raise ConfigError("--every/--first apply to a plain policy name, not to a plan file or a NAME:every=K")
+            given = [f"--{k}" for k in ("every", "first") if getattr(args, k) is not None]
+            raise ConfigError(
+                f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to a plain policy name, not to "
+                f"{args.policy!r}; drop {' and '.join(given)} or give the layers in the name (NAME:every=K)"
+            )
         pol = dataclasses.replace(pol, every=args.every, first=args.first)
     return pol
 

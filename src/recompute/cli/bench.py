@@ -31,7 +31,7 @@ from recompute.core.plan_file import read_plan
 from recompute.core.policy import Policy, distinct_policies
 from recompute.core.pricing import choose_device, with_network
 from recompute.core.timing import Device
-from recompute.core.workload import Workload
+from recompute.core.workload import Workload, parallel_sizes
 from recompute.models.source import ModelSource
 from recompute.parallel import end_process_group
 
@@ -129,13 +129,16 @@ def _run_parallel(args: argparse.Namespace, source: ModelSource, wl: Workload, p
     """``bench --tp/--dp`` under torchrun: every rank measures, rank 0 prints."""
     spec = source.spec
     if spec is None or source.hf:
+        sizes, fields = parallel_sizes(wl, ("tp", "dp"))
         raise ConfigError(
-            f"--tp/--dp bench recompute's reference GPT/Llama (recompute.parallel), not {source.origin}; "
-            "drop --tp/--dp, or bench a preset"
+            f"{sizes} bench recompute's reference GPT/Llama (recompute.parallel), not {source.origin}; "
+            f"drop {sizes}, or bench a preset",
+            fields=fields,
         )
     runs = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed}
     require(not (args.no_time and args.device_profile), "--no-time and --device-profile exclude each other")
-    require(args.rounds == 1, "--rounds is the one-process bench's; drop it under --tp/--dp", fields=("rounds",))
+    sizes, fields = parallel_sizes(wl, ("tp", "dp"))
+    require(args.rounds == 1, f"--rounds is the one-process bench's; drop it under {sizes}", fields=("rounds", *fields))
     device = None
     if not args.no_time and args.device_profile:  # refused on every rank before the steps, if it is
         device = choose_device(device_profile=args.device_profile)

@@ -8,6 +8,7 @@ come from ``recompute.core.pricing`` on the ``--gpu`` (or ``--device-profile``) 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(
             {
+                "format": FORMAT,
+                "source": "analytic",
                 "model": spec.to_dict(),
                 "workload": wl.to_dict(),
                 "policies": [
@@ -88,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
             if uniform in steps:
                 print(render_step(uniform, steps[uniform], summarize(comms_of(works[uniform].phases))))
     return 0
+
+
+FORMAT = "recompute.estimate/2"
+"""``estimate --json``'s shape, the same for every model source (docs/json.md)."""
 
 
 def _parts(works: dict[str, Any], steps: dict[str, Any], policy: str) -> dict[str, Any]:
@@ -118,13 +125,24 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
         table.model_seconds + chosen.seconds if table.model_seconds is not None and chosen.seconds is not None else None
     )
     if args.json:
-        uniform = {name: table.compose([name] * table.n) for name in table.options()}
+
+        def row(policy: str, per_layer: Sequence[str]) -> dict[str, Any]:
+            """The fields every estimate row has (docs/json.md), then the profile's composition's own."""
+            c = table.compose(per_layer)
+            acts = prof.activations(per_layer)
+            common = {"policy": policy, "per_layer": list(per_layer), "peak": c.peak, "peak_phase": c.peak_phase}
+            return common | {"activation_bytes": acts, "recompute_flops": c.flops, "host": c.host} | asdict(c)
+
         emit_json(
             {
-                "profile": prof.to_dict(),
-                "policies": {name: asdict(c) for name, c in uniform.items()},
-                "chosen": asdict(chosen) | {"activations": prof.activations(layers), "step_seconds": step},
+                "format": FORMAT,
+                "source": "profile",
+                "model": {"name": prof.model, "origin": prof.origin, "class": prof.class_name},
+                "workload": wl.to_dict(),
+                "policies": [row(name, [name] * table.n) for name in table.options()],
+                "chosen": row(args.policy, layers) | {"activations": prof.activations(layers), "step_seconds": step},
                 "device": timed.to_dict() if timed else None,
+                "profile": prof.to_dict(),
             }
         )
         return 0

@@ -25,6 +25,7 @@ from typing import Any
 from recompute.core.errors import ConfigError, positive_int, require
 from recompute.core.files import atomic_write, is_path
 from recompute.core.identity import ModelId
+from recompute.core.plan_schema import check_plan_dict
 from recompute.core.results import read_json
 
 __all__ = [
@@ -224,6 +225,7 @@ class Policy:
         known = {"name", "every", "first", "layers", "save_ops", "offload", "model"}
         unknown = sorted(set(data) - known - {"format"})
         require(not unknown, f"unknown policy keys {unknown}; expected some of {sorted(known)}")
+        _check_policy_dict(data)
         kwargs = {k: v for k, v in data.items() if k in known}
         for key in ("layers", "save_ops"):
             if kwargs.get(key) is not None:
@@ -241,6 +243,7 @@ class Policy:
         """Read a policy or plan JSON file."""
         data = read_json(path, "policy file", "pass a policy name or a file written by `recompute plan -o`")
         try:
+            check_plan_dict(data)  # a plan file's figures too: one schema for every reader (issue 38)
             return cls.from_dict(data)
         except (TypeError, ValueError, AttributeError) as e:
             if isinstance(e, ConfigError):  # said with the file it is about
@@ -278,6 +281,28 @@ def check_analytic(policy: Policy) -> None:
                 f"the analytic model has no costs for the mixture-of-experts policy {name!r} (it models dense "
                 f"layers); measure it with `recompute trace --model <config.json> --policy {name}`"
             )
+
+
+def _check_policy_dict(data: dict[str, Any]) -> None:
+    """Refuse a hand-edited policy dict ``Policy`` would misread: neither a name nor per-layer names (``{}`` was
+    read as block on every layer), layers or save_ops that are not lists of names (a string was read letter by
+    letter), an offload that is not a bool (issue 38).
+
+    Raises:
+        ConfigError: the first such key, with what it holds.
+    """
+    require(
+        "name" in data or "layers" in data,
+        f"a policy states its name ({', '.join(ALL_POLICIES)}) or one per layer (layers); got "
+        + (f"only the keys {sorted(data)}" if data else "an empty map"),
+    )
+    for key in ("layers", "save_ops"):
+        value = data.get(key)
+        if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+            shown = repr(value) if len(repr(value)) <= 60 else f"a {type(value).__name__}"
+            raise ConfigError(f"a policy's {key} must be a list of names, got {shown}")
+    offload = data.get("offload", False)
+    require(isinstance(offload, bool), f"a policy's offload must be true or false, got {offload!r}")
 
 
 def distinct_policies(flag: str, values: list[str]) -> list[str]:

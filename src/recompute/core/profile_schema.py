@@ -132,7 +132,8 @@ def _kind(i: int, kind: Any, n_layers: int) -> tuple[str, ...]:
     _int(f"{where}.forward_flops", kind["forward_flops"])
     for key in ("components", "ops", "backward_ops"):
         _nested_counts(f"{where}.{key}", kind[key])
-    _nested_counts(where, {"forward_ops": kind["forward_ops"]})
+    for op, count in kind["forward_ops"].items():  # kinds[0].forward_ops['mm'], as the others are named
+        _int(f"{where}.forward_ops[{op!r}]", count)
     for key in ("forward_work", "backward_work"):
         work = kind.get(key) or {}
         if work and not set(policies) <= set(work):
@@ -219,7 +220,8 @@ def check_profile_dict(data: Mapping[str, Any]) -> None:
     for key in ("step_flops", "tokens"):  # the step's FLOPs and tokens divide
         if data.get(key) == 0:
             raise _bad(key, "a positive integer", 0)
-    _nested_counts("", {"fixed": data["fixed"]})
+    for phase, value in data["fixed"].items():  # named fixed[...], not the empty field's ['fixed'][...] (issue 38)
+        _int(f"fixed[{phase!r}]", value)
     _work("outer_work", data.get("outer_work") or {})
     for phase, pair in (data.get("phase_states") or {}).items():
         if not (isinstance(pair, list) and len(pair) == 2):

@@ -495,6 +495,22 @@ def _check_network(network: Any) -> None:
         f"'network.ranks' must be the ranks the collectives were measured on (at least 2), got {ranks}",
     )
     require(isinstance(network.get("backend", ""), str), "'network.backend' must be a string")
+    for key in ("gpus_per_node", "gpus_per_host_link"):
+        count = network.get(key, 1)
+        require(
+            isinstance(count, int) and not isinstance(count, bool) and count > 0,
+            f"'network.{key}' must be a positive integer, got {count!r}",
+        )
+    for key in ("intra", "inter"):  # Network.from_dict's links: a string bandwidth was a ValueError (issue 38)
+        link = network.get(key)
+        if link is None:
+            continue
+        require(isinstance(link, Mapping), f"'network.{key}' must be a link object, got {link!r}")
+        require(isinstance(link.get("name"), str), f"'network.{key}.name' must be a string")
+        _check_number(f"network.{key}.bandwidth", link.get("bandwidth"), low=0.0, strict=True)
+        _check_number(f"network.{key}.latency", link.get("latency"), low=0.0)
+        if link.get("busbw") is not None:
+            _check_number(f"network.{key}.busbw", link["busbw"], low=0.0, strict=True)
     notes = network.get("notes", [])
     require(
         isinstance(notes, list) and all(isinstance(n, str) for n in notes), "'network.notes' must be a list of strings"

@@ -27,6 +27,7 @@ __all__ = [
     "default_precision",
     "loss_chunk_tokens",
     "one_device",
+    "parallel_sizes",
     "step_dtype",
     "workload_fields",
 ]
@@ -367,6 +368,14 @@ def one_device(wl: Workload) -> Workload:
     dropped, their states re-priced (``Profile.restated``); under FSDP's ``mixed`` policy the one-device step
     computes on bf16 weights, which is the one-dtype step the ``mixed`` profile measures."""
     return dataclasses.replace(wl, dp=1, fsdp=False)
+
+
+def parallel_sizes(wl: Workload, names: tuple[str, ...] = ("tp", "pp", "dp", "sp")) -> tuple[str, tuple[str, ...]]:
+    """Those of ``names`` that ``wl`` sets beyond one device, as a message names them ("tp 2 and pp 2") and as its
+    fields: a refusal of ``--pp 2`` alone said "drop --tp, --pp and --dp", flags the user never gave."""
+    given = tuple(name for name in names if getattr(wl, name) is True or getattr(wl, name) not in (1, False))
+    shown = [name if name == "sp" else f"{name} {getattr(wl, name)}" for name in given]
+    return " and ".join(filter(None, (", ".join(shown[:-1]), *shown[-1:]))), given
 
 
 def workload_fields() -> tuple[dataclasses.Field[Any], ...]:

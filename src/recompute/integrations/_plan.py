@@ -15,14 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, require
 from recompute.core.plan_file import Plan, check_plan_dict, plan_loss
 from recompute.core.policy import Policy
 from recompute.core.results import read_json
 from recompute.core.table import gib
-from recompute.core.workload import workload_fields
+from recompute.core.workload import LOSSES, workload_fields
 
-__all__ = ["differences", "mismatch", "plan_data", "summary"]
+__all__ = ["check_apply_options", "differences", "mismatch", "plan_data", "summary"]
 
 Run = Mapping[str, tuple[Any, str]]
 """The run's workload fields, each with the setting it comes from (Note: [the plan's workload])."""
@@ -91,3 +91,24 @@ def _flag(name: str, value: Any) -> str:
     if isinstance(value, bool):
         return flag if value else ""
     return f"{flag} {value}"
+
+
+_APPLY_OPTIONS = ("layers", "attn", "mlp", "loss", "loss_chunk")
+"""``recompute.apply``'s keywords, which ``prepare`` and ``RecomputeCallback`` pass on."""
+
+
+def check_apply_options(options: Mapping[str, Any]) -> None:
+    """Refuse an option ``recompute.apply`` does not take, or one of the wrong type, before the Trainer runs.
+
+    Raises:
+        ConfigError: the first such option, with what it takes.
+    """
+    unknown = sorted(set(options) - set(_APPLY_OPTIONS))
+    require(not unknown, f"unknown options {unknown}; recompute.apply takes {', '.join(_APPLY_OPTIONS)}")
+    for key in ("layers", "attn", "mlp"):
+        value = options.get(key)
+        require(value is None or isinstance(value, str), f"{key} must be a name (a str), got {value!r}", fields=(key,))
+    loss, chunk = options.get("loss"), options.get("loss_chunk")
+    require(loss in (None, *LOSSES), f"loss must be one of {', '.join(LOSSES)}, got {loss!r}", fields=("loss",))
+    whole = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
+    require(chunk is None or whole, f"loss_chunk must be a positive integer, got {chunk!r}", fields=("loss_chunk",))

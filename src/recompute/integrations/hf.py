@@ -54,7 +54,7 @@ from recompute.core.plan_file import Plan
 from recompute.core.policy import Policy
 from recompute.core.pricing import choose_device
 from recompute.core.workload import AMP, build_workload
-from recompute.integrations._plan import differences, mismatch, plan_data, summary
+from recompute.integrations._plan import check_apply_options, differences, mismatch, plan_data, summary
 from recompute.models.source import ModelSource
 from recompute.planning import cost_tables
 
@@ -101,8 +101,13 @@ def prepare(
     """
     if args is not None:
         _refuse_checkpointing(args)
+    check_apply_options(apply_options)
     data = plan_data(plan)
     if accelerator is not None:
+        require(
+            all(hasattr(accelerator, a) for a in ("mixed_precision", "gradient_accumulation_steps", "state")),
+            f"accelerator= takes the loop's accelerate.Accelerator, got a {type(accelerator).__name__}",
+        )
         run = accelerator_workload(accelerator, model)
         differ = differences(data.get("workload"), run)
         if differ:
@@ -132,6 +137,8 @@ class RecomputeCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
         **apply_options: Any,
     ) -> None:
         self.plan = plan_data(plan)
+        require(isinstance(replan, bool), f"replan must be True or False, got {replan!r}", fields=("replan",))
+        check_apply_options(apply_options)  # at construction: the Trainer's would fail at its first step
         self.replan = replan
         self.apply_options = apply_options
 

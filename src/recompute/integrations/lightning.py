@@ -37,7 +37,7 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.plan_file import Plan
 from recompute.core.policy import Policy
 from recompute.core.workload import AMP
-from recompute.integrations._plan import Run, differences, mismatch, plan_data, summary
+from recompute.integrations._plan import Run, check_apply_options, differences, mismatch, plan_data, summary
 
 __all__ = ["RecomputeLightning", "batch_shape", "lightning_workload", "strategy_workload"]
 
@@ -69,6 +69,7 @@ class RecomputeLightning(Callback):  # type: ignore[misc]
 
     def __init__(self, plan: str | os.PathLike[str] | Plan | Policy | Mapping[str, Any], **apply_options: Any) -> None:
         self.plan = plan_data(plan)
+        check_apply_options(apply_options)
         self.apply_options = apply_options
         self._batch_checked = False
 

@@ -70,9 +70,17 @@ def shard(
         ``model``.
 
     Raises:
-        ConfigError: a mesh that is not 1-D, a model sharded already, no layer list, or a torch that cannot
-            run ``fully_shard`` on the mesh's device (``recompute._compat.require_fsdp``).
+        ConfigError: a model that is not a module, a mesh that is not a 1-D DeviceMesh, a model sharded
+            already, no layer list, or a torch that cannot run ``fully_shard`` on the mesh's device
+            (``recompute._compat.require_fsdp``).
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"shard takes the model (a torch.nn.Module), got a {type(model).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise ConfigError(
+            f"shard takes a DeviceMesh of the data-parallel ranks, got a {type(mesh).__name__}; make one with "
+            "torch.distributed.device_mesh.init_device_mesh(device, (world_size,))"
+        )
     if mesh.ndim != 1:
         raise ConfigError(f"shard takes a 1-D data-parallel mesh, got {mesh.ndim}-D; pass mesh['dp']")
     if any(isinstance(m, FSDPModule) for m in model.modules()):

@@ -53,7 +53,7 @@ from recompute.core.profile import LastFigures, LayerKind, PairFigures, Profile
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec
 from recompute.core.timing import work_list
-from recompute.core.workload import AMP, LOSSES, Workload
+from recompute.core.workload import AMP, LOSSES, Workload, parallel_sizes
 from recompute.models.identity import model_identity
 from recompute.models.source import BuiltModel, ModelSource
 from recompute.runtime import TORCH_DTYPES
@@ -122,11 +122,12 @@ def cached_profiles(
 
 def _one_device(wl: Workload) -> None:
     """A profile measures one rank's step: one device's, or one of FSDP2's ``dp`` ranks (traced as itself)."""
+    sizes, fields = parallel_sizes(wl, ("tp", "pp") if wl.fsdp else ("tp", "pp", "dp"))
     require(
-        wl.tp == wl.pp == 1 and (wl.dp == 1 or wl.fsdp),
-        "a profile measures one device's step (or one FSDP rank's, with --fsdp); drop tp, pp and dp (recompute "
+        not fields,
+        f"a profile measures one device's step (or one FSDP rank's, with --fsdp); drop {sizes} (recompute "
         "estimate --analytic models them)",
-        fields=("tp", "pp", "dp"),
+        fields=fields,
     )
 
 

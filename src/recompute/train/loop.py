@@ -46,6 +46,7 @@ from recompute.core.errors import ConfigError, require
 from recompute.core.progress import Progress, no_progress
 from recompute.core.spec import ModelSpec, hf_config_dict
 from recompute.core.table import mib
+from recompute.core.workload import parallel_sizes
 from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source, resolve_source
 from recompute.parallel import parallelize
@@ -135,10 +136,12 @@ def train_source(config: TrainConfig) -> ModelSource:
             raise ConfigError(
                 f"{flag(given[0])} resizes presets; {config.model} is trained as it is: edit its config (or factory)"
             )
+    shown, fields = parallel_sizes(config.workload, ("tp", "dp"))
     require(
         not config.parallel,
-        f"--tp/--dp train recompute's reference GPT/Llama (recompute.parallel), not {source.origin}; "
-        "drop --tp/--dp, or train a preset",
+        f"{shown} train recompute's reference GPT/Llama (recompute.parallel), not {source.origin}; drop {shown}, "
+        "or train a preset",
+        fields=fields,
     )
     return source
 
