@@ -24,11 +24,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from profile_speed import export  # the before revision's src, exported the same way
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "benchmarks" / "configs"
@@ -41,16 +42,6 @@ MODELS = {
 """Name -> (config in benchmarks/configs, layers kept or None for all)."""
 
 ARGS = ("--gpu", "rtx4090-24gb", "--seq-len", "1024")
-
-
-def export(revision: str, folder: Path) -> Path:
-    """``revision``'s ``src`` folder, exported under ``folder``."""
-    archive = folder / "before.tar"
-    with archive.open("wb") as f:
-        subprocess.run(["git", "-C", str(ROOT), "archive", revision, "src"], stdout=f, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(folder / "before", filter="data")
-    return folder / "before" / "src"
 
 
 def cold_plan(src: Path, config: Path, store: Path) -> dict[str, Any]:

@@ -140,7 +140,7 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
                 "model": {"name": prof.model, "origin": prof.origin, "class": prof.class_name},
                 "workload": wl.to_dict(),
                 "policies": [row(name, [name] * table.n) for name in table.options()],
-                "chosen": row(args.policy, layers) | {"activations": prof.activations(layers), "step_seconds": step},
+                "chosen": row(args.policy, layers) | {"step_seconds": step},
                 "device": timed.to_dict() if timed else None,
                 "profile": prof.to_dict(),
             }

@@ -172,7 +172,7 @@ def profiles(
     # one-device step's, whose activations are the rank's (its weights in the dtype FSDP gathers them in): in the
     # chain FSDP's gradients would blur the per-layer backward figures (tests/test_fsdp.py holds the composition
     # to whole FSDP traces).
-    one = dataclasses.replace(wl, fsdp=False, dp=1) if wl.fsdp else wl
+    one = _one_rank_stand_in(wl)
     weights = wl.dtype if wl.mixed_policy else None
     with fake_kernels():
         shape = _Shape.of(source, one, weights)
@@ -185,7 +185,7 @@ def profiles(
         for loss, w in workloads.items():
             whole, anchors, _ = built[loss]
             base, n_params = _whole_step(source, whole, w, device)
-            w = dataclasses.replace(w, fsdp=False, dp=1) if w.fsdp else w
+            w = _one_rank_stand_in(w)
             done += 1
             progress("profile", done, steps)
             records, shared = {}, {}
@@ -204,14 +204,19 @@ def profiles(
             first = next(iter(workloads))
             chained = built[first][2]
             assert chained is not None
-            first_one = dataclasses.replace(workloads[first], fsdp=False, dp=1)
-            links = _chained(shape, chained, first_one, device, measured[first][3])
+            links = _chained(shape, chained, _one_rank_stand_in(workloads[first]), device, measured[first][3])
             progress("profile", steps, steps)
     seconds = time.perf_counter() - start
     return {
         loss: shape.profile(source, workloads[loss], base, n_params, records | links, seconds)
         for loss, (base, n_params, records, _) in measured.items()
     }
+
+
+def _one_rank_stand_in(wl: Workload) -> Workload:
+    """The one-device step whose layers stand in for an FSDP rank's (Note: [an FSDP rank's profile]); ``wl``
+    itself when it is not sharded."""
+    return dataclasses.replace(wl, fsdp=False, dp=1) if wl.fsdp else wl
 
 
 def _whole_step(source: ModelSource, whole: BuiltModel, wl: Workload, device: str) -> tuple[StepRecord, int]:
