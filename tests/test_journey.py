@@ -165,3 +165,62 @@ def test_a_chunked_llama_gives_its_logits_wherever_they_are_asked_for(tmp_path: 
     assert runs["chunked"][0]["eval_accuracy"] == runs["ref"][0]["eval_accuracy"]
     assert runs["chunked"][0]["eval_loss"] == pytest.approx(runs["ref"][0]["eval_loss"], rel=1e-6)
     torch.testing.assert_close(runs["chunked"][1], runs["ref"][1])
+
+
+def _cold_config(tmp_path: Path, vocab: int) -> str:
+    """A tiny Llama no other test profiles (its own vocabulary): its profile is measured, never the store's."""
+    config = tmp_path / f"cold-{vocab}.json"
+    config.write_text(json.dumps(LLAMA | {"vocab_size": vocab}))
+    return str(config)
+
+
+SMALL_STEP = {"seq_len": 16, "micro_batch": 1, "dtype": "fp32", "device": "cpu", "cost": "flops"}
+
+
+@pytest.mark.slow
+def test_the_python_api_reports_progress_to_a_callback(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``recompute.plan`` was silent for the minutes of a cold profile, where the command line shows a bar: a
+    callback receives every step, from the command line's progress machinery, and nothing is printed."""
+    import recompute
+
+    steps: list[tuple[str, int, int]] = []
+    capfd.readouterr()
+    config = _cold_config(tmp_path, 264)
+    recompute.plan(config, "1GiB", consider=(), progress=lambda *step: steps.append(step), **SMALL_STEP)
+    assert steps and all(isinstance(label, str) and 0 <= done <= total for label, done, total in steps), steps
+    assert steps[-1][1] == steps[-1][2]  # the last step says it is done
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_the_python_api_is_silent_off_a_terminal(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default (``"auto"``) progress shows only when stderr is a terminal (the command line's bar);
+    ``progress=True`` shows it in a log too, as the command line's plain lines."""
+    import inspect
+
+    import recompute
+    from recompute.core.progress import no_progress
+    from recompute.progress import shown_progress
+
+    assert inspect.signature(recompute.plan).parameters["progress"].default == "auto"
+    assert inspect.signature(recompute.profile).parameters["progress"].default == "auto"
+    with shown_progress("plan", "auto") as show:
+        assert show is no_progress  # pytest's stderr is no terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with shown_progress("plan", "auto") as show:
+        assert show is not no_progress
+    monkeypatch.undo()
+    capfd.readouterr()
+    recompute.profile(_cold_config(tmp_path, 272), 16, dtype="fp32", device="cpu", progress=True)
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines and all(line.startswith("profile: ") for line in lines), lines
+
+
+@pytest.mark.parametrize("progress", ["yes", 1.5, None])
+def test_a_bad_progress_argument_is_refused_in_one_line(progress: Any) -> None:
+    import recompute
+
+    with pytest.raises(recompute.ConfigError, match=r"progress must be a callback .* True, False or 'auto'"):
+        recompute.plan("gpt2", "3GiB", seq_len=256, cost="flops", progress=progress)

@@ -33,6 +33,7 @@ from recompute.core.profile import Profile
 from recompute.core.spec import ModelSpec, analytic_model
 from recompute.core.workload import Workload, default_precision, one_device
 from recompute.planning import cost_tables, max_positions
+from recompute.progress import ProgressArg, shown_progress
 
 __all__ = ["estimate", "plan", "profile"]
 
@@ -62,7 +63,9 @@ def estimate(
     return analytic_estimate(spec, _workload(seq_len, workload, spec.max_positions), policy)
 
 
-def profile(model: Any, seq_len: int | Workload | None = None, **workload: Any) -> Profile:
+def profile(
+    model: Any, seq_len: int | Workload | None = None, *, progress: ProgressArg = "auto", **workload: Any
+) -> Profile:
     """What every kind of layer of ``model`` keeps, replays and costs under every policy, measured on fake tensors
     of its own class (``recompute.trace.profile``) and kept in the store: a second call returns at once.
 
@@ -70,13 +73,16 @@ def profile(model: Any, seq_len: int | Workload | None = None, **workload: Any) 
         model: a preset name, a transformers config (path, folder, dict or ``PretrainedConfig``), a
             ``module:factory`` string or a built ``nn.Module``.
         seq_len: tokens per sequence (default 2048, or the model's context if shorter), or a whole ``Workload``.
+        progress: what a cold profile (minutes) shows: ``"auto"`` (the default) a bar when stderr is a terminal
+            and nothing otherwise, True or False, or a callback ``(label, done, total)`` that receives each step.
         **workload: any other ``Workload`` field (one device: no tensor or pipeline parallelism; ``precision``
             and ``dp`` price the model states, as for a preset).
     """
     trace = importlib.import_module("recompute.trace")
     source = _source(model)
     wl = _workload(seq_len, workload, source.max_positions, traced=True)
-    measured: Profile = trace.cached_profile(source, one_device(wl))[0]
+    with shown_progress("profile", progress) as show:
+        measured: Profile = trace.cached_profile(source, one_device(wl), progress=show)[0]
     return measured.restated(wl.precision, wl.dp, fsdp=wl.fsdp)  # the states in the precision asked for
 
 
@@ -92,6 +98,7 @@ def plan(
     consider: Sequence[str] | None = None,
     host_budget: str | float | None = None,
     trace: bool = False,
+    progress: ProgressArg = "auto",
     **workload: Any,
 ) -> Plan:
     """The cheapest per-layer recomputation of ``model`` whose predicted peak fits ``budget``, as
@@ -111,6 +118,9 @@ def plan(
         trace: check the chosen plan's peak on the real step (fake tensors) and re-plan until it fits; on CUDA
             what must fit is what the caching allocator reserves over its steps (a GPU's budget then leaves out
             its fragmentation allowance, which that replay measures).
+        progress: what the minutes of a cold profile (or of pricing a preset's time) show: ``"auto"`` (the
+            default) the command line's bar when stderr is a terminal and nothing otherwise, True or False, or a
+            callback ``(label, done, total)`` that receives each step.
         **workload: any other ``Workload`` field.
 
     Raises:
@@ -135,7 +145,10 @@ def plan(
     if device is not None and name in PRESETS:  # refuse before pricing (tracing) time
         found = cost_tables(name, wl, losses=losses, offload="offload" in consider and not said)
         require_fits(found.tables, limit, host_budget=host, alternatives=found.alternatives)
-    found = cost_tables(target, wl, device=device, losses=losses, offload="offload" in consider and not said)
+    with shown_progress("plan", progress) as show:
+        found = cost_tables(
+            target, wl, device=device, losses=losses, offload="offload" in consider and not said, progress=show
+        )
     checked = None
     if trace:
         checked = importlib.import_module("recompute.trace").step_needs(

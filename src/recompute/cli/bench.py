@@ -25,7 +25,6 @@ from recompute.bench import (
 )
 from recompute.bench.calibrate import cached_calibration
 from recompute.cli._common import add_workload_args, csv, emit_json, workload_from
-from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, distinct, require, torch_seed
 from recompute.core.plan_file import read_plan
 from recompute.core.policy import Policy, distinct_policies
@@ -34,6 +33,7 @@ from recompute.core.timing import Device
 from recompute.core.workload import Workload, parallel_sizes
 from recompute.models.source import ModelSource
 from recompute.parallel import end_process_group
+from recompute.progress import progress_bar
 
 __all__ = ["SIZE_FLAGS", "add_args", "add_size_args", "run", "size_overrides"]
 

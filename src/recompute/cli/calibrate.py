@@ -21,12 +21,12 @@ from recompute.bench._host import parallel_host_cost, splits, time_parallel_step
 from recompute.bench.calibrate import calibrate
 from recompute.bench.collectives import measure_collectives
 from recompute.cli._common import emit_json, writable
-from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, positive_int
 from recompute.core.pricing import with_network
 from recompute.core.table import render_table
 from recompute.core.timing import Device
 from recompute.parallel import end_process_group, under_torchrun
+from recompute.progress import progress_bar
 
 __all__ = ["add_args", "render_device", "run"]
 

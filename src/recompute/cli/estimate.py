@@ -24,7 +24,6 @@ from recompute.cli._common import (
     time_device,
     workload_from,
 )
-from recompute.cli.progress import progress_bar
 from recompute.cli.render import device_note, render_estimate, render_profile, render_step, seconds
 from recompute.core.analytic import estimate, estimate_policies
 from recompute.core.comms import comms_of, summarize
@@ -36,6 +35,7 @@ from recompute.core.table import gib
 from recompute.core.timing import Device
 from recompute.core.workload import build_workload
 from recompute.planning import is_profiled, max_positions, model_works, profiles_of, shown_offload
+from recompute.progress import progress_bar
 
 __all__ = ["add_args", "run"]
 

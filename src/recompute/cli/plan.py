@@ -25,7 +25,6 @@ from recompute.cli._common import (
     writable,
 )
 from recompute.cli._lazy import torch_floor
-from recompute.cli.progress import progress_bar
 from recompute.cli.render import render_plan
 from recompute.core.analytic import estimate
 from recompute.core.costs import CostTable
@@ -38,6 +37,7 @@ from recompute.core.profile import Profile
 from recompute.core.table import gib
 from recompute.core.workload import Workload, build_workload
 from recompute.planning import cost_tables, is_profiled, max_positions
+from recompute.progress import progress_bar
 
 __all__ = ["add_args", "run"]
 

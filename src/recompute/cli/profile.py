@@ -20,11 +20,11 @@ from recompute.cli._common import (
     writable,
 )
 from recompute.cli._lazy import torch_floor
-from recompute.cli.progress import progress_bar
 from recompute.cli.render import device_note, render_profile
 from recompute.core import store
 from recompute.core.files import atomic_write
 from recompute.planning import shown_offload
+from recompute.progress import progress_bar
 
 __all__ = ["add_args", "run"]
 

@@ -12,9 +12,9 @@ from recompute.cli._common import (
     policy_from,
     workload_from,
 )
-from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, positive_int
 from recompute.models.source import resolve_source
+from recompute.progress import progress_bar
 from recompute.trace import render_trace, trace
 
 __all__ = ["add_args", "run"]

@@ -11,7 +11,6 @@ from typing import Any
 
 from recompute.checkpointing import find_layers
 from recompute.cli._common import add_field_args, add_workload_args, csv, emit_json, workload_from, writable
-from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, distinct, require
 from recompute.core.files import check_folder
 from recompute.core.identity import ModelId, require_same_model
@@ -19,6 +18,7 @@ from recompute.core.plan_file import read_plan
 from recompute.core.policy import ALL_POLICIES, Policy, distinct_policies
 from recompute.models.identity import source_identity
 from recompute.models.source import ModelSource, build_source
+from recompute.progress import progress_bar
 from recompute.train import compare_train, plot_losses, render_compare, train
 from recompute.train.config import TrainConfig
 from recompute.train.data import load_text, make_tokenizer

@@ -6,11 +6,11 @@ import argparse
 
 from recompute.check_formulas import render_validation, validate
 from recompute.cli._common import csv, emit_json
-from recompute.cli.progress import progress_bar
 from recompute.core.errors import ConfigError, distinct
 from recompute.core.policy import POLICIES, Policy
 from recompute.core.presets import PRESETS
 from recompute.core.spec import resolve_model
+from recompute.progress import progress_bar
 
 __all__ = ["add_args", "run"]
 

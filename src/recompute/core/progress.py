@@ -1,6 +1,6 @@
 """The progress callback long-running functions take: ``progress(label, done, total)``.
 
-Library functions only call it; the front end decides how to show it (``recompute.cli.progress``: a rich
+Library functions only call it; the front end decides how to show it (``recompute.progress``: a rich
 bar on a terminal, a plain line now and then in a log).
 """
 

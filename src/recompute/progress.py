@@ -1,4 +1,5 @@
-"""Progress for the long commands (trace, validate, bench, train): a rich bar on a terminal, plain lines in a log.
+"""Progress for the long commands (trace, validate, bench, train) and the Python API (``recompute.plan``,
+``recompute.profile``: ``progress=``): a rich bar on a terminal, plain lines in a log.
 
 On a terminal (stderr is a TTY) the bar redraws in place; otherwise a line goes to stderr at most every
 ``PLAIN_EVERY_S`` seconds and at the end, so that a log holds no carriage returns and no flood. Both say how long
@@ -12,10 +13,15 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from typing import Literal
 
+from recompute.core.errors import ConfigError
 from recompute.core.progress import Progress, no_progress
 
-__all__ = ["PLAIN_EVERY_S", "progress_bar"]
+__all__ = ["PLAIN_EVERY_S", "ProgressArg", "progress_bar", "shown_progress"]
+
+ProgressArg = Progress | bool | Literal["auto"]
+"""What the Python API's ``progress=`` takes: a callback, True (shown), False (silent) or ``"auto"``."""
 
 PLAIN_EVERY_S = 5.0
 
@@ -30,6 +36,24 @@ def progress_bar(name: str, *, enabled: bool = True) -> Iterator[Progress]:
             yield show
     else:
         yield _plain_lines(name)
+
+
+@contextlib.contextmanager
+def shown_progress(name: str, progress: ProgressArg) -> Iterator[Progress]:
+    """The Python API's ``progress=`` as a callback for the block: a callable as it is; ``"auto"`` the command
+    line's bar when stderr is a terminal, silent otherwise (a notebook's or a job's log); True the bar on a
+    terminal and plain lines in a log (``progress_bar``); False silent.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if callable(progress):
+        yield progress
+        return
+    if progress not in (True, False, "auto"):
+        raise ConfigError(f"progress must be a callback (label, done, total), True, False or 'auto'; got {progress!r}")
+    with progress_bar(name, enabled=sys.stderr.isatty() if progress == "auto" else bool(progress)) as show:
+        yield show
 
 
 @contextlib.contextmanager
