@@ -150,10 +150,9 @@ def test_loads_offline_without_errors(browser: Browser) -> None:
     assert errors == []
 
 
-@pytest.mark.parametrize("chart", CHARTS)
-def test_every_chart_draws_svg(browser: Browser, chart: str) -> None:
-    select(browser.page, policy="attn")  # the traced one
-    drawn = browser.page.evaluate(
+def assert_drawn(page: Any, chart: str) -> None:
+    """The chart is an SVG plot, wide enough, with at least one visible mark, and no canvas."""
+    drawn = page.evaluate(
         """(id) => {
           const el = document.getElementById(id), svg = el.querySelector("svg.main-svg");
           const paths = el.querySelectorAll(".overplot .trace path, .cartesianlayer .trace path");
@@ -166,7 +165,13 @@ def test_every_chart_draws_svg(browser: Browser, chart: str) -> None:
         }""",
         chart,
     )
-    assert drawn["svg"] and drawn["width"] > 300 and drawn["marks"] > 0 and drawn["canvases"] == 0, drawn
+    assert drawn["svg"] and drawn["width"] > 300 and drawn["marks"] > 0 and drawn["canvases"] == 0, (chart, drawn)
+
+
+@pytest.mark.parametrize("chart", CHARTS)
+def test_every_chart_draws_svg(browser: Browser, chart: str) -> None:
+    select(browser.page, policy="attn")  # the traced one
+    assert_drawn(browser.page, chart)
 
 
 @pytest.mark.parametrize(
@@ -288,3 +293,78 @@ def test_screenshot(browser: Browser) -> None:
     browser.page.screenshot(path=str(path), full_page=True)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 50_000
     print(f"screenshot: {path}")
+
+
+@dataclass
+class Profiled:
+    """The report of a transformers config.json (a tiny Qwen2, profiled) with a plan file of its own."""
+
+    page: Any
+    config: str
+    plan: dict[str, Any]
+    console: list[tuple[str, str]]
+
+
+PROFILED_WL = Workload(seq_len=32, micro_batch=2, dtype="fp32", attention="flash", device="cpu", precision="fp32")
+SMALL = ["--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def profiled(browser: Browser) -> Iterator[Profiled]:
+    from recompute.cli import main
+    from test_zoo import config_json
+
+    folder = browser.folder / "profiled"
+    folder.mkdir()
+    config = str(config_json("qwen2", folder))
+    plan_file, html = folder / "plan.json", folder / "report.html"
+    budget = ["--budget", "1.45MiB"]  # between the smallest peak and none's (1.3 and 1.5 MiB)
+    assert main(["plan", "--model", config, *SMALL, "--cost", "flops", *budget, "-o", str(plan_file)]) == 0
+    argv = ["report", "--model", config, *SMALL, "--no-time", *budget, "--plan", str(plan_file), "-o", str(html)]
+    assert main(argv) == 0
+    page = browser.page.context.new_page()
+    console: list[tuple[str, str]] = []
+    page.on("console", lambda m: console.append((m.type, m.text)))
+    page.on("pageerror", lambda e: console.append(("pageerror", str(e))))
+    page.goto(html.as_uri(), wait_until="load")
+    page.wait_for_function("() => window.RECOMPUTE && document.querySelector('#profile-memory .main-svg')")
+    yield Profiled(page, config, json.loads(plan_file.read_text()), console)
+    page.close()
+
+
+PROFILED_CHARTS = ("profile-memory", "profile-layers", "profile-frontier", "plan-layers", "plan-frontier")
+
+
+@pytest.mark.parametrize("chart", PROFILED_CHARTS)
+def test_a_config_json_page_draws_its_charts(profiled: Profiled, chart: str) -> None:
+    """A model the analytic model does not read is drawn from its profile: memory by component against the
+    budget, the plan per layer and its frontier; and ``--plan``'s file for it (issue 36)."""
+    assert_drawn(profiled.page, chart)
+    assert [m for m in profiled.console if m[0] in ("error", "pageerror", "warning")] == []
+
+
+def test_a_config_json_page_shows_its_profile(profiled: Profiled) -> None:
+    """The memory chart's bars are the profile's components; the frontiers are the planner's points."""
+    import recompute
+    from recompute.core.policy import OFFLOAD_POLICIES
+    from recompute.report.measured import MEASURED_COMPONENTS, profile_components
+
+    prof = recompute.profile(profiled.config, PROFILED_WL, progress=False)
+    shown = traces(profiled.page, "profile-memory")
+    names = profiled.page.evaluate("() => Array.from(document.getElementById('profile-memory').data[0].x)")
+    uniform = [p for p in prof.applicable() if p not in OFFLOAD_POLICIES]  # offload: unpriced in FLOPs
+    assert names[:-1] == uniform and names[-1].startswith("the plan")
+    for i, policy in enumerate(uniform):
+        parts = profile_components(prof, [policy] * prof.n_layers)
+        for key, label in MEASURED_COMPONENTS.items():
+            assert shown[label][i] == pytest.approx(parts[key] / GiB, rel=1e-12), (policy, key)
+        assert sum(parts.values()) == pytest.approx(
+            prof.parameters + prof.optimizer + prof.other + prof.activations([policy] * prof.n_layers), rel=1e-12
+        )
+    plan = profiled.plan
+    assert shown["predicted peak"][-1] == pytest.approx(plan["predicted"]["peak"] / GiB, rel=1e-12)
+    for chart in ("profile-frontier", "plan-frontier"):
+        frontier = profiled.page.evaluate(f"() => Array.from(document.getElementById('{chart}').data[0].x)")
+        assert frontier == pytest.approx([p["peak"] / GiB for p in plan["frontier"]], rel=1e-12)
+    layers = traces(profiled.page, "plan-layers")
+    assert sorted(layers) == sorted(set(plan["policy"]["layers"]))

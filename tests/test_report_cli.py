@@ -289,7 +289,40 @@ def test_a_report_answers_for_any_model_source(tmp_path: Path, capsys: pytest.Ca
         planned = json.loads(out)
         assert answer["layers"] == planned["policy"]["layers"] and answer["chosen"]["peak"] <= budget
         assert answer["chosen"]["peak"] == pytest.approx(planned["predicted"]["peak"], rel=1e-12)
-        assert page.read_text().index("id='answer'") < page.read_text().index("</main>")
-    assert "id='memory'" not in page.read_text() and "is not drawn here" in page.read_text()
+        html = page.read_text()
+        assert html.index("id='answer'") < html.index("id='s-profile'") < html.index("</main>")
+        drawn = page_data(html)["sections"]["profile"]
+        assert drawn["plan"]["chosen"]["peak"] == answer["chosen"]["peak"] and drawn["budget"] == budget
+        assert [b["name"] for b in drawn["bars"]][-1] == "the plan" and drawn["bars"][-1]["fits"]
+        assert "id='memory'" not in html and "is not drawn here" not in html  # the analytic sweep: presets only
     code, _, err = run(capsys, "report", "--model", "test_real_runs:small_factory", *small, "--trace", "-o", str(page))
     assert code == 2 and "draw(s) against the analytic model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_report_plan_takes_a_config_json_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``report --plan`` for a model planned from its profile draws the file as its planner predicted it, and
+    refuses, in one line, a plan made for another config (issue 36: it refused them all)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_zoo import config_json
+
+    small = ["--seq-len", "32", "--micro-batch", "2", "--dtype", "fp32", "--device", "cpu"]
+    model, plan_file = str(config_json("qwen2", tmp_path)), tmp_path / "plan.json"
+    code, _, err = run(capsys, "plan", "--model", model, *small, "--cost", "flops", "--budget", "1e15",
+                       "-o", str(plan_file))  # fmt: skip
+    assert code == 0, err
+    written = json.loads(plan_file.read_text())
+    page = tmp_path / "page.html"
+    argv = ["report", "--model", model, *small, "--no-time", "--plan", str(plan_file), "-o", str(page)]
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+    drawn = page_data(page.read_text())["sections"]["plan"]
+    assert drawn["layers"] == written["policy"]["layers"] and drawn["stored"] == written["predicted"]["kept"]
+    assert drawn["chosen"]["peak"] == written["predicted"]["peak"]
+    assert [p["peak"] for p in drawn["frontier"]] == [p["peak"] for p in written["frontier"]]
+    other = tmp_path / "wider.json"  # another architecture: a wider MLP
+    other.write_text(json.dumps(json.loads(Path(model).read_text()) | {"intermediate_size": 128}))
+    code, out, err = run(capsys, "report", "--model", str(other), *small, "--no-time", "--plan", str(plan_file),
+                         "-o", str(page))  # fmt: skip
+    refusal = err.strip().splitlines()[-1]  # after the profile's progress lines
+    assert code == 2 and out == "" and "Traceback" not in err and refusal.startswith("recompute report: error: "), err
+    assert f"plan file {str(plan_file)!r} is for model 'qwen2' (" in refusal

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import time
 from typing import Any
 
@@ -26,17 +27,19 @@ from recompute.core.analytic.memory import layer_activations
 from recompute.core.errors import ConfigError, first_line, require
 from recompute.core.files import atomic_write, check_folder
 from recompute.core.hardware import gpu_by_name, usable_bytes
-from recompute.core.plan import NothingFits, parse_budget, plan
+from recompute.core.plan import NothingFits, Plan, parse_budget, plan
 from recompute.core.presets import PRESETS
 from recompute.core.pricing import DEFAULT_GPU, Job, offload_layer_seconds, timing, unpriced
 from recompute.core.spec import ModelSpec, resolve_model
 from recompute.core.timing import Timing
 from recompute.core.workload import ATTENTIONS, Workload
-from recompute.planning import cost_tables, max_positions, preset_works
+from recompute.planning import ModelTables, cost_tables, max_positions, preset_works
+from recompute.progress import progress_bar
 from recompute.report.answer import answer_data
 from recompute.report.data import build_report
-from recompute.report.extras import bench_section, plan_section, trace_section
+from recompute.report.extras import bench_section, plan_section, read_plan_file, trace_section
 from recompute.report.html import render_html
+from recompute.report.measured import profile_section
 from recompute.report.png import write_pngs
 
 __all__ = ["add_args", "run"]
@@ -74,14 +77,18 @@ def _require_extra(*modules: str) -> None:
 
 
 def _sections(args: argparse.Namespace, spec: ModelSpec | None, wl: Workload) -> dict[str, Any]:
-    """The optional sections asked for; the files are read (and refused) before the slow trace runs."""
-    asked = [flag for flag, on in (("--plan", args.plan), ("--bench", args.bench), ("--trace", args.trace)) if on]
+    """The optional sections asked for; the files are read (and refused) before the slow trace runs. A model the
+    analytic model does not read takes ``--plan`` (drawn as its planner predicted it, once the model's identity is
+    known: ``_measured``), not the sections drawn against the analytic model."""
     if spec is None:
+        asked = [flag for flag, on in (("--bench", args.bench), ("--trace", args.trace)) if on]
         require(
             not asked,
             f"{', '.join(asked)} draw(s) against the analytic model, which does not read {args.model}; "
-            "drop them (the page's answer is the model's own plan)",
+            "drop them (the page draws the model's own profile and plan; --plan takes a plan file)",
         )
+        if args.plan:
+            read_plan_file(args.plan)
         return {}
     sections: dict[str, Any] = {}
     if args.plan:
@@ -93,19 +100,35 @@ def _sections(args: argparse.Namespace, spec: ModelSpec | None, wl: Workload) ->
     return sections
 
 
-def _answer(args: argparse.Namespace, wl: Workload, budget: float, gpu: str) -> dict[str, Any]:
+def _answer(
+    args: argparse.Namespace, wl: Workload, budget: float, gpu: str
+) -> tuple[dict[str, Any], ModelTables, Plan | None]:
     """The first screen: the one planner's plan for this workload on this GPU (offload and the chunked loss
-    weighed), priced in time unless --no-time; what it says when nothing fits."""
+    weighed), priced in time unless --no-time; what it says when nothing fits. Also the tables and the plan."""
     device = None if args.no_time else time_device(args)
     flags = " ".join(workload_flags(wl))
-    command = f"recompute plan --model {args.model} {flags} --gpu {gpu} --budget {budget / 2**30:.2f}GiB -o plan.json"
+    unit, scale = ("GiB", 2**30) if budget >= 2**30 else ("MiB", 2**20)  # a tiny model's budget read 0.00GiB
+    size = f"{budget / scale:.2f}{unit}"
+    command = f"recompute plan --model {args.model} {flags} --gpu {gpu} --budget {size} -o plan.json"
     usable, label = usable_bytes(gpu), gpu_by_name(gpu).label
+    with progress_bar("profile") as progress:
+        found = cost_tables(args.model, wl, device=device, losses=("chunked",), offload=True, progress=progress)
     try:
-        found = cost_tables(args.model, wl, device=device, losses=("chunked",), offload=True)
         result = plan(found.tables, budget, alternatives=found.alternatives, notes=found.notes)
     except NothingFits as e:
-        return answer_data(None, budget=budget, gpu=label, usable=usable, command=command, refusal=str(e))
-    return answer_data(result, budget=budget, gpu=label, usable=usable, command=command)
+        refused = answer_data(None, budget=budget, gpu=label, usable=usable, command=command, refusal=str(e))
+        return refused, found, None
+    return answer_data(result, budget=budget, gpu=label, usable=usable, command=command), found, result
+
+
+def _measured(args: argparse.Namespace, found: ModelTables, result: Plan | None, budget: float) -> dict[str, Any]:
+    """The sections of a profiled model: its charts (``report.measured``), and ``--plan`` checked against it."""
+    drawn = result if result is not None else plan(found.tables, math.inf)  # nothing fits: the frontier still
+    chosen = result is not None
+    sections = {"profile": profile_section(drawn, found.profiles, found.tables, budget=budget, chosen=chosen)}
+    if args.plan and found.model is not None:
+        sections["plan"] = plan_section(args.plan, found.model)
+    return sections
 
 
 def _times(args: argparse.Namespace, spec: ModelSpec, wl: Workload) -> dict[str, dict[str, Timing]] | None:
@@ -152,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
     if spec is not None:
         wl.check(spec)
     sections = _sections(args, spec, wl)
-    answer = _answer(args, wl, budget, gpu)
+    answer, found, result = _answer(args, wl, budget, gpu)
+    if spec is None:
+        sections = _measured(args, found, result, budget)
     times = _times(args, spec, wl) if spec is not None else None
     report = build_report(
         spec if spec is not None else args.model, wl, gpu=gpu, sections=sections, times=times, answer=answer,

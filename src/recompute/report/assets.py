@@ -65,10 +65,12 @@ PAGE_JS = r"""
   const COLORS = {
     parameters: "#8da0cb", gradients: "#a6b8de", optimizer: "#c7d3ec", outside: "#b3b3b3",
     checkpoints: "#ffd92f", norms: "#fc8d62", mlp: "#66c2a5", attention: "#2f6fde",
+    checkpoint: "#ffd92f", buffers: "#dde3f0", other: "#e5c494",
     eager: "#e7298a", flash: "#1b9e77",
   };
   const POLICY_COLORS = {
     none: "#444444", core_attn: "#1b9e77", attn: "#2f6fde", mlp: "#66a61e", "attn+mlp": "#7570b3", block: "#d95f02",
+    offload: "#e6ab02",
   };
   const state = { model: DATA.model, attention: DATA.workload.attention, policy: "none", scale: "linear" };
   const gib = (b) => b / GiB;
@@ -118,6 +120,38 @@ PAGE_JS = r"""
       margin: { t: 48, r: 8, b: 56, l: 72 },
     };
     Plotly.react("memory", traces, layout(title, "", extra), CONFIG);
+  }
+
+  // The plan of a plan section (report.extras.plan_view): its layers (when layersId) and its frontier.
+  function drawPlan(plan, layersId, frontierId) {
+    if (layersId) {
+      const idx = plan.layers.map((_, i) => i), stored = plan.stored.length ? plan.stored : idx.map(() => 0);
+      const bars = Object.keys(DATA.policies).concat(["offload"]).filter((p) => plan.layers.includes(p)).map((p) => {
+        const mine = idx.filter((i) => plan.layers[i] === p);
+        return { type: "bar", name: p, x: mine, y: mine.map((i) => gib(stored[i])),
+                 marker: { color: POLICY_COLORS[p] }, hovertemplate: "layer %{x}: " + hover(".3f", p) };
+      });
+      const left = { xaxis: { title: { text: "layer" } }, barmode: "overlay" };
+      Plotly.react(layersId, bars, layout("Policy and stored bytes per layer: " + plan.model, "GiB", left), CONFIG);
+    }
+    const f = plan.frontier, u = Object.keys(plan.uniform), c = plan.chosen;
+    const traces = [
+      { type: "scatter", mode: "lines+markers", name: "frontier", x: f.map((p) => gib(p.peak)),
+        y: f.map((p) => 100 * p.overhead), text: f.map((p) => p.plan), line: { color: "#7570b3", shape: "hv" },
+        hovertemplate: "%{x:.2f} GiB, +%{y:.1f} %<br>%{text}<extra>frontier</extra>" },
+      { type: "scatter", mode: "markers+text", name: "uniform policies", x: u.map((n) => gib(plan.uniform[n].peak)),
+        y: u.map((n) => 100 * plan.uniform[n].overhead), text: u, textposition: "top center",
+        marker: { color: "#999", size: 8 } },
+    ];
+    if (c) {
+      traces.push({ type: "scatter", mode: "markers", name: "the plan", x: [gib(c.peak)], y: [100 * c.overhead],
+                    marker: { symbol: "star", size: 16, color: "#d95f02" } });
+    }
+    const budget = gib(plan.budget), dash = { color: "#c0392b", dash: "dash" };
+    const line = { type: "line", yref: "paper", x0: budget, x1: budget, y0: 0, y1: 1, line: dash };
+    const right = { xaxis: { title: { text: "predicted peak (GiB)" } }, shapes: plan.budget > 0 ? [line] : [] };
+    const title = "Frontier: predicted peak against overhead (dashed: budget)";
+    Plotly.react(frontierId, traces, layout(title, "recompute overhead (%)", right), CONFIG);
   }
 
   function drawOverhead() {
@@ -206,8 +240,8 @@ PAGE_JS = r"""
   }
 
   const R = {
-    state: state, data: DATA, CONFIG: CONFIG, POLICY_COLORS: POLICY_COLORS,
-    gib: gib, fmtGiB: fmtGiB, pct: pct, layout: layout, hover: hover,
+    state: state, data: DATA, CONFIG: CONFIG, POLICY_COLORS: POLICY_COLORS, COLORS: COLORS,
+    gib: gib, fmtGiB: fmtGiB, pct: pct, layout: layout, hover: hover, hline: hline, drawPlan: drawPlan,
     drawers: [markButtons, drawMemory, drawOverhead, drawAttention, fillSavings, fillCards],
     once: [],
   };

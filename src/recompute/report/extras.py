@@ -27,6 +27,8 @@ __all__ = [
     "bench_section",
     "describe_layers",
     "plan_section",
+    "plan_view",
+    "read_plan_file",
     "trace_section",
     "trace_workload",
 ]
@@ -42,16 +44,16 @@ def describe_layers(layers: list[str] | tuple[str, ...], loss: str = "full") -> 
     return text + ("; chunked loss" if loss == "chunked" else "")
 
 
-def _check_model(found: object, spec: ModelSpec, what: str, path: str | Path) -> None:
+def _check_model(found: object, model: ModelSpec | ModelId, what: str, path: str | Path) -> None:
     """Refuse a plan for another model: by the hash of its architecture, by name in plans without one."""
     planned = ModelId.from_json(found)
-    model = spec_id(spec)
-    same = planned.same_model(model) if planned.hash else planned.name == spec.name
-    this = model.describe() if planned.hash else repr(spec.name)
+    mine = spec_id(model) if isinstance(model, ModelSpec) else model
+    same = planned.same_model(mine) if planned.hash and mine.hash else planned.name == mine.name
+    this = mine.describe() if planned.hash and mine.hash else repr(mine.name)
     require(
         same,
         f"{what} {str(path)!r} is for model {planned.describe()}, not {this}; "
-        f"pass --model {planned.name} or make it with --model {spec.name}",
+        f"pass --model {planned.name} or make it with --model {mine.name}",
     )
 
 
@@ -64,32 +66,68 @@ def _plan_workload(data: dict[str, Any], path: str | Path) -> Workload:
 
 PLAN_FORMATS = ("recompute.plan/1", FORMAT)
 """Plan files the report reads: the one planner's, and the format of the planners before it."""
+_FIX = "pass a file written by `recompute plan -o plan.json`"
 
 
-def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
-    """The plan per layer (policy and stored bytes) and its frontier, from a ``recompute plan -o`` file.
-
-    Stored bytes per layer and the plan's predicted peak and overhead are recomputed here from the analytic
-    model under the plan's own workload; the frontier and the uniform points are the planner's.
+def read_plan_file(path: str | Path) -> dict[str, Any]:
+    """A plan file's dict, checked (``check_plan_dict``) before anything slow runs.
 
     Raises:
-        ConfigError: unreadable file, not a plan, or a plan for another model (or layer count).
+        ConfigError: unreadable file, not JSON, or not a plan.
     """
-    fix = "pass a file written by `recompute plan -o plan.json`"
-    data = read_json(path, "plan file", fix)
-    require(data.get("format") in PLAN_FORMATS, f"{str(path)!r} is not a recompute plan file; {fix}")
+    data = read_json(path, "plan file", _FIX)
+    require(data.get("format") in PLAN_FORMATS, f"{str(path)!r} is not a recompute plan file; {_FIX}")
     try:
         check_plan_dict(data)
     except ConfigError as e:
         raise ConfigError(f"plan file {str(path)!r}: {e}") from None
-    _check_model(data.get("model"), spec, "plan file", path)
+    return data
+
+
+def plan_section(path: str | Path, model: ModelSpec | ModelId) -> dict[str, Any]:
+    """The plan per layer (policy and stored bytes) and its frontier, from a ``recompute plan -o`` file.
+
+    For a preset (``model`` a ``ModelSpec``) the stored bytes per layer and the plan's predicted peak and overhead
+    are recomputed here from the analytic model under the plan's own workload; for a profiled model (``model``
+    its ``ModelId``, by name and architecture hash) they are the file's own, as its profile predicted them. The
+    frontier and the uniform points are the planner's.
+
+    Raises:
+        ConfigError: unreadable file, not a plan, or a plan for another model (or layer count).
+    """
+    data = read_plan_file(path)
+    _check_model(data.get("model"), model, "plan file", path)
     policy = Policy.from_dict(data)
     if policy.model is not None:
-        _check_model(policy.model.to_dict(), spec, "the policy in plan file", path)
+        _check_model(policy.model.to_dict(), model, "the policy in plan file", path)
     wl = _plan_workload(data, path)
-    layers = policy.per_layer(spec.n_layers)
-    la = layer_activations(spec, wl)
-    est = estimate(spec, wl, policy)
+    name = model.name
+    if not isinstance(model, ModelSpec):
+        return plan_view(data, file=str(path), model=name)
+    view = plan_view(data, file=str(path), model=name, n_layers=model.n_layers)
+    layers = view["layers"]
+    la = layer_activations(model, wl)
+    est = estimate(model, wl, policy)
+    view.update(stored=[la.stored(p) for p in layers], peak=est.peak, overhead=est.overhead, stored_by="analytic")
+    view["chosen"] = _chosen(data, est.peak, est.overhead)
+    return view
+
+
+def plan_view(
+    data: dict[str, Any], *, file: str, model: str, n_layers: int | None = None, budget: float | None = None
+) -> dict[str, Any]:
+    """The plan section of a plan file's dict (``Plan.to_dict``) as its planner predicted it: the policy and the
+    bytes saved of each layer, the plan's point, the frontier and the uniform points (``budget``: the file's
+    unless given).
+
+    Raises:
+        ConfigError: a malformed frontier, or a policy that does not list ``n_layers`` layers.
+    """
+    policy = Policy.from_dict(data)
+    layers = policy.per_layer(n_layers if n_layers is not None else len(policy.layers or ()))
+    found = data.get("predicted")
+    predicted: dict[str, Any] = found if isinstance(found, dict) else {}
+    kept = [float(b) for b in predicted.get("kept", [])]
     point = lambda p: {"peak": float(p["peak"]), "overhead": float(p["overhead"])}  # noqa: E731
     try:
         frontier = [
@@ -97,20 +135,22 @@ def plan_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
             for p in data.get("frontier", [])
         ]
         uniform = {name: point(p) for name, p in data.get("uniform", {}).items()}
+        chosen = point(predicted) if predicted else None
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"plan file {str(path)!r} has a malformed frontier ({e!r}); {fix}") from e
+        raise ConfigError(f"plan file {file!r} has a malformed frontier ({e!r}); {_FIX}") from e
     return {
-        "file": str(path),
-        "model": spec.name,
-        "workload": wl.to_dict(),
-        "budget": float(data.get("budget", 0.0)),
+        "file": file,
+        "model": model,
+        "workload": dict(data.get("workload") or {}),
+        "budget": float(budget if budget is not None else data.get("budget", 0.0)),
         "cost_kind": str(data.get("cost_kind", "FLOPs")),
         "layers": list(layers),
-        "stored": [la.stored(name) for name in layers],
-        "peak": est.peak,
-        "overhead": est.overhead,
+        "stored": (kept * -(-len(layers) // len(kept)))[: len(layers)] if kept else [],  # one stage, repeated
+        "stored_by": "as its planner predicted it",
+        "peak": chosen["peak"] if chosen else None,
+        "overhead": chosen["overhead"] if chosen else None,
         "describe": policy.describe(),
-        "chosen": _chosen(data, est.peak, est.overhead),
+        "chosen": chosen,
         "frontier": frontier,
         "uniform": uniform,
     }

@@ -32,7 +32,8 @@ def _plan_html(data: dict[str, Any]) -> str:
     caption = (
         f"From <code>{escape(data['file'])}</code>: {escape(data['describe'])} at s = {w['seq_len']}, "
         f"b = {w['micro_batch']}, {escape(w['attention'])} attention, budget {gib(data['budget'])} "
-        f"(cost in {escape(data['cost_kind'])}). Left: the policy of each layer and the bytes it stores (analytic). "
+        f"(cost in {escape(data['cost_kind'])}). Left: the policy of each layer and the bytes it stores "
+        f"({escape(data.get('stored_by', 'analytic'))}). "
         "Right: the planner's Pareto frontier of predicted peak against recompute overhead, the uniform policies, "
         "and the plan."
     )
@@ -41,33 +42,47 @@ def _plan_html(data: dict[str, Any]) -> str:
 
 _PLAN_JS = """
 (function (R) {
-  R.once.push(function drawPlan() {
-    const plan = R.data.sections.plan, idx = plan.layers.map((_, i) => i);
-    const bars = Object.keys(R.data.policies).filter((p) => plan.layers.includes(p)).map((p) => {
-      const mine = idx.filter((i) => plan.layers[i] === p);
-      return { type: "bar", name: p, x: mine, y: mine.map((i) => R.gib(plan.stored[i])),
-               marker: { color: R.POLICY_COLORS[p] }, hovertemplate: "layer %{x}: " + R.hover(".3f", p) };
-    });
-    const left = { xaxis: { title: { text: "layer" } }, barmode: "overlay" };
-    const leftTitle = "Policy and stored bytes per layer: " + plan.model;
-    Plotly.react("plan-layers", bars, R.layout(leftTitle, "GiB", left), R.CONFIG);
-    const f = plan.frontier, u = Object.keys(plan.uniform), c = plan.chosen;
-    const traces = [
-      { type: "scatter", mode: "lines+markers", name: "frontier", x: f.map((p) => R.gib(p.peak)),
-        y: f.map((p) => 100 * p.overhead), text: f.map((p) => p.plan), line: { color: "#7570b3", shape: "hv" },
-        hovertemplate: "%{x:.2f} GiB, +%{y:.1f} %<br>%{text}<extra>frontier</extra>" },
-      { type: "scatter", mode: "markers+text", name: "uniform policies", x: u.map((n) => R.gib(plan.uniform[n].peak)),
-        y: u.map((n) => 100 * plan.uniform[n].overhead), text: u, textposition: "top center",
-        marker: { color: "#999", size: 8 } },
-      { type: "scatter", mode: "markers", name: "the plan", x: [R.gib(c.peak)], y: [100 * c.overhead],
-        marker: { symbol: "star", size: 16, color: "#d95f02" } },
-    ];
-    const budget = R.gib(plan.budget), dash = { color: "#c0392b", dash: "dash" };
-    const line = { type: "line", yref: "paper", x0: budget, x1: budget, y0: 0, y1: 1, line: dash };
-    const shapes = plan.budget > 0 ? [line] : [];
-    const right = { xaxis: { title: { text: "predicted peak (GiB)" } }, shapes: shapes };
-    const title = "Frontier: predicted peak against overhead (dashed: budget)";
-    Plotly.react("plan-frontier", traces, R.layout(title, "recompute overhead (%)", right), R.CONFIG);
+  R.once.push(() => R.drawPlan(R.data.sections.plan, "plan-layers", "plan-frontier"));
+})(window.RECOMPUTE);
+"""
+
+
+def _profile_html(data: dict[str, Any]) -> str:
+    w = data["workload"]
+    mine = data["chosen"]
+    caption = (
+        f"{escape(data['model'])} at s = {w['seq_len']}, b = {w['micro_batch']}, {escape(str(w['dtype']))}, as its "
+        f"profile measured it ({escape(data['source'])}). What each policy "
+        + ("and the plan " if mine else "")
+        + "keep when the backward starts, by component (the gradients come in the backward, as the activations "
+        f"go), against the budget of {gib(data['budget'])}; ◆ the step's predicted peak (its phase on hover); "
+        + ("the plan layer by layer; " if mine else "")
+        + "the planner's Pareto frontier of predicted peak against recompute overhead. The analytic model's charts, "
+        "which sweep the sequence length, are drawn for presets."
+    )
+    charts = "<div id='profile-memory' class='chart'></div>" + (
+        _pair("profile-layers", "profile-frontier") if mine else "<div id='profile-frontier' class='chart small'></div>"
+    )
+    return section("profile", "Memory and the plan, from the model's profile", caption, charts)
+
+
+_PROFILE_JS = """
+(function (R) {
+  R.once.push(function drawProfile() {
+    const d = R.data.sections.profile, x = d.bars.map((b) => b.name), keys = Object.keys(d.components);
+    const traces = keys.map((k) => ({
+      type: "bar", name: d.components[k], x: x, y: d.bars.map((b) => R.gib(b.components[k])),
+      marker: { color: R.COLORS[k] }, hovertemplate: R.hover(".3g", d.components[k]) + " GiB",
+    }));
+    traces.push({ type: "scatter", mode: "markers", name: "predicted peak", x: x, y: d.bars.map((b) => R.gib(b.peak)),
+      text: d.bars.map((b) => b.peak_phase), marker: { symbol: "diamond", size: 10, color: "#111" },
+      hovertemplate: "%{y:.3g} GiB in %{text}<extra>peak</extra>" });
+    traces.push(R.hline(x, d.budget, "budget", "dash"));
+    const extra = { barmode: "stack", xaxis: { title: { text: "policy" }, type: "category" },
+      legend: { orientation: "v", x: 1.02, y: 1, traceorder: "reversed" } };
+    const title = "Memory by component against the budget: " + d.model;
+    Plotly.react("profile-memory", traces, R.layout(title, "GiB per GPU", extra), R.CONFIG);
+    R.drawPlan(d.plan, d.chosen ? "profile-layers" : null, "profile-frontier");
   });
 })(window.RECOMPUTE);
 """
@@ -139,8 +154,10 @@ class Section:
 
 
 SECTIONS: dict[str, Section] = {
+    "profile": Section(_profile_html, _PROFILE_JS),
     "trace": Section(_trace_html, _TRACE_JS),
     "bench": Section(_bench_html, _BENCH_JS),
     "plan": Section(_plan_html, _PLAN_JS),
 }
-"""Section name (a key of ``Report.sections``) -> its outline and script, in page order."""
+"""Section name (a key of ``Report.sections``) -> its outline and script, in page order; ``profile`` is the
+charts of a model the analytic model does not read (``report.measured``)."""
