@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from recompute.core.errors import ConfigError
 from recompute.core.files import check_writable
+from recompute.core.plan_file import FORMAT as PLAN_FORMAT
 from recompute.core.policy import ALL_POLICIES, Policy
 from recompute.core.presets import PRESETS
 from recompute.core.pricing import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, choose_device
+from recompute.core.profile import FORMAT as PROFILE_FORMAT
+from recompute.core.results import BENCH_FORMAT
 from recompute.core.spec import ModelSpec
-from recompute.core.timing import Device
+from recompute.core.timing import DEVICE_FORMAT, Device
 from recompute.core.workload import Workload, default_precision, workload_fields
 from recompute.train.config import TRAIN_WORKLOAD, resolve_auto
 from recompute.train.config import WORKLOAD_DEFAULTS as TRAIN_DEFAULTS
@@ -29,6 +32,7 @@ if TYPE_CHECKING:  # the analytic commands run without torch
     from recompute.models.source import ModelSource
 
 __all__ = [
+    "JSON_FORMATS",
     "Parser",
     "add_field_args",
     "add_model_args",
@@ -258,8 +262,28 @@ def policy_from(args: argparse.Namespace) -> Policy:
     return pol
 
 
-def emit_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2)
+JSON_FORMATS = {
+    "estimate": "recompute.estimate/2",
+    "plan": PLAN_FORMAT,
+    "profile": PROFILE_FORMAT,
+    "trace": "recompute.trace/1",
+    "verify": "recompute.verify/1",
+    "validate": "recompute.validate/1",
+    "bench": BENCH_FORMAT,
+    "bench --tp/--dp": "recompute.bench.parallel/1",
+    "bench --fsdp": "recompute.bench.fsdp/1",
+    "calibrate": DEVICE_FORMAT,
+    "compare-train": "recompute.compare-train/1",
+}
+"""Each command's ``--json`` shape by name (docs/json.md): the same for every model source; the name changes when
+the shape does. A plan, a profile and a device profile print the format of the file they write."""
+
+
+def emit_json(data: dict[str, Any], command: str) -> None:
+    """Print ``command``'s ``--json`` output: ``data`` under its ``format`` (``JSON_FORMATS``), first."""
+    name = JSON_FORMATS[command]
+    assert data.get("format", name) == name, f"{command} --json: {data.get('format')!r} is not {name!r}"
+    json.dump({"format": name, **data}, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
 

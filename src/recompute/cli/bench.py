@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             source, wl, policies, **runs, progress=progress, device_profile=timed, losses=losses,
             max_minutes=args.max_minutes,
         )  # fmt: skip
-    emit_json(result.to_dict()) if args.json else print(render_bench(result))
+    emit_json(result.to_dict(), "bench") if args.json else print(render_bench(result))
     return 0
 
 
@@ -153,7 +153,7 @@ def _run_parallel(args: argparse.Namespace, source: ModelSource, wl: Workload, p
                 if device is None:
                     device = with_network(cached_calibration(wl.device, progress=progress))
                 result = with_predictions(result, spec, policies, device, progress=progress)
-        emit_json(result.to_dict()) if args.json else print(render_parallel_bench(result))
+        emit_json(result.to_dict(), "bench --tp/--dp") if args.json else print(render_parallel_bench(result))
         sys.stdout.flush()
     return 0
 
@@ -167,7 +167,7 @@ def _run_fsdp(args: argparse.Namespace, source: ModelSource, wl: Workload, polic
     end_process_group()  # Note: [ending together]
     if result is not None:  # rank 0, once the group has ended: the trace runs on a fake one
         result = with_traces(result, source, policies)
-        emit_json(result.to_dict()) if args.json else print(render_fsdp_bench(result))
+        emit_json(result.to_dict(), "bench --fsdp") if args.json else print(render_fsdp_bench(result))
         sys.stdout.flush()
     return 0
 

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         result = calibrate(device, quick=args.quick, cold=args.operands == "cold", progress=progress)
     result.save(output)
     if args.json:
-        emit_json(result.to_dict())
+        emit_json(result.to_dict(), "calibrate")
     else:
         print(render_device(result))
         print(f"\nwrote {output}")
@@ -111,7 +111,7 @@ def _collectives(args: argparse.Namespace, output: Path, device: str) -> int:
             result = dataclasses.replace(result, host=host)
         result.save(output)
         if args.json:
-            emit_json(result.to_dict())
+            emit_json(result.to_dict(), "calibrate")
         else:
             print(render_collectives(found))
             print(result.host_note())

@@ -70,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(
             {
-                "format": FORMAT,
                 "source": "analytic",
                 "model": spec.to_dict(),
                 "workload": wl.to_dict(),
@@ -80,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                 ],
                 "chosen": {**chosen.to_dict(), **({"time": times[-1].to_dict()} if times else {})},
                 "device": device.to_dict() if times else None,
-            }
+            },
+            "estimate",
         )
     else:
         print(render_estimate(spec, wl, rows, chosen, times[:-1] if times else None, note))
@@ -91,10 +91,6 @@ def run(args: argparse.Namespace) -> int:
             if uniform in steps:
                 print(render_step(uniform, steps[uniform], summarize(comms_of(works[uniform].phases))))
     return 0
-
-
-FORMAT = "recompute.estimate/2"
-"""``estimate --json``'s shape, the same for every model source (docs/json.md)."""
 
 
 def _parts(works: dict[str, Any], steps: dict[str, Any], policy: str) -> dict[str, Any]:
@@ -135,7 +131,6 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
 
         emit_json(
             {
-                "format": FORMAT,
                 "source": "profile",
                 "model": {"name": prof.model, "origin": prof.origin, "class": prof.class_name},
                 "workload": wl.to_dict(),
@@ -143,7 +138,8 @@ def _run_profiled(args: argparse.Namespace, device: Device) -> int:
                 "chosen": row(args.policy, layers) | {"step_seconds": step},
                 "device": timed.to_dict() if timed else None,
                 "profile": prof.to_dict(),
-            }
+            },
+            "estimate",
         )
         return 0
     print(render_profile(prof, timed, offload=offload))

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         atomic_write(output, json.dumps(data, indent=2) + "\n")
     exported = _export(args.export, result, found.tables, output, beside)
     if args.json:
-        emit_json(data | ({"export": exported.to_dict()} if exported else {}))
+        emit_json(data | ({"export": exported.to_dict()} if exported else {}), "plan")
         return 0
     breakdown = None
     if found.spec is not None:

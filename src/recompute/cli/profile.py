@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if output:
         atomic_write(output, json.dumps(result.to_dict(), indent=1) + "\n")
     if args.json:
-        emit_json(result.to_dict())
+        emit_json(result.to_dict(), "profile")
     else:
         print(render_profile(result, device, offload=shown_offload(result, device, wl)))
         if device is not None:

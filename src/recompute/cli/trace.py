@@ -49,5 +49,5 @@ def run(args: argparse.Namespace) -> int:
         progress(f"{args.model}: one step on fake tensors", 0, 1)  # one unit: the bar shows the elapsed time
         result = trace(source, wl, pol, layers=args.scale_from)
         progress("done", 1, 1)
-    emit_json(result.to_dict()) if args.json else print(render_trace(result))
+    emit_json(result.to_dict(), "trace") if args.json else print(render_trace(result))
     return 0

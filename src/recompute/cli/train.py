@@ -176,7 +176,7 @@ def run_compare(args: argparse.Namespace) -> int:
         rows, runs = compare_train(_config(args, "policy", "resume"), policies, progress=progress)
     plot_losses(runs, png)
     if args.json:
-        emit_json({"rows": [dataclasses.asdict(r) for r in rows], "png": str(png)})
+        emit_json({"rows": [dataclasses.asdict(r) for r in rows], "png": str(png)}, "compare-train")
     else:
         print(render_compare(rows))
         print(f"\nloss curves: {png}")

@@ -59,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
             keep_grads=args.keep_grads,
             progress=progress,
         )
-    emit_json(result.to_dict()) if args.json else print(render_validation(result, components=args.components))
+    if args.json:
+        emit_json(result.to_dict(), "validate")
+    else:
+        print(render_validation(result, components=args.components))
     return 0 if result.passed else 1
 
 

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     result = verify(
         model, pol, micro_batch=wl.micro_batch, seq_len=wl.seq_len, seed=args.seed, name=name, loss_fn=loss_fn
     )
-    emit_json(result.to_dict()) if args.json else print(render_verify(result))
+    emit_json(result.to_dict(), "verify") if args.json else print(render_verify(result))
     return 0 if result.passed else 1
 
 

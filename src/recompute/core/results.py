@@ -16,9 +16,11 @@ from typing import Any
 from recompute.core.errors import ConfigError, require
 from recompute.core.files import read_json_file
 
-__all__ = ["BenchResult", "BenchRow", "ParallelBench", "RankRow", "read_bench", "read_json"]
+__all__ = ["BENCH_FORMAT", "BenchResult", "BenchRow", "ParallelBench", "RankRow", "read_bench", "read_json"]
 
 BENCH_FIX = "pass a file written by `recompute bench --json`"
+BENCH_FORMAT = "recompute.bench/1"
+"""``recompute bench --json``'s shape (docs/json.md); results written before it carry no format."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,8 @@ def read_bench(path: str | Path, *, model: str | None = None) -> BenchResult:
         ConfigError: unreadable, not a bench result, or (with ``model``) a result for another model.
     """
     data = read_json(path, "bench results", BENCH_FIX)
+    found = data.get("format", BENCH_FORMAT)
+    require(found == BENCH_FORMAT, f"bench results {str(path)!r} are {found!r}, not {BENCH_FORMAT}; {BENCH_FIX}")
     try:
         result = BenchResult.from_dict(data)
     except ConfigError as e:

@@ -60,7 +60,7 @@ def _title(r: TraceResult) -> str:
 def render_trace(r: TraceResult) -> str:
     """The step's states, activations by layer and component, the ops that keep them, and the peak."""
     last = r.layers[-1]
-    peak_parts = ", ".join(f"{k} {size(v)}" for k, v in r.peak_breakdown.items() if k != "Total")
+    peak_parts = ", ".join(f"{k} {size(v)}" for k, v in r.peak_breakdown.items() if v and k != "Total")
     lines = [
         _title(r),
         f"model states: parameters {size(r.parameters)}, gradients {size(r.gradients)}, "

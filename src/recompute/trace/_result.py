@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torch.distributed._tools.mem_tracker import _MemRefType
+
 from recompute.core.allocator import replay
 from recompute.core.states import Restate
 from recompute.trace._step import StepRecord
@@ -198,7 +200,7 @@ def from_record(
         head=part_trace("head and loss", by_layer.get(-2, [])),
         peak=peak,
         peak_phase=str(phase),
-        peak_breakdown={k: v for k, v in record.phase_peaks[phase][1].items() if v},  # as traced
+        peak_breakdown=_breakdown(record.phase_peaks[phase][1]),
         phases=phases,
         notes=notes,
         parameter_count=parameter_count,
@@ -206,3 +208,10 @@ def from_record(
         host=record.host_peak,
         reserved=reserved,
     )
+
+
+def _breakdown(parts: dict[str, int]) -> dict[str, int]:
+    """MemTracker's categories at the peak, every one of them (0 where none was allocated): one shape for every
+    model (a preset had no ``Buffer``, a transformers class no ``Other``; issue 36), then ``Total``."""
+    names = [str(t.value) for t in _MemRefType]
+    return {k: int(parts.get(k, 0)) for k in dict.fromkeys([*names, *parts])}
