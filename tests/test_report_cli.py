@@ -326,3 +326,4 @@ def test_report_plan_takes_a_config_json_plan(tmp_path: Path, capsys: pytest.Cap
     refusal = err.strip().splitlines()[-1]  # after the profile's progress lines
     assert code == 2 and out == "" and "Traceback" not in err and refusal.startswith("recompute report: error: "), err
     assert f"plan file {str(plan_file)!r} is for model 'qwen2' (" in refusal
+    assert refusal.endswith("pass the --model it was made for, or make one for this model with recompute plan -o")

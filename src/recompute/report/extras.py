@@ -18,6 +18,7 @@ from recompute.core.identity import ModelId, spec_id
 from recompute.core.plan import FORMAT
 from recompute.core.plan_file import check_plan_dict
 from recompute.core.policy import OFFLOAD_POLICIES, POLICIES, Policy
+from recompute.core.presets import PRESETS
 from recompute.core.results import read_bench, read_json
 from recompute.core.spec import ModelSpec
 from recompute.core.workload import Workload, build_workload
@@ -50,11 +51,12 @@ def _check_model(found: object, model: ModelSpec | ModelId, what: str, path: str
     mine = spec_id(model) if isinstance(model, ModelSpec) else model
     same = planned.same_model(mine) if planned.hash and mine.hash else planned.name == mine.name
     this = mine.describe() if planned.hash and mine.hash else repr(mine.name)
-    require(
-        same,
-        f"{what} {str(path)!r} is for model {planned.describe()}, not {this}; "
-        f"pass --model {planned.name} or make it with --model {mine.name}",
-    )
+    fix = (
+        f"pass --model {planned.name} or make it with --model {mine.name}"
+        if planned.name in PRESETS and mine.name in PRESETS
+        else "pass the --model it was made for, or make one for this model with recompute plan -o"
+    )  # a config's name is its file's stem: --model qwen2 would name no model
+    require(same, f"{what} {str(path)!r} is for model {planned.describe()}, not {this}; {fix}")
 
 
 def _plan_workload(data: dict[str, Any], path: str | Path) -> Workload:
