@@ -85,3 +85,15 @@ def test_every_command_with_json_names_its_format() -> None:
         assert f"`{name}`" in docs, name
     for command in named:
         assert re.search(rf"^## `{re.escape(command)} --json`", docs, re.M), command
+
+
+@pytest.mark.slow
+def test_profile_json_has_one_shape_for_a_config_and_a_factory(config: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``profile --json`` is the profile file for any model (a preset's profile takes minutes here: a config.json
+    and a factory stand for the sources)."""
+    options = [*STEP, "--dtype", "fp32", "--no-time", "--json"]
+    from_config = json_of(capsys, "profile", "--model", config, *options)
+    from_factory = json_of(capsys, "profile", "--model", "test_real_runs:small_factory", *options)
+    assert from_config["format"] == from_factory["format"] == JSON_FORMATS["profile"]
+    assert shape(from_config, 1) == shape(from_factory, 1)
+    assert shape(from_config["kinds"][0], 1) == shape(from_factory["kinds"][0], 1)
