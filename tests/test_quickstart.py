@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from recompute.checkpointing import applied_policy
 from recompute.cli import main
@@ -39,6 +40,11 @@ def test_the_quickstart_runs_as_written(
     # The plan fits the GPU it names, and says so in what the page prints.
     assert plan.peak <= usable_bytes("rtx4090-24gb")
     assert f"{plan.peak / 2**30:.1f} GiB" in printed and plan.loss in printed
+    # "It prints `...` (torch 2.13, transformers 5.24 ...)": the line the page quotes, on the releases it names.
+    releases = re.search(r"\(torch (\d+\.\d+), transformers (\d+\.\d+);", PAGE.read_text())
+    assert releases is not None, "docs/quickstart.md names the releases its printed line comes from"
+    if torch.__version__.startswith(releases[1] + ".") and transformers.__version__.startswith(releases[2] + "."):
+        assert f"It prints `{printed.strip()}`" in PAGE.read_text()
     # The file is about this model (its architecture's hash), and apply put the plan and its loss mode on it.
     saved = json.loads(Path("plan.json").read_text())
     assert saved["model"]["hash"] == model_identity(model).hash
