@@ -9,9 +9,9 @@ temporary folder) and after (this tree). Its seconds are wall time around the ch
 profiles each stores (both loss modes: the plan weighs the chunked loss too) are compared byte for byte, less
 their ``seconds``.
 
-    python benchmarks/cold_plan.py [--runs 2] [--before 9727924] [--models tiny qwen2.5-1.5b]
+    python benchmarks/cold_plan.py [--runs 2] [--before 9727924] [--models tiny qwen2.5-1.5b] [--out cold_plan.json]
 
-Writes benchmarks/results/cold_plan.json.
+Writes benchmarks/results/cold_plan.json (or ``--out``'s name there).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--before", default="9727924", help="the revision whose cold plan is timed as before")
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen2.5-1.5b"], choices=list(MODELS))
+    parser.add_argument("--out", default="cold_plan.json", help="the results file in benchmarks/results")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
     before_src, after_src = export(args.before, folder), ROOT / "src"
@@ -116,9 +117,10 @@ def main() -> None:
         "targets": {"up_to_3b_s": 10, "8b_s": 20},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "command": f"python benchmarks/cold_plan.py --runs {args.runs} --before {args.before} --models "
-        + " ".join(args.models),
+        + " ".join(args.models)
+        + (f" --out {args.out}" if args.out != "cold_plan.json" else ""),
     }
-    out = Path(__file__).parent / "results" / "cold_plan.json"
+    out = Path(__file__).parent / "results" / args.out
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -173,6 +173,21 @@ def test_one_pass_profiles_every_loss_mode(kind: str) -> None:
     assert both["chunked"].head_backward != prof.head_backward  # the full loss keeps the logits
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_steps_in_worker_processes_measure_what_one_process_does(kind: str) -> None:
+    """Note: [steps in workers]: the profile measured with its steps spread over forked workers is the one
+    measured with every step here, byte for byte less its ``seconds`` (the fixture's takes the default)."""
+    _, path, prof = measured(kind)
+    source = resolve_source(str(path))
+    for workers in (0, 3):
+        found = profiles(source, WL, (WL.loss,), workers=workers)[WL.loss]
+        assert _figures(found) == _figures(prof), workers
+
+
+def _figures(prof: Profile) -> str:
+    return json.dumps({k: v for k, v in prof.to_dict().items() if k != "seconds"}, sort_keys=True)
+
+
 def test_the_plan_fits_its_budget_by_the_trace(profiled: tuple[str, Path, Profile]) -> None:
     _, path, prof = profiled
     table = prof.cost_table()

@@ -39,8 +39,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -65,6 +66,7 @@ from recompute.trace._mesh import fake_group
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
+from recompute.trace._workers import run_jobs
 
 __all__ = ["cached_profile", "cached_profiles", "profile", "profile_key", "profiles", "with_loss"]
 
@@ -152,10 +154,15 @@ def profiles(
     losses: Sequence[str] = LOSSES,
     *,
     progress: Progress = no_progress,
+    workers: int | None = None,
 ) -> dict[str, Profile]:
     """``profile`` of ``model`` at ``wl`` under each loss mode in ``losses``, by loss mode, in one pass: the
     links are measured once, the whole step and the anchors once per loss mode. Each is the ``Profile`` that
     ``profile(model, with_loss(wl, loss))`` measures.
+
+    Args:
+        workers: processes that run steps beside this one (``_workers.run_jobs``; default: one per other usable
+            CPU, 0: every step here). The figures do not depend on it.
 
     Raises:
         ConfigError: as ``profile``; a loss mode the workload cannot take (the chunked loss in fp16).
@@ -176,36 +183,32 @@ def profiles(
     weights = wl.dtype if wl.mixed_policy else None
     with fake_kernels():
         shape = _Shape.of(source, one, weights)
-        steps = len(workloads) * (1 + len(shape.anchors)) + (1 if shape.chain else 0)
         # Every model built on meta before a step makes one of them fake: the chained one once.
         built = {loss: shape.models(chained=i == 0) for i, loss in enumerate(workloads)}
-        progress("profile", 0, steps)
-        done = 0
-        measured: dict[str, tuple[StepRecord, int, dict[tuple[Any, ...], Site], dict[str, int]]] = {}
+        first = next(iter(workloads))
+        chained = built[first][2]
+        jobs: list[Callable[[], Any]] = []
+        if chained is not None:
+            jobs.append(partial(_chain_step, shape, chained, _one_rank_stand_in(workloads[first]), device))
         for loss, w in workloads.items():
             whole, anchors, _ = built[loss]
-            base, n_params = _whole_step(source, whole, w, device)
-            w = _one_rank_stand_in(w)
-            done += 1
-            progress("profile", done, steps)
-            records, shared = {}, {}
-            for (tag, p, x), short in zip(shape.anchors, anchors):
-                per_layer = (*leads(p, shape.ok)[:x], p)
-                rec = step_built(
-                    short, w, Policy(layers=per_layer), device=device, flops=shape.only_last, step=False, owners=True
-                )[0]
-                records[tag, p] = Site(rec, x)
-                shared[p] = rec.phase_shared.get(Phase("backward", "layer", x), 0)
-                done += 1
-                progress("profile", done, steps)
-            measured[loss] = base, n_params, records, shared
-        links: dict[tuple[Any, ...], Site] = {}
-        if shape.chain:
-            first = next(iter(workloads))
-            chained = built[first][2]
-            assert chained is not None
-            links = _chained(shape, chained, _one_rank_stand_in(workloads[first]), device, measured[first][3])
-            progress("profile", steps, steps)
+            jobs.append(partial(_whole_step, source, whole, w, device))
+            for (_, p, x), short in zip(shape.anchors, anchors):
+                per_layer = Policy(layers=(*leads(p, shape.ok)[:x], p))
+                jobs.append(partial(_anchor_step, short, _one_rank_stand_in(w), per_layer, device, shape.only_last))
+        progress("profile", 0, len(jobs))
+        done = run_jobs(jobs, workers=workers, done=lambda n: progress("profile", n, len(jobs)))
+    chain_rec = done.pop(0) if chained is not None else None
+    measured: dict[str, tuple[StepRecord, int, dict[tuple[Any, ...], Site], dict[str, int]]] = {}
+    for loss in workloads:
+        base, n_params = done.pop(0)
+        records, shared = {}, {}
+        for tag, p, x in shape.anchors:
+            rec = done.pop(0)
+            records[tag, p] = Site(rec, x)
+            shared[p] = rec.phase_shared.get(Phase("backward", "layer", x), 0)
+        measured[loss] = base, n_params, records, shared
+    links = chain_sites(chain_rec, _chain_positions(shape), measured[first][3]) if chain_rec is not None else {}
     seconds = time.perf_counter() - start
     return {
         loss: shape.profile(source, workloads[loss], base, n_params, records | links, seconds)
@@ -240,16 +243,23 @@ def with_loss(wl: Workload, loss: str) -> Workload:
     return dataclasses.replace(wl, loss=loss, loss_chunk=wl.loss_chunk if loss == "chunked" else None)
 
 
-def _chained(
-    shape: _Shape, built: BuiltModel, wl: Workload, device: str, shared: dict[str, int]
-) -> dict[tuple[Any, ...], Site]:
-    """The chained step (``_chain``): every link's site, FLOPs and kernels counted where a kind's come from."""
+def _anchor_step(short: BuiltModel, wl: Workload, policy: Policy, device: str, flops: bool) -> StepRecord:
+    """An anchor's short model's step (``_Shape.anchors``)."""
+    return step_built(short, wl, policy, device=device, flops=flops, step=False, owners=True)[0]
+
+
+def _chain_positions(shape: _Shape) -> dict[tuple[Any, ...], int]:
+    return chain_positions(shape.chain, len(shape.lead_policies), set(shape.pairs))
+
+
+def _chain_step(shape: _Shape, built: BuiltModel, wl: Workload, device: str) -> StepRecord:
+    """The chained step (``_chain``), FLOPs and kernels counted where a kind's come from (``chain_sites`` turns
+    it into every link's site)."""
     per_layer = (*shape.lead_policies, *(p for _, p in shape.chain), "none")
-    positions = chain_positions(shape.chain, len(shape.lead_policies), set(shape.pairs))
+    positions = _chain_positions(shape)
     counted = {positions[key] for key in kind_keys(shape.pairs, shape.ok)}
     pol = Policy(layers=per_layer)
-    rec = step_built(built, wl, pol, device=device, flops=True, step=False, owners=True, flop_layers=counted)[0]
-    return chain_sites(rec, positions, shared)
+    return step_built(built, wl, pol, device=device, flops=True, step=False, owners=True, flop_layers=counted)[0]
 
 
 @dataclass(frozen=True)

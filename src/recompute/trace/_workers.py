@@ -1,0 +1,127 @@
+"""Independent fake steps side by side: forked worker processes and this one take the jobs in turn.
+
+Note: [steps in workers] A profile's steps (the whole model's, the anchors', the chained one) share nothing
+while they run: each traces its own meta copy of the model on fake tensors. On a machine with more than one CPU,
+worker processes forked before any job starts (they inherit the models and the fake kernels already set up, and
+import nothing) and this process take the jobs one at a time, in the order given (the longest first keeps them
+even), and what a worker's job returns comes back pickled. Fork only, and only on Linux: elsewhere, with one
+CPU, or with CUDA initialised in this process (a forked child cannot use it), every job runs here in order. A
+job that fails (here or in a worker), or one a worker that died had taken, is run again here after the others, in
+order: its error is raised as it is without workers, the same one line. The figures are the same either way
+(``tests/test_profile.py``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["run_jobs", "usable_cpus"]
+
+T = TypeVar("T")
+
+_FAILED = object()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _forkable() -> bool:
+    return sys.platform == "linux" and not torch.cuda.is_initialized()
+
+
+def run_jobs(
+    jobs: Sequence[Callable[[], T]], *, workers: int | None = None, done: Callable[[int], None] = lambda n: None
+) -> list[T]:
+    """Each job's result, in order, with up to ``workers`` forked processes taking jobs beside this one
+    (default: one per other usable CPU; 0, or one job: all here, in order). ``done(n)`` is called here as the
+    ``n``-th job is done (the module's note)."""
+    n = min(len(jobs) - 1, usable_cpus() - 1 if workers is None else workers)
+    if n < 1 or not _forkable():
+        out = []
+        for job in jobs:
+            out.append(job())
+            done(len(out))
+        return out
+    return _Pool(jobs, n, done).run()
+
+
+class _Pool:
+    """``run_jobs`` over ``n`` forked workers: a shared counter hands out the next job's index."""
+
+    def __init__(self, jobs: Sequence[Callable[[], Any]], n: int, done: Callable[[int], None]) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.jobs, self.done = jobs, done
+        self.next = ctx.Value("i", 0)
+        self.results: Any = ctx.Queue()
+        self.found: dict[int, Any] = {}
+        self.procs = [ctx.Process(target=self._work, daemon=True) for _ in range(n)]
+
+    def run(self) -> list[Any]:
+        for p in self.procs:
+            p.start()
+        try:
+            while (i := self._take()) < len(self.jobs):
+                self._found(i, _attempt(self.jobs[i]))
+                self._drain(block=False)
+            while len(self.found) < len(self.jobs) and self._drain(block=True):
+                pass
+            for i in range(len(self.jobs)):  # failed in a worker, or taken by one that died: its own error here
+                if self.found.get(i, _FAILED) is _FAILED:
+                    self.found[i] = self.jobs[i]()
+            return [self.found[i] for i in range(len(self.jobs))]
+        finally:
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join()
+
+    def _take(self) -> int:
+        with self.next.get_lock():
+            i = self.next.value
+            self.next.value += 1
+        return int(i)
+
+    def _found(self, i: int, value: Any) -> None:
+        self.found[i] = value
+        if value is not _FAILED:
+            self.done(sum(v is not _FAILED for v in self.found.values()))
+
+    def _drain(self, *, block: bool) -> bool:
+        """Take the results the workers sent; False when none can come any more."""
+        while True:
+            try:
+                i, ok, value = self.results.get(timeout=1.0) if block else self.results.get_nowait()
+            except queue.Empty:
+                return not block or any(p.is_alive() for p in self.procs)
+            self._found(i, pickle.loads(value) if ok else _FAILED)
+            if block:
+                return True
+
+    def _work(self) -> None:
+        """A worker: job after job until none is left, each sent back as (index, ok, result)."""
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # not a progress display's proxy (its lock)
+        while (i := self._take()) < len(self.jobs):
+            value = _attempt(self.jobs[i])
+            try:
+                self.results.put((i, True, pickle.dumps(value)) if value is not _FAILED else (i, False, None))
+            except Exception:  # a result that does not pickle: run again here
+                self.results.put((i, False, None))
+
+
+def _attempt(job: Callable[[], Any]) -> Any:
+    """The job's result, or ``_FAILED`` where it raised (run again here, in order, for its own error)."""
+    try:
+        return job()
+    except Exception:
+        return _FAILED

@@ -1,0 +1,54 @@
+"""Steps side by side in forked workers (``recompute.trace._workers``): results in order, errors as without."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+
+from recompute.core.errors import ConfigError
+from recompute.trace._workers import run_jobs, usable_cpus
+
+forks = pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+
+
+def _pid(i: int, pause: float = 0.0) -> tuple[int, int]:
+    time.sleep(pause)
+    return i, os.getpid()
+
+
+def _refuse() -> None:
+    raise ConfigError("micro_batch must be a positive integer, got 0", fields=("micro_batch",))
+
+
+@forks
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_results_come_in_order_from_the_workers(workers: int) -> None:
+    jobs = [partial(_pid, i, 0.3) for i in range(6)]
+    found = run_jobs(jobs, workers=workers)
+    assert [i for i, _ in found] == list(range(6))
+    assert len({pid for _, pid in found} - {os.getpid()}) >= 1  # some ran in a worker
+
+
+@pytest.mark.parametrize("workers", [0, None])
+def test_no_worker_runs_every_job_here(workers: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``workers=0``, or the default on one CPU."""
+    monkeypatch.setattr("recompute.trace._workers.usable_cpus", lambda: 1)
+    found = run_jobs([partial(_pid, i) for i in range(3)], workers=workers)
+    assert found == [(0, os.getpid()), (1, os.getpid()), (2, os.getpid())]
+
+
+@forks
+def test_a_job_failing_in_a_worker_raises_its_own_error_here() -> None:
+    jobs: list[Callable[[], object]] = [partial(_pid, 0), _refuse, partial(_pid, 2)]
+    with pytest.raises(ConfigError, match=r"^micro_batch must be a positive integer, got 0$") as caught:
+        run_jobs(jobs, workers=2)
+    assert caught.value.fields == ("micro_batch",)
+
+
+def test_usable_cpus_is_positive() -> None:
+    assert usable_cpus() >= 1
