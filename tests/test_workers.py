@@ -52,3 +52,17 @@ def test_a_job_failing_in_a_worker_raises_its_own_error_here() -> None:
 
 def test_usable_cpus_is_positive() -> None:
     assert usable_cpus() >= 1
+
+
+def _hang_in_a_worker(i: int, here: int) -> int:
+    while os.getpid() != here:  # a worker that never answers (hung at fork on a lock another thread held)
+        time.sleep(1.0)
+    return i
+
+
+@forks
+def test_a_silent_worker_is_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that sends nothing for longer than the patience: its job is run here, and the call returns."""
+    monkeypatch.setattr("recompute.trace._workers.PATIENCE_S", 2.0)
+    jobs = [partial(_hang_in_a_worker, i, os.getpid()) for i in range(3)]
+    assert run_jobs(jobs, workers=2) == [0, 1, 2]

@@ -6,9 +6,9 @@ worker processes forked before any job starts (they inherit the models and the f
 import nothing) and this process take the jobs one at a time, in the order given (the longest first keeps them
 even), and what a worker's job returns comes back pickled. Fork only, and only on Linux: elsewhere, with one
 CPU, or with CUDA initialised in this process (a forked child cannot use it), every job runs here in order. A
-job that fails (here or in a worker), or one a worker that died had taken, is run again here after the others, in
-order: its error is raised as it is without workers, the same one line. The figures are the same either way
-(``tests/test_profile.py``).
+job that fails (here or in a worker), or one a worker that died or went silent had taken, is run again here after
+the others, in order: its error is raised as it is without workers, the same one line. The figures are the same
+either way (``tests/test_profile.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import pickle
 import queue
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ __all__ = ["run_jobs", "usable_cpus"]
 T = TypeVar("T")
 
 _FAILED = object()
+PATIENCE_S = 180.0  # how long a worker may send nothing, beyond three times the longest job run here
 
 
 def usable_cpus() -> int:
@@ -65,6 +67,7 @@ class _Pool:
         self.next = ctx.Value("i", 0)
         self.results: Any = ctx.Queue()
         self.found: dict[int, Any] = {}
+        self.longest = 0.0  # seconds, the longest job this process ran
         self.procs = [ctx.Process(target=self._work, daemon=True) for _ in range(n)]
 
     def run(self) -> list[Any]:
@@ -72,10 +75,19 @@ class _Pool:
             p.start()
         try:
             while (i := self._take()) < len(self.jobs):
+                start = time.monotonic()
                 self._found(i, _attempt(self.jobs[i]))
+                self.longest = max(self.longest, time.monotonic() - start)
                 self._drain(block=False)
-            while len(self.found) < len(self.jobs) and self._drain(block=True):
-                pass
+            # Wait for the workers' jobs while they send results at the pace this process ran its own: one that
+            # sends nothing for much longer (hung, e.g. a lock held by another thread at fork) is not waited for.
+            patience = PATIENCE_S + 3.0 * self.longest
+            deadline = time.monotonic() + patience
+            while len(self.found) < len(self.jobs) and time.monotonic() < deadline:
+                if self._drain(block=True):
+                    deadline = time.monotonic() + patience
+                elif not any(p.is_alive() for p in self.procs):
+                    break
             for i in range(len(self.jobs)):  # failed in a worker, or taken by one that died: its own error here
                 if self.found.get(i, _FAILED) is _FAILED:
                     self.found[i] = self.jobs[i]()
@@ -98,13 +110,15 @@ class _Pool:
             self.done(sum(v is not _FAILED for v in self.found.values()))
 
     def _drain(self, *, block: bool) -> bool:
-        """Take the results the workers sent; False when none can come any more."""
+        """Take the results the workers sent (blocking: the next one, waiting up to a second); whether one came."""
+        came = False
         while True:
             try:
                 i, ok, value = self.results.get(timeout=1.0) if block else self.results.get_nowait()
             except queue.Empty:
-                return not block or any(p.is_alive() for p in self.procs)
+                return came
             self._found(i, pickle.loads(value) if ok else _FAILED)
+            came = True
             if block:
                 return True
 
