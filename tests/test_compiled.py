@@ -8,6 +8,7 @@ all: docs/compiled.md).
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 import smoke
 from recompute import Policy, Workload
+from recompute.cli import main
 from recompute.core.errors import ConfigError
 from recompute.models.source import ModelSource
 from recompute.trace import capture_backend, saved_by_compiled, trace_compiled
@@ -125,3 +127,35 @@ def test_trace_is_the_real_inductor_step() -> None:
     fake = trace_compiled(LLAMA, WL, PLAN, budget=0.5)
     real = compiled_fidelity.real_saved(LLAMA, WL, PLAN, "inductor", 0.5)
     assert abs(fake.saved - real) <= 0.02 * real
+
+
+@fake_models
+def test_trace_compiled_at_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(smoke.LLAMA))
+    argv = ["trace", "--model", str(config), "--seq-len", "32", "--dtype", "fp32", "--policy", "block"]
+    assert main([*argv, "--compiled", "--memory-budget", "0.5", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["partitioner"], got["budget"], got["policy"]) == ("min_cut", 0.5, "block")
+    source = ModelSource.from_config(config)
+    wl = Workload(seq_len=32, dtype="fp32", device="cpu")
+    assert got["saved"] == trace_compiled(source, wl, "block", budget=0.5).saved
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--compiled", "--memory-budget", "2"], "a fraction in (0, 1], got 2.0"),
+        (["--memory-budget", "0.5"], "--memory-budget is an option of the compiled trace; add --compiled"),
+        (["--compiled", "--scale-from", "1"], "drop --scale-from"),
+        (["--compiled", "--partitioner", "default", "--memory-budget", "0.5"], "min-cut partitioner's knob"),
+    ],
+    ids=["budget-2", "budget-without-compiled", "scale-from", "budget-default-partitioner"],
+)
+def test_bad_compiled_options_exit_2_in_one_line(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["trace", "--model", "gpt2", "--seq-len", "32", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
