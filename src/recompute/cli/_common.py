@@ -267,6 +267,7 @@ JSON_FORMATS = {
     "plan": PLAN_FORMAT,
     "profile": PROFILE_FORMAT,
     "trace": "recompute.trace/1",
+    "trace --compiled": "recompute.trace.compiled/1",
     "verify": "recompute.verify/1",
     "validate": "recompute.validate/1",
     "bench": BENCH_FORMAT,

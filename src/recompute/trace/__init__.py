@@ -13,6 +13,8 @@ Example:
 """
 
 from recompute.models.source import ModelSource, resolve_source
+from recompute.trace._compiled import PARTITIONERS, capture_backend, saved_by_compiled
+from recompute.trace._compiled_run import CompiledTrace, render_compiled, trace_compiled
 from recompute.trace._flops import flop_counter
 from recompute.trace._profile import cached_profile, cached_profiles, profile, profile_key, profiles, with_loss
 from recompute.trace._ranks import saved_bytes_per_layer
@@ -23,24 +25,30 @@ from recompute.trace._work import cached_works
 
 __all__ = [
     "COMPONENTS",
+    "PARTITIONERS",
+    "CompiledTrace",
     "ModelSource",
     "PartTrace",
     "TraceResult",
     "cached_profile",
     "cached_profiles",
     "cached_works",
+    "capture_backend",
     "flop_counter",
     "profile",
     "profile_key",
     "profiles",
+    "render_compiled",
     "render_trace",
     "resolve_source",
+    "saved_by_compiled",
     "saved_bytes_per_layer",
     "step_needs",
     "step_record",
     "step_work",
     "step_works",
     "trace",
+    "trace_compiled",
     "trace_layer",
     "trace_module",
     "with_loss",

@@ -1,0 +1,160 @@
+"""``trace_compiled`` against real ``torch.compile``d CPU steps (issue 40 item 2).
+
+For each model (recompute's GPT-2 and Llama presets and transformers' Llama and Qwen2 classes, all at small
+width), each policy (none, and a per-layer recompute plan) and each memory budget, the bytes the compiled step
+saves for its backward as traced on fake tensors (``recompute.trace.trace_compiled``) beside those of a real
+step on real tensors: the model compiled with Inductor (``torch.compile``'s default backend: its kernels built
+and run; the min cut under ``torch._functorch.config.activation_memory_budget``), the saved tensors read back
+from the compiled regions' autograd nodes (``saved_by_compiled``), then its backward run. The default
+partitioner is held to a real step of ``aot_eager_default_partitioner`` (which partitions with it). Writes
+benchmarks/results/compiled_fidelity.json.
+
+    python benchmarks/compiled_fidelity.py [--only gpt2,hf-llama] [--budgets 1.0,0.5,0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recompute import ModelSpec, Policy, Workload
+from recompute.checkpointing import apply
+from recompute.core.table import render_table
+from recompute.models.source import ModelSource, build_source
+from recompute.runtime import random_batch
+from recompute.trace import saved_by_compiled, trace_compiled
+
+OUT = Path(__file__).parent / "results" / "compiled_fidelity.json"
+WL = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
+"""Small enough for a real Inductor step of every case on a CPU in seconds (after its compile)."""
+_SMALL = {"n_layers": 2, "hidden": 128, "n_heads": 4, "vocab": 512, "max_positions": 128}
+_HF = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4}
+MODELS: dict[str, ModelSource] = {
+    "gpt2": ModelSource.preset(ModelSpec.from_name("gpt2", **_SMALL)),
+    "llama": ModelSource.preset(ModelSpec.from_name("llama3.1-8b", **_SMALL, n_kv_heads=2, d_ff=344)),
+    "hf-llama": ModelSource.from_config(
+        {"model_type": "llama", **_HF, "num_key_value_heads": 2, "vocab_size": 512}, name="hf-llama"
+    ),
+    "hf-qwen2": ModelSource.from_config(
+        {"model_type": "qwen2", **_HF, "num_key_value_heads": 2, "vocab_size": 512}, name="hf-qwen2"
+    ),
+}
+"""GPT-2 keeps its dropout (0.1): the masks are saved values too."""
+POLICIES: dict[str, Policy] = {"none": Policy("none"), "plan": Policy("none", layers=("block", "core_attn"))}
+"""No policy, and a per-layer plan: layer 0 recomputed whole, layer 1's attention core."""
+BUDGETS = (1.0, 0.5, 0.1)
+
+
+def real_saved(
+    source: ModelSource, wl: Workload, policy: Policy, backend: str | Callable[..., Any], budget: float | None
+) -> int:
+    """Bytes a real compiled step of ``source`` (built on the CPU with random weights, ``policy`` applied, then
+    compiled with ``backend`` under ``budget``) holds for its backward, read from its autograd graph."""
+    torch.manual_seed(0)
+    built = build_source(source, attention=wl.attention, dtype=torch.float32, device="cpu")
+    model = built.model.train()
+    apply(model, policy, loss=wl.loss, loss_chunk=wl.loss_chunk)
+    idx, targets = random_batch(built.vocab, wl.micro_batch, wl.seq_len, seed=0)
+    torch._dynamo.reset()
+    patch = (
+        torch._functorch.config.patch(activation_memory_budget=budget)
+        if budget is not None
+        else contextlib.nullcontext()
+    )
+    try:
+        with patch:
+            _, loss = built.loss_fn(torch.compile(model, backend=backend, dynamic=False), idx, targets)
+            saved = saved_by_compiled(loss, exclude=[*model.parameters(), *model.buffers(), idx, targets])
+            loss.backward()  # the step runs through: the backward reads what was saved
+    finally:
+        torch._dynamo.reset()
+    return saved
+
+
+def check(name: str, policy: str, partitioner: str, budget: float | None) -> dict[str, Any]:
+    """One case: the fake trace beside the real step (Inductor for min cut, aot_eager for the default)."""
+    source, pol = MODELS[name], POLICIES[policy]
+    start = time.perf_counter()
+    fake = trace_compiled(source, WL, pol, partitioner=partitioner, budget=budget)
+    traced_s = time.perf_counter() - start
+    start = time.perf_counter()
+    real = real_saved(
+        source, WL, pol, "inductor" if partitioner == "min_cut" else "aot_eager_default_partitioner", budget
+    )
+    return {
+        "model": name,
+        "policy": policy,
+        "partitioner": partitioner,
+        "budget": budget,
+        "backend": "inductor" if partitioner == "min_cut" else "aot_eager_default_partitioner",
+        "traced": fake.saved,
+        "traced_layers": list(fake.layers),
+        "real": real,
+        "error": (fake.saved - real) / real,
+        "graphs": fake.graphs,
+        "trace_s": round(traced_s, 1),
+        "real_s": round(time.perf_counter() - start, 1),
+    }
+
+
+def cases(models: list[str], budgets: tuple[float, ...]) -> list[tuple[str, str, str, float | None]]:
+    out: list[tuple[str, str, str, float | None]] = []
+    for name in models:
+        for policy in POLICIES:
+            out.append((name, policy, "default", None))
+            out += [(name, policy, "min_cut", b) for b in budgets]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", help=f"comma-separated models of {', '.join(MODELS)}")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="memory budgets in (0, 1]")
+    p.add_argument("-o", "--out", type=Path, default=OUT)
+    args = p.parse_args()
+    models = args.only.split(",") if args.only else list(MODELS)
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    budgets = tuple(float(b) for b in args.budgets.split(","))
+    if not all(0 < b <= 1 for b in budgets):
+        p.error(f"--budgets are fractions in (0, 1], got {args.budgets}")
+    torch.set_num_threads(1)
+    rows = []
+    for case in cases(models, budgets):
+        rows.append(check(*case))
+        r = rows[-1]
+        print(
+            f"{r['model']} {r['policy']} {r['partitioner']} {r['budget']}: {r['traced']} vs {r['real']} "
+            f"({100 * r['error']:+.2f} %)",
+            flush=True,
+        )
+    table = [
+        [
+            r["model"],
+            r["policy"],
+            r["partitioner"],
+            str(r["budget"] or "-"),
+            r["backend"],
+            str(r["traced"]),
+            str(r["real"]),
+            f"{100 * r['error']:+.2f} %",
+        ]
+        for r in rows
+    ]
+    print(render_table(["model", "policy", "partitioner", "budget", "real backend", "traced", "real", "error"], table))
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "workload": WL.__dict__}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

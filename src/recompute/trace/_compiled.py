@@ -1,0 +1,356 @@
+"""What a ``torch.compile``d training step saves for the backward: AOTAutograd's partition, on fake tensors.
+
+Under ``torch.compile`` eager autograd does not run: AOTAutograd traces the forward and backward into one joint
+graph, and a partitioner cuts it into a forward graph and a backward graph. The forward graph's outputs beyond
+the user's (the loss, the logits) are the values the backward reads: what the compiled step holds between its
+forward and its backward. ``capture`` compiles a model with a backend that only records those two graphs (its
+compilers return each graph as it is, so nothing of Inductor runs) and counts the saved values from their
+nodes' ``meta['val']``, which gives each value's shape, dtype and storage on fake tensors as on real ones.
+
+Note: [compiled saved values] counted once per storage, and not at all where the storage is one of the graph's
+inputs (parameters, token ids, or views of them: they exist whatever the backward keeps). A saved value may also
+be a user output (the logits): it counts, as the real step holds it for the backward too. The partitioners:
+
+- ``default``: AOTAutograd's ``default_partition`` over the graph without decompositions (``aot_eager``'s): it
+  saves what the ops' own backward formulas read;
+- ``min_cut``: ``min_cut_rematerialization_partition`` as Inductor calls it (``compiler="inductor"``, over
+  Inductor's decomposition table): a min cut that recomputes cheap pointwise ops in the backward instead of
+  saving them; ``budget`` in (0, 1) sets ``torch._functorch.config.activation_memory_budget`` for it, the
+  fraction of that plan's activation memory to keep (recomputing the cheapest ops first).
+
+What the real Inductor step saves is read back from its autograd graph (``saved_by_compiled``): each compiled
+region's backward node holds the forward's saved tensors, real ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from recompute.core.errors import ConfigError, require
+
+__all__ = ["PARTITIONERS", "Captured", "Partition", "capture", "capture_backend", "layer_paths", "saved_by_compiled"]
+
+PARTITIONERS = ("min_cut", "default")
+"""AOTAutograd's partitioners the compiled trace runs: Inductor's min cut (``torch.compile``'s default backend),
+and the default partition (``aot_eager``'s)."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One compiled region's forward and backward graphs, as the partitioner cut them."""
+
+    fw: torch.fx.GraphModule
+    bw: torch.fx.GraphModule
+    user_outputs: int | None
+    """How many of the forward graph's outputs are the region's own (``num_fwd_outputs``); the rest are saved
+    for the backward: values, random-number states, sizes. None: not given (saved values found by name)."""
+
+
+Graphs = list[Partition]
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What the partitioned graphs of one compiled step save for the backward."""
+
+    layers: tuple[int, ...]
+    """Bytes saved by each transformer layer's ops (the op's module path names the layer)."""
+    other: int
+    """Bytes saved by ops outside the layers: embedding, final norm, head and loss."""
+    graphs: int
+    """Forward/backward graph pairs (more than one: dynamo broke the model into several graphs)."""
+    values: int
+    """Saved values counted (one per storage)."""
+
+    @property
+    def saved(self) -> int:
+        return sum(self.layers) + self.other
+
+
+def capture_backend(partitioner: str = "min_cut", budget: float | None = None) -> tuple[Callable[..., Any], Graphs]:
+    """A ``torch.compile`` backend that partitions as ``partitioner`` (under ``budget``) and runs each graph as it
+    is, and the list it appends each (forward, backward) graph pair to as it partitions.
+
+    Raises:
+        ConfigError: an unknown partitioner, a budget outside (0, 1] or with the default partitioner, or a
+            PyTorch without these APIs.
+    """
+    check_options(partitioner, budget)
+    aot_autograd, make_boxed_func, partitions = _aot_apis()
+    pairs: Graphs = []
+    cut = partitions[partitioner]
+
+    def partition(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+        with _budget(budget):
+            fw, bw = cut(joint, inputs, **kwargs)
+        pairs.append(Partition(fw, bw, kwargs.get("num_fwd_outputs")))
+        return fw, bw
+
+    def as_is(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return make_boxed_func(gm)
+
+    decompositions = _inductor_decompositions() if partitioner == "min_cut" else None
+    backend = aot_autograd(fw_compiler=as_is, bw_compiler=as_is, partition_fn=partition, decompositions=decompositions)
+    return backend, pairs
+
+
+def check_options(partitioner: str, budget: float | None) -> None:
+    """Refuse an unknown partitioner and a budget that is not a fraction in (0, 1] of min cut's.
+
+    Raises:
+        ConfigError: as said.
+    """
+    require(
+        partitioner in PARTITIONERS,
+        f"partitioner must be one of {', '.join(PARTITIONERS)}, got {partitioner!r}",
+    )
+    if budget is None:
+        return
+    require(
+        isinstance(budget, int | float) and 0 < budget <= 1,
+        f"the memory budget is torch._functorch.config.activation_memory_budget, a fraction in (0, 1], got "
+        f"{budget!r}; e.g. 0.5 keeps half of what min cut saves",
+    )
+    require(
+        partitioner == "min_cut",
+        f"the memory budget is the min-cut partitioner's knob, not the {partitioner} partitioner's; drop the "
+        "budget or use partitioner min_cut",
+    )
+    require(
+        hasattr(_functorch_config(), "activation_memory_budget"),
+        f"this PyTorch ({torch.__version__}) has no torch._functorch.config.activation_memory_budget; "
+        "upgrade to 2.6 or newer, or drop the budget",
+    )
+
+
+def capture(
+    model: nn.Module,
+    run: Callable[[Any], Any],
+    *,
+    layers: Sequence[str],
+    partitioner: str = "min_cut",
+    budget: float | None = None,
+) -> Captured:
+    """Compile ``model`` with ``capture_backend`` and call ``run(compiled)`` once (a forward: the partition
+    happens when the forward compiles), on real or fake tensors alike; what its graphs save.
+
+    ``layers``: the module path of each transformer layer (``layer_paths``). Resets dynamo's caches before and
+    after (a model compiled before would not be partitioned again).
+
+    Raises:
+        ConfigError: as ``capture_backend``, or dynamo compiled nothing.
+    """
+    backend, pairs = capture_backend(partitioner, budget)
+    torch._dynamo.reset()
+    try:
+        run(torch.compile(model, backend=backend, dynamic=False))
+    except Exception as e:
+        # Note: [fake models under dynamo] PyTorch 2.6's dynamo passes a model's fake tensors on as they are, in
+        # another fake mode than its own, which AOTAutograd refuses; 2.13's makes its own fakes of them.
+        if "fake mode" in str(e) and "doesn't match" in str(e):
+            raise ConfigError(
+                f"this PyTorch's dynamo ({torch.__version__}) does not compile a model made of fake tensors (its "
+                "fake mode is not the model's); trace the compiled step under PyTorch 2.13, where it is tested"
+            ) from e
+        raise
+    finally:
+        torch._dynamo.reset()
+    require(bool(pairs), "torch.compile partitioned no graph: nothing of the step ran compiled with autograd on")
+    per_layer = [0] * len(layers)
+    other = values = 0
+    for part in pairs:
+        for node, nbytes in saved_values(part):
+            values += 1
+            i = saver(node, layers)
+            if i is None:
+                other += nbytes
+            else:
+                per_layer[i] += nbytes
+    return Captured(tuple(per_layer), other, len(pairs), values)
+
+
+def saved_values(part: Partition) -> Iterator[tuple[torch.fx.Node, int]]:
+    """The forward graph's outputs beyond the region's own (what the backward reads), with the bytes of their
+    storages, once per storage and none that is an input's (Note: [compiled saved values])."""
+    outputs = _outputs(part.fw)
+    if part.user_outputs is not None:
+        saved = outputs[part.user_outputs :]
+    else:  # the backward's inputs are named as the forward's outputs they are
+        read = {n.name for n in part.bw.graph.nodes if n.op == "placeholder"}
+        saved = [n for n in outputs if n.name in read]
+    inputs = {_storage(n) for n in part.fw.graph.nodes if n.op == "placeholder"} - {None}
+    seen: set[StorageWeakRef] = set()
+    for node in saved:
+        key = _storage(node)
+        if key is None or key in inputs or key in seen:
+            continue
+        seen.add(key)
+        yield node, _concrete(node.meta["val"].untyped_storage().nbytes())
+
+
+def saved_by_compiled(output: Tensor, *, exclude: Iterable[Tensor] = ()) -> int:
+    """Bytes the compiled regions behind ``output`` (a loss) hold for their backward, read from its autograd
+    graph: each region's backward node keeps its forward's saved tensors. Once per storage; ``exclude``'s
+    storages (parameters, inputs) not counted. Works on real tensors after any backend (Inductor's too).
+
+    Raises:
+        ConfigError: no compiled region in ``output``'s autograd graph.
+    """
+    skip = {_key(t) for t in exclude}
+    seen: set[StorageWeakRef] = set()
+    total = 0
+    regions = 0
+    for node in _autograd_nodes(output):
+        if "CompiledFunction" not in type(node).__name__:
+            continue
+        regions += 1
+        for t in node.saved_tensors:
+            key = _key(t)
+            if key not in skip and key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    require(regions > 0, "found no compiled region in the output's autograd graph; compile the model with autograd on")
+    return total
+
+
+def layer_paths(model: nn.Module, stack: nn.ModuleList) -> list[str]:
+    """The module path of each layer of ``stack`` in ``model`` (``layers.0``, ``model.layers.0``, ...)."""
+    name = next((n for n, m in model.named_modules() if m is stack), None)
+    if name is None:
+        raise ConfigError(f"the layer list is not a submodule of {type(model).__name__}")
+    return [f"{name}.{i}" if name else str(i) for i in range(len(stack))]
+
+
+def saver(node: torch.fx.Node, layers: Sequence[str]) -> int | None:
+    """The layer that saves ``node``'s value: that of its first user in the forward graph that runs in a layer
+    (a layer's output is saved by the next layer that reads it, as in eager autograd), else of the op itself,
+    else of the nearest op it is computed from (a value the min cut moved out of the backward has no module)."""
+    for n in node.users:
+        i = layer_of(n, layers)
+        if i is not None:
+            return i
+    todo, seen = [node], {node}
+    while todo:
+        n = todo.pop(0)
+        if n.meta.get("nn_module_stack"):
+            return layer_of(n, layers)
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return None
+
+
+def layer_of(node: torch.fx.Node, layers: Sequence[str]) -> int | None:
+    """The layer whose module ran ``node``'s op (from the module stack dynamo records on each node), or None."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for entry in reversed(list(stack.values())):
+        path = "." + _plain(entry[0] if isinstance(entry, tuple) else str(entry)) + "."
+        for i, layer in enumerate(layers):
+            if f".{layer}." in path:
+                return i
+    return None
+
+
+def _plain(path: str) -> str:
+    """Dynamo's spelling of a module path in dots: ``L['self'].layers[0]`` -> ``L.self.layers.0`` (the root is
+    ``L['self']``, or ``L['args'][0]`` where a decorator wraps the forward: a layer is matched as a dotted part)."""
+    return re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", path).replace("._modules.", ".")
+
+
+def _concrete(n: Any) -> int:
+    """A size as a number: a random-number state's is symbolic on fake tensors, with the real state's as hint."""
+    if isinstance(n, int):
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)  # SymInt.node: its SymNode, whose hint is the value
+    return int(hint) if hint is not None else int(n)
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    args = out.args[0]
+    return [a for a in (args if isinstance(args, tuple | list) else (args,)) if isinstance(a, torch.fx.Node)]
+
+
+def _storage(node: torch.fx.Node) -> StorageWeakRef | None:
+    val = node.meta.get("val")
+    return _key(val) if isinstance(val, Tensor) else None
+
+
+def _key(t: Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _autograd_nodes(output: Tensor) -> Iterator[Any]:
+    todo, seen = [output.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(f for f, _ in node.next_functions)
+
+
+def _functorch_config() -> Any:
+    import torch._functorch.config as config
+
+    return config
+
+
+def _budget(budget: float | None) -> Any:
+    import contextlib
+
+    if budget is None:
+        return contextlib.nullcontext()
+    return _functorch_config().patch(activation_memory_budget=float(budget))
+
+
+def _aot_apis() -> tuple[Callable[..., Any], Callable[..., Any], dict[str, Callable[..., Any]]]:
+    """``aot_autograd``, ``make_boxed_func`` and the partitioners, or one line naming what this PyTorch lacks."""
+    try:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch.partitioners import default_partition
+    except ImportError as e:
+        raise ConfigError(
+            f"tracing a compiled step needs AOTAutograd's backend API, which this PyTorch ({torch.__version__}) "
+            f"lacks ({e}); use PyTorch 2.6 to 2.13"
+        ) from e
+    return aot_autograd, make_boxed_func, {"default": default_partition, "min_cut": _inductor_partition()}
+
+
+def _inductor_partition() -> Callable[..., Any]:
+    """Inductor's own partition function (its joint-graph passes, such as turning random ops into seeds, then the
+    min cut) where this PyTorch exposes it (2.8 on), else the min cut as Inductor calls it, without those passes."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    try:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.compile_fx import partition_fn
+        from torch._inductor.virtualized import V
+    except ImportError:
+        return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+    def inductor(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        with V.set_fake_mode(detect_fake_mode(inputs)):  # what Inductor's compile sets before it partitions
+            return partition_fn(joint, inputs, **kwargs)
+
+    return inductor
+
+
+def _inductor_decompositions() -> Any:
+    """Inductor's decomposition table: the ops its min cut partitions (``None`` where this PyTorch lacks it)."""
+    try:
+        from torch._inductor.decomposition import select_decomp_table
+    except ImportError:
+        return None
+    return select_decomp_table()
