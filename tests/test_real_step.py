@@ -65,3 +65,17 @@ def test_the_packed_sequence_check_reads_real_position_ids_as_transformers_does(
         assert found is not None and found.tolist() == [[0, 0, 0, 1, 1, 1]]
         assert masking_utils.find_packed_sequence_indices(torch.arange(6)[None]) is None
     assert masking_utils.find_packed_sequence_indices is before
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("name", ["phi3", "gpt_neox"])
+def test_the_analytic_layer_is_what_a_real_step_saves(name: str, use_cache: bool) -> None:
+    """The formulas of these two classes, with and without the cache, held to the real step (not to the trace)."""
+    from recompute import Workload
+    from recompute.core.analytic import layer_activations
+    from recompute.core.spec import spec_from_config
+
+    raw = {**CLASSES[name], "use_cache": use_cache}
+    real = real_saved.real_per_layer(name, raw, dtype="bf16", seq_len=32).per_layer
+    wl = Workload(seq_len=32, micro_batch=1, dtype="bf16", attention="flash", device="cpu")
+    assert layer_activations(spec_from_config({**raw, "num_hidden_layers": 2}), wl, 1).stored("none") == real
