@@ -208,6 +208,7 @@ def spec_fields(raw: dict[str, Any]) -> dict[str, Any]:
         norm=fam.get("norm", "rmsnorm"),
         dropout=0.0,
         bias=fam.get("bias", False),
+        kv_cache=bool(raw.get("use_cache", True)),
     )
     out.update(_mlp_fields(kind, raw))
     out.update(_rotary_fields(kind, raw, out))

@@ -92,8 +92,9 @@ NOT_ARCHITECTURE = frozenset(
 starting with ``_`` (``_name_or_path``, ``_attn_implementation``, ...), ``output_*`` switches and token ids
 (``*_token_id``, ``*_token_ids``)."""
 
-_NOT_A_SHAPE = ("name", "source", "norm_eps", "rope_theta")
-"""``ModelSpec`` fields that shape no tensor."""
+_NOT_A_SHAPE = ("name", "source", "norm_eps", "rope_theta", "kv_cache")
+"""``ModelSpec`` fields that shape no tensor; ``kv_cache`` is a run switch, as ``use_cache`` is for a config
+(``NOT_ARCHITECTURE``)."""
 
 _SQUASH = re.compile(r"[^a-z0-9]")
 

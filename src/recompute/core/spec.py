@@ -88,6 +88,10 @@ class ModelSpec:
     fused_qkv: bool = False
     """One Q/K/V projection (Phi-3, GPT-NeoX): with rotary positions SDPA's output is then copied before the
     output projection."""
+    kv_cache: bool = True
+    """transformers' class builds a key/value cache in training (config ``use_cache``): K and V reach SDPA as the
+    cache's copies. Without one a fused Q/K/V output stays whole behind V, a view of it (2·s·h·e more a layer
+    for Phi-3 and GPT-NeoX; issue 37)."""
     rotary_dim: int = 0
     """Rotated width of each head (GPT-NeoX rotates a quarter); 0 means head_dim."""
     attn_softcap: float = 0.0

@@ -28,6 +28,7 @@ from recompute.models.loss import LossFn, lm_loss
 from recompute.runtime import forward_autocast
 from recompute.trace._cuda import BLOCK
 from recompute.trace._flops import PhaseFlops
+from recompute.trace._hf_path import real_step_path
 from recompute.trace._tracker import Phase, SavedRecord, StepTracker
 
 __all__ = ["StepRecord", "prime_optimizer", "record_saved", "run_step"]
@@ -160,7 +161,7 @@ def run_step(
     counter = PhaseFlops(flop_layers) if flops else None
     tracker.counter = counter
     try:
-        with tracker:
+        with tracker, real_step_path():
             tracker.set_stage("forward")
             with saved_tensors_hooks(tracker.pack, tracker.unpack), forward_autocast(autocast, batch[0].device):
                 kept, loss = loss_fn(model, *batch)
@@ -227,7 +228,7 @@ def record_saved(
     """
     tracker = StepTracker(layers, cuda=cuda)
     tracker.track_external(model, *batch)
-    with tracker:
+    with tracker, real_step_path():
         tracker.set_stage("forward")
         with saved_tensors_hooks(tracker.pack, tracker.unpack), forward_autocast(autocast, batch[0].device):
             kept, loss = loss_fn(model, *batch)

@@ -76,8 +76,17 @@ def _attention(spec: ModelSpec, wl: Workload) -> dict[str, float]:
     copied = spec.fused_qkv and spec.position == "rotary"  # rotary made contiguous q/k: SDPA's output is copied
     if spec.fused_qkv and spec.position == "learned":  # GPT-2: q/k/v views of the fused output; q and v copied
         qkv = e * T * ((qd + 2 * kd) + (qd + kd)) / t
+    if _view_keeps_fused(spec, wl):
+        qkv += e * T * (qd + kd)
     mask = b * s * s * e if windowed else 0  # each layer's SDPA keeps its own copy of the mask
     return {"qkv": qkv, "scores": 4 * a * T / t + mask, "attn_out": (2 if copied else 1) * e * T * qd / t}
+
+
+def _view_keeps_fused(spec: ModelSpec, wl: Workload) -> bool:
+    """Without a key/value cache, V reaches SDPA as a view of a fused Q/K/V output (rotary made q and k new), which
+    keeps the whole output alive: its q and k parts beside the rotated copies (unless K/V are repeated)."""
+    repeated = 0 < spec.sliding_window <= wl.seq_len and spec.n_kv_heads < spec.n_heads
+    return not spec.kv_cache and spec.fused_qkv and spec.position == "rotary" and not repeated
 
 
 def _core_kept(spec: ModelSpec, wl: Workload, layer: int) -> float:
@@ -86,6 +95,8 @@ def _core_kept(spec: ModelSpec, wl: Workload, layer: int) -> float:
     qkv = e * T * (qd + 2 * kd)
     if spec.fused_qkv and spec.position == "learned":
         qkv += e * T * (qd + kd)  # GPT-2: contiguous copies of q and v beside the fused output
+    if _view_keeps_fused(spec, wl):
+        qkv += e * T * (qd + kd)  # the checkpoint keeps v, a view of the whole fused output
     masked = _eager(spec, wl) or 0 < spec.sliding_window <= wl.seq_len
     first = layer == 0 or (spec.eager_only and layer == 1)  # Gemma 2: a sliding and a full layer, a mask each
     mask = wl.micro_batch * wl.seq_len**2 * e if masked and first else 0
