@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import pytest
 
@@ -16,8 +18,7 @@ from recompute.trace._workers import run_jobs, usable_cpus
 forks = pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 
 
-def _pid(i: int, pause: float = 0.0) -> tuple[int, int]:
-    time.sleep(pause)
+def _pid(i: int) -> tuple[int, int]:
     return i, os.getpid()
 
 
@@ -25,10 +26,20 @@ def _refuse() -> None:
     raise ConfigError("micro_batch must be a positive integer, got 0", fields=("micro_batch",))
 
 
+def _pid_after_a_worker(i: int, here: int, worked: Any) -> tuple[int, int]:
+    """``_pid``; run here, it first waits for a worker to have run a job (no race with the workers' start)."""
+    if os.getpid() == here:
+        worked.wait(timeout=600)
+    else:
+        worked.set()
+    return i, os.getpid()
+
+
 @forks
 @pytest.mark.parametrize("workers", [1, 2, 5])
 def test_results_come_in_order_from_the_workers(workers: int) -> None:
-    jobs = [partial(_pid, i, 0.3) for i in range(6)]
+    worked = multiprocessing.get_context("fork").Event()
+    jobs = [partial(_pid_after_a_worker, i, os.getpid(), worked) for i in range(6)]
     found = run_jobs(jobs, workers=workers)
     assert [i for i, _ in found] == list(range(6))
     assert len({pid for _, pid in found} - {os.getpid()}) >= 1  # some ran in a worker

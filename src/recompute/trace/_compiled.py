@@ -24,6 +24,7 @@ region's backward node holds the forward's saved tensors, real ones.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -307,8 +308,6 @@ def _functorch_config() -> Any:
 
 
 def _budget(budget: float | None) -> Any:
-    import contextlib
-
     if budget is None:
         return contextlib.nullcontext()
     return _functorch_config().patch(activation_memory_budget=float(budget))
