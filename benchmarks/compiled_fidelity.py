@@ -10,6 +10,7 @@ partitioner is held to a real step of ``aot_eager_default_partitioner`` (which p
 benchmarks/results/compiled_fidelity.json.
 
     python benchmarks/compiled_fidelity.py [--only gpt2,hf-llama] [--budgets 1.0,0.5,0.1]
+    python benchmarks/compiled_fidelity.py --published --budgets 1.0,0.5   # published width, 2 layers, s = 256
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ POLICIES: dict[str, Policy] = {"none": Policy("none"), "plan": Policy("none", la
 """No policy, and a per-layer plan: layer 0 recomputed whole, layer 1's attention core."""
 BUDGETS = (1.0, 0.5, 0.1)
 
+PUBLISHED: dict[str, ModelSource] = {
+    "gpt2": ModelSource.preset(ModelSpec.from_name("gpt2", n_layers=2)),
+    "hf-qwen2": ModelSource.from_config(
+        {
+            "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 2,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+        },
+        name="hf-qwen2",
+    ),
+}  # fmt: skip
+"""``--published``: GPT-2 small's width and Qwen2.5-0.5B's (the quickstart's model), cut to 2 layers."""
+PUBLISHED_WL = Workload(micro_batch=1, seq_len=256, dtype="fp32", device="cpu")
+
 
 def real_saved(
     source: ModelSource, wl: Workload, policy: Policy, backend: str | Callable[..., Any], budget: float | None
@@ -79,15 +93,22 @@ def real_saved(
     return saved
 
 
-def check(name: str, policy: str, partitioner: str, budget: float | None) -> dict[str, Any]:
+def check(
+    name: str,
+    policy: str,
+    partitioner: str,
+    budget: float | None,
+    models: dict[str, ModelSource] = MODELS,
+    wl: Workload = WL,
+) -> dict[str, Any]:
     """One case: the fake trace beside the real step (Inductor for min cut, aot_eager for the default)."""
-    source, pol = MODELS[name], POLICIES[policy]
+    source, pol = models[name], POLICIES[policy]
     start = time.perf_counter()
-    fake = trace_compiled(source, WL, pol, partitioner=partitioner, budget=budget)
+    fake = trace_compiled(source, wl, pol, partitioner=partitioner, budget=budget)
     traced_s = time.perf_counter() - start
     start = time.perf_counter()
     real = real_saved(
-        source, WL, pol, "inductor" if partitioner == "min_cut" else "aot_eager_default_partitioner", budget
+        source, wl, pol, "inductor" if partitioner == "min_cut" else "aot_eager_default_partitioner", budget
     )
     return {
         "model": name,
@@ -118,19 +139,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help=f"comma-separated models of {', '.join(MODELS)}")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="memory budgets in (0, 1]")
-    p.add_argument("-o", "--out", type=Path, default=OUT)
+    p.add_argument("--published", action="store_true", help="GPT-2 and Qwen2.5-0.5B at published width, 2 layers")
+    p.add_argument("-o", "--out", type=Path)
     args = p.parse_args()
-    models = args.only.split(",") if args.only else list(MODELS)
-    unknown = [m for m in models if m not in MODELS]
+    known, wl = (PUBLISHED, PUBLISHED_WL) if args.published else (MODELS, WL)
+    out = args.out or (OUT.with_name("compiled_fidelity_published.json") if args.published else OUT)
+    models = args.only.split(",") if args.only else list(known)
+    unknown = [m for m in models if m not in known]
     if unknown:
-        p.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+        p.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(known)}")
     budgets = tuple(float(b) for b in args.budgets.split(","))
     if not all(0 < b <= 1 for b in budgets):
         p.error(f"--budgets are fractions in (0, 1], got {args.budgets}")
     torch.set_num_threads(1)
     rows = []
     for case in cases(models, budgets):
-        rows.append(check(*case))
+        rows.append(check(*case, models=known, wl=wl))
         r = rows[-1]
         print(
             f"{r['model']} {r['policy']} {r['partitioner']} {r['budget']}: {r['traced']} vs {r['real']} "
@@ -151,9 +175,9 @@ def main() -> None:
         for r in rows
     ]
     print(render_table(["model", "policy", "partitioner", "budget", "real backend", "traced", "real", "error"], table))
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "workload": WL.__dict__}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "workload": wl.__dict__}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
