@@ -29,6 +29,7 @@ FLOORS = {
     "recompute._compat": 1,
     "recompute.bench": 2,
     "recompute.planning": 2,
+    "recompute.compile_plan": 2,
     "recompute.check_formulas": 2,
     "recompute.train": 2,
     "recompute.report": 2,

@@ -62,7 +62,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from torch.utils.hooks import RemovableHandle
 
 from recompute.chunked_loss import check_loss, chunked_replacements, loss_parts
-from recompute.core.errors import ConfigError
+from recompute.core.errors import ConfigError, require
 from recompute.core.identity import require_same_model
 from recompute.core.plan_file import Plan, check_plan_dict, plan_loss, read_plan
 from recompute.core.policy import ALL_POLICIES, Policy
@@ -126,6 +126,9 @@ def apply(
             the most whose fp32 logits fit 256 MiB, at most the batch's b*s; a larger one is refused at the first
             forward).
 
+    A plan weighed under ``torch.compile`` with a memory budget (``recompute plan --memory-budget``) also sets
+    ``torch._functorch.config.activation_memory_budget`` (``set_memory_budget``): compile the model after.
+
     Raises:
         ConfigError: a plan made for another model or another layer count, a ``loss`` or ``loss_chunk`` the plan
             contradicts, layers or sub-modules that cannot be found, unknown ops to save, Hugging Face's own
@@ -164,7 +167,26 @@ def apply(
     if parts is not None:
         for module, attribute, value in chunked_replacements(model, parts, chunk):
             _replace(module, attribute, value)
+    if pol.memory_budget is not None:
+        set_memory_budget(pol.memory_budget)
     setattr(model, _POLICY, pol)
+
+
+def set_memory_budget(budget: float) -> None:
+    """Set ``torch._functorch.config.activation_memory_budget`` for the steps compiled from now on, as
+    torchtitan's ``memory_budget`` mode does (a process-wide setting: every model compiled after takes it).
+
+    Raises:
+        ConfigError: this PyTorch has no such setting.
+    """
+    import torch._functorch.config as config
+
+    require(
+        hasattr(config, "activation_memory_budget"),
+        f"the plan runs under torch.compile's activation_memory_budget {budget:g}, which this PyTorch "
+        f"({torch.__version__}) lacks; upgrade to 2.6 or newer, or plan without --memory-budget",
+    )
+    config.activation_memory_budget = float(budget)
 
 
 def applied_policy(model: nn.Module) -> Policy | None:

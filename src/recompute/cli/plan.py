@@ -26,6 +26,7 @@ from recompute.cli._common import (
 )
 from recompute.cli._lazy import torch_floor
 from recompute.cli.render import render_plan
+from recompute.compile_plan import BUDGETS, render_compiled_plan, with_memory_budget
 from recompute.core.analytic import estimate
 from recompute.core.costs import CostTable
 from recompute.core.errors import ConfigError, require
@@ -78,6 +79,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="trace the chosen plan's step on fake tensors and re-plan until its traced peak fits (needs torch); on "
         "CUDA what the caching allocator reserves must fit, and a GPU's budget drops its fragmentation allowance",
     )
+    p.add_argument(
+        "--memory-budget",
+        metavar="auto|X,Y,...",
+        help="weigh torch.compile's activation_memory_budget beside the per-layer policies (implies --compiled): "
+        "auto (1.0, 0.8, 0.6, 0.4, 0.2, 0.1) or fractions in (0, 1]; traces the compiled step on fake tensors "
+        "(a minute or so per layer assignment; docs/compiled.md) and plans the cheapest of the knob, the policies "
+        "and their mix; the plan file then carries the budget, which apply sets",
+    )
     p.add_argument("-o", "--output", help="write the plan file here (apply, bench, train and verify take it as is)")
     p.add_argument("--frontier", action="store_true", help="show every plan of the frontier (default: a dozen)")
     p.add_argument("--json", action="store_true", help="print the plan, frontier and prediction as JSON")
@@ -91,6 +100,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _budget(args)  # checked before any work
+    budgets = memory_budgets(args.memory_budget) if args.memory_budget is not None else None
+    if budgets is not None:
+        require(
+            args.profile is None or "model" in getattr(args, "given", set()),
+            "--memory-budget traces the model's compiled step, which a --profile file does not hold: add --model",
+            fields=("memory_budget",),
+        )
+        args.compiled = True
     if (args.cost == "measured") != (args.bench is not None):
         raise ConfigError("--cost measured needs --bench RESULTS.json (and --bench needs --cost measured)")
     require(
@@ -149,6 +166,11 @@ def run(args: argparse.Namespace) -> int:
             alternatives=found.alternatives,
             notes=(*said, *found.notes),
         )
+        compiled = None
+        if budgets is not None:
+            result, compiled = with_memory_budget(
+                result, args.model, wl, floor=fixed_floor(found.tables), budgets=budgets, progress=progress
+            )
     notes = list(result.notes) + _notes(result, wl, host_budget)
     data = result.to_dict() | {"notes": notes}
     if output:
@@ -163,9 +185,36 @@ def run(args: argparse.Namespace) -> int:
     shown = len(result.frontier) if args.frontier else 12
     written = str(output) if output else None
     print(render_plan(result, wl, breakdown=breakdown, output=written, notes=notes, points=shown))
+    if compiled is not None:
+        print("\n" + render_compiled_plan(compiled))
     if exported is not None:
         print(f"\n{args.export} (--export):\n{exported.text}", end="")
     return 0
+
+
+def memory_budgets(text: str) -> tuple[float, ...]:
+    """``--memory-budget``'s values: ``auto`` or fractions in (0, 1], comma-separated.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if text.strip() == "auto":
+        return BUDGETS
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    require(
+        bool(values) and all(0 < v <= 1 for v in values),
+        f"--memory-budget takes auto or fractions in (0, 1], comma-separated (e.g. 1.0,0.5,0.2), got {text!r}",
+        fields=("memory_budget",),
+    )
+    return values
+
+
+def fixed_floor(tables: Sequence[CostTable]) -> float:
+    """The peak of the phases no option changes (the optimizer step, the embedding's backward)."""
+    return max((v for t in tables for v in t.fixed.values()), default=0.0)
 
 
 def _beside(output: Path | None, stack: str | None) -> Path | None:

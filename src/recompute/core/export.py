@@ -152,8 +152,40 @@ def export(plan: Plan, tables: CostTable | Sequence[CostTable], stack: str, *, p
         text="",
         suffix=kind.suffix,
     )
+    if plan.memory_budget is not None:
+        out = _with_memory_budget(out, plan.memory_budget)
     header = _header(plan, out, kind, plan_file)
-    return replace(out, text="\n".join([*header, *kind.body(setting, table)]) + "\n")
+    body = _budget_body(plan.memory_budget) if out.setting.values.get("mode") == "memory_budget" else None
+    return replace(out, text="\n".join([*header, *(body or kind.body(setting, table))]) + "\n")
+
+
+def _with_memory_budget(out: Export, budget: float) -> Export:
+    """A plan run under ``torch.compile``'s memory budget (``recompute plan --memory-budget``): torchtitan's
+    ``memory_budget`` mode says it where no layer is checkpointed (its modes exclude each other); no other stack
+    has the setting."""
+    own = out.plan
+    if out.stack == "torchtitan" and set(own.layers) == {"none"} and own.loss == "full":
+        values = {"mode": "memory_budget", "memory_budget": budget}
+        setting = Setting(f'mode = "memory_budget", memory_budget = {budget:g}', values, own.layers)
+        return replace(out, setting=setting, priced=own, exact=True, why=())
+    if out.stack == "torchtitan":
+        why = "its activation-checkpoint modes exclude each other: memory_budget goes with no per-layer checkpointing"
+    else:
+        why = f"it has no setting for torch.compile's activation_memory_budget {budget:g}"
+    return replace(out, exact=False, why=(*out.why, why))
+
+
+def _budget_body(budget: float | None) -> list[str]:
+    """torchtitan's ``[activation_checkpoint]`` in ``memory_budget`` mode (``ActivationCheckpoint.memory_budget``,
+    a float); the mode asserts the model is compiled."""
+    return [
+        "[activation_checkpoint]",
+        'mode = "memory_budget"',
+        f"memory_budget = {budget}",
+        "",
+        "[compile]  # memory_budget mode needs the model compiled (torchtitan asserts it)",
+        "enable = true",
+    ]
 
 
 def _table(tables: Sequence[CostTable], kind: Stack) -> CostTable:
@@ -230,6 +262,6 @@ def _header(plan: Plan, out: Export, kind: Stack, plan_file: str) -> list[str]:
             f"  {out.setting.label}: {runs(out.priced.layers)}",
             f"  {_fit(out.priced, plan.budget)}; {_cost(out.priced, plan)}",
         ]
-    lines += kind.exact(plan_file, plan.loss == "chunked")
+    lines += kind.exact(plan_file, plan.loss == "chunked", plan.memory_budget)
     lines += [f"note: {n}" for n in out.notes]
     return [f"# {line}" for line in lines]

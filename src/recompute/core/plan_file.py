@@ -141,15 +141,25 @@ class Plan:
     notes: tuple[str, ...] = ()
     model_hash: str = ""
     """The hash of the model's architecture (``recompute.core.identity``); empty where it is not known."""
+    memory_budget: float | None = None
+    """``torch._functorch.config.activation_memory_budget`` the plan runs under (``recompute.compile_plan``);
+    None: PyTorch's (or an eager plan)."""
+    compiled: dict[str, Any] | None = None
+    """The compiled step's options the plan was chosen among (``CompiledPlan.to_dict``), where it was weighed
+    under ``torch.compile``."""
 
     def __repr__(self) -> str:
         """One line (the whole plan, frontier and all, is ``to_dict()``: its repr ran to 94,319 characters)."""
         w = self.workload
         return (
             f"Plan({self.model!r}, b={w.get('micro_batch')} s={w.get('seq_len')}: {self.policy.describe()}"
-            f"{', chunked loss' if self.loss == 'chunked' else ''}, peak {gib(self.peak)} of {gib(self.budget)}, "
+            f"{', chunked loss' if self.loss == 'chunked' else ''}{self._budget_said()}, "
+            f"peak {gib(self.peak)} of {gib(self.budget)}, "
             f"+{100 * self.overhead:.1f}% {'time' if self.timed else 'FLOPs'}; {len(self.frontier)} frontier points)"
         )
+
+    def _budget_said(self) -> str:
+        return f", compile budget {self.memory_budget:g}" if self.memory_budget is not None else ""
 
     @property
     def identity(self) -> ModelId:
@@ -188,7 +198,7 @@ class Plan:
     @property
     def policy(self) -> Policy:
         """The plan as a policy ``apply`` takes."""
-        return Policy(layers=self.layers, model=self.identity)
+        return Policy(layers=self.layers, model=self.identity, memory_budget=self.memory_budget)
 
     @property
     def loss_chunk(self) -> int | None:
@@ -231,6 +241,7 @@ class Plan:
             "frontier": [point(p) for p in self.frontier],
             "uniform": {name: point(p) for name, p in self.uniform.items()},
             "notes": list(self.notes),
+            **({"compiled": self.compiled} if self.compiled is not None else {}),
         }
 
 

@@ -109,6 +109,9 @@ class Policy:
     """Op-level selective checkpointing inside the recomputed region: aten ops (e.g. ``aten.mm``) to save."""
     offload: bool = False
     """Keep the checkpointed tensors in CPU memory instead of on the device."""
+    memory_budget: float | None = None
+    """``torch._functorch.config.activation_memory_budget`` for the ``torch.compile``d step (a plan weighed
+    under compile, ``recompute plan --memory-budget``): ``apply`` sets it; None leaves PyTorch's."""
     model: ModelId | None = field(default=None, compare=False)
     """The model a plan was made for (``recompute.core.identity``), checked when the plan is applied; a name
     alone (a plan file older than the hash) is read as a ``ModelId`` without one."""
@@ -130,6 +133,15 @@ class Policy:
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(check_name(n) for n in self.layers))
             require(len(self.layers) > 0, "layers must name a policy for at least one layer")
+        if self.memory_budget is not None:
+            require(
+                isinstance(self.memory_budget, int | float)
+                and not isinstance(self.memory_budget, bool)
+                and 0 < self.memory_budget <= 1,
+                f"memory_budget is torch.compile's activation_memory_budget, a fraction in (0, 1], got "
+                f"{self.memory_budget!r}",
+                fields=("memory_budget",),
+            )
         if self.save_ops is not None:
             require(
                 not isinstance(self.save_ops, str) and all(isinstance(op, str) and op for op in self.save_ops),
@@ -203,12 +215,13 @@ class Policy:
             text = self.name
         extras = [f"saving {', '.join(self.save_ops)}"] if self.save_ops else []
         extras += ["offloaded to CPU"] if self.offload else []
+        extras += [f"torch.compile's memory budget {self.memory_budget:g}"] if self.memory_budget is not None else []
         return text + (f" ({'; '.join(extras)})" if extras else "")
 
     def to_dict(self) -> dict[str, Any]:
         """The policy as JSON-ready data, with a format tag."""
         out: dict[str, Any] = {"format": FORMAT}
-        for key in ("name", "every", "first", "layers", "save_ops", "offload"):
+        for key in ("name", "every", "first", "layers", "save_ops", "offload", "memory_budget"):
             value = getattr(self, key)
             if value not in (None, False):
                 out[key] = list(value) if isinstance(value, tuple) else value
@@ -222,7 +235,7 @@ class Policy:
         data = data.get("policy", data) if isinstance(data.get("policy"), dict) else data
         fmt = data.get("format", FORMAT)
         require(fmt == FORMAT, f"unknown policy format {fmt!r}; expected {FORMAT!r}")
-        known = {"name", "every", "first", "layers", "save_ops", "offload", "model"}
+        known = {"name", "every", "first", "layers", "save_ops", "offload", "memory_budget", "model"}
         unknown = sorted(set(data) - known - {"format"})
         require(not unknown, f"unknown policy keys {unknown}; expected some of {sorted(known)}")
         _check_policy_dict(data)

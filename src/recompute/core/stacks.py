@@ -80,10 +80,12 @@ class Stack:
     def notes(self, table: CostTable) -> list[str]:
         return []
 
-    def exact(self, plan_file: str, chunked: bool) -> list[str]:
+    def exact(self, plan_file: str, chunked: bool, memory_budget: float | None = None) -> list[str]:
         """The comment lines that run the plan exactly, whatever the stack can say."""
         chunk = ', loss="chunked"' if chunked else ""
         line = f"recompute.apply(model, {json.dumps(plan_file)}{chunk})"
+        if memory_budget is not None:
+            line += f", then torch.compile (apply sets activation_memory_budget = {memory_budget:g})"
         return [f"exact in any stack, with its own checkpointing off: {line}"]
 
     def why_not(self, layers: Sequence[str], loss: str, placed: bool) -> list[str]:
@@ -265,13 +267,19 @@ class HF(Stack):
         old = ", ".join(f"{key.replace('activation', 'gradient')}={value!r}" for key, value in setting.values.items())
         return [*lines, f"# transformers before the rename to activation_checkpointing (aliases until v6): {old}"]
 
-    def exact(self, plan_file: str, chunked: bool) -> list[str]:
+    def exact(self, plan_file: str, chunked: bool, memory_budget: float | None = None) -> list[str]:
         loss = ", the plan's chunked loss included" if chunked else ""
+        budget = (
+            [f"  (the callback sets torch.compile's activation_memory_budget = {memory_budget:g}: torch_compile=True)"]
+            if memory_budget is not None
+            else []
+        )
         return [
             f"exact{loss}, with transformers' and FSDP's checkpointing off: the plan's callback",
             "  from recompute.integrations.hf import RecomputeCallback",
             f"  trainer = Trainer(model=model, args=args, train_dataset=train_dataset, "
             f"callbacks=[RecomputeCallback({json.dumps(plan_file)})])",
+            *budget,
         ]
 
     def notes(self, table: CostTable) -> list[str]:

@@ -13,8 +13,8 @@ Example:
 """
 
 from recompute.models.source import ModelSource, resolve_source
-from recompute.trace._compiled import PARTITIONERS, capture_backend, saved_by_compiled
-from recompute.trace._compiled_run import CompiledTrace, render_compiled, trace_compiled
+from recompute.trace._compiled import PARTITIONERS, capture_backend, graph_flops, saved_by_compiled, saved_by_eager
+from recompute.trace._compiled_run import CompiledTrace, render_compiled, trace_budgets, trace_compiled
 from recompute.trace._flops import flop_counter
 from recompute.trace._profile import cached_profile, cached_profiles, profile, profile_key, profiles, with_loss
 from recompute.trace._ranks import saved_bytes_per_layer
@@ -35,6 +35,7 @@ __all__ = [
     "cached_works",
     "capture_backend",
     "flop_counter",
+    "graph_flops",
     "profile",
     "profile_key",
     "profiles",
@@ -42,12 +43,14 @@ __all__ = [
     "render_trace",
     "resolve_source",
     "saved_by_compiled",
+    "saved_by_eager",
     "saved_bytes_per_layer",
     "step_needs",
     "step_record",
     "step_work",
     "step_works",
     "trace",
+    "trace_budgets",
     "trace_compiled",
     "trace_layer",
     "trace_module",

@@ -37,7 +37,17 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from recompute.core.errors import ConfigError, require
 
-__all__ = ["PARTITIONERS", "Captured", "Partition", "capture", "capture_backend", "layer_paths", "saved_by_compiled"]
+__all__ = [
+    "PARTITIONERS",
+    "Captured",
+    "Partition",
+    "capture",
+    "capture_backend",
+    "graph_flops",
+    "layer_paths",
+    "saved_by_compiled",
+    "saved_by_eager",
+]
 
 PARTITIONERS = ("min_cut", "default")
 """AOTAutograd's partitioners the compiled trace runs: Inductor's min cut (``torch.compile``'s default backend),
@@ -70,6 +80,12 @@ class Captured:
     """Forward/backward graph pairs (more than one: dynamo broke the model into several graphs)."""
     values: int
     """Saved values counted (one per storage)."""
+    flops: int = 0
+    """FLOPs of the partitioned forward and backward graphs (matmuls and attention, by PyTorch's own formulas,
+    ``torch.utils.flop_counter``): what a partition recomputes in the backward adds to them."""
+    recomputed_bytes: int = 0
+    """Bytes written by the ops without FLOPs (pointwise, reductions, views' copies) that the backward graph
+    recomputes from the forward (``recomputed_ops``), counted unfused: at most what they cost in memory traffic."""
 
     @property
     def saved(self) -> int:
@@ -84,23 +100,48 @@ def capture_backend(partitioner: str = "min_cut", budget: float | None = None) -
         ConfigError: an unknown partitioner, a budget outside (0, 1] or with the default partitioner, or a
             PyTorch without these APIs.
     """
-    check_options(partitioner, budget)
+    backend, found = _backend(partitioner, (budget,))
+    return backend, found[budget]
+
+
+def _backend(
+    partitioner: str, budgets: Sequence[float | None], *, cuda: bool = False
+) -> tuple[Callable[..., Any], dict[float | None, Graphs]]:
+    """``capture_backend`` partitioning each joint graph once per budget (Note: [one trace, several budgets]);
+    the graphs of the first budget are the ones that run. ``cuda``: Inductor's decompositions as on CUDA
+    (``_cuda_layer_norm``)."""
+    for b in budgets:
+        check_options(partitioner, b)
     aot_autograd, make_boxed_func, partitions = _aot_apis()
-    pairs: Graphs = []
+    found: dict[float | None, Graphs] = {b: [] for b in budgets}
     cut = partitions[partitioner]
 
     def partition(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
-        with _budget(budget):
-            fw, bw = cut(joint, inputs, **kwargs)
-        pairs.append(Partition(fw, bw, kwargs.get("num_fwd_outputs")))
-        return fw, bw
+        first: tuple[Any, Any] | None = None
+        for i, b in enumerate(budgets):
+            graph = joint if i == len(budgets) - 1 else _copy(joint)
+            with _budget(b):
+                fw, bw = cut(graph, inputs, **kwargs)
+            found[b].append(Partition(fw, bw, kwargs.get("num_fwd_outputs")))
+            first = first or (fw, bw)
+        assert first is not None
+        return first
 
     def as_is(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         return make_boxed_func(gm)
 
-    decompositions = _inductor_decompositions() if partitioner == "min_cut" else None
+    decompositions = _inductor_decompositions(cuda=cuda) if partitioner == "min_cut" else None
     backend = aot_autograd(fw_compiler=as_is, bw_compiler=as_is, partition_fn=partition, decompositions=decompositions)
-    return backend, pairs
+    return backend, found
+
+
+def _copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a joint graph a partitioner may change (Inductor's joint passes rewrite it in place): new nodes,
+    the same ``meta`` values (fake tensors are not copied)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(joint.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(joint, graph)
 
 
 def check_options(partitioner: str, budget: float | None) -> None:
@@ -138,18 +179,26 @@ def capture(
     *,
     layers: Sequence[str],
     partitioner: str = "min_cut",
-    budget: float | None = None,
-) -> Captured:
+    budgets: Sequence[float | None] = (None,),
+    cuda: bool = False,
+) -> tuple[Captured, ...]:
     """Compile ``model`` with ``capture_backend`` and call ``run(compiled)`` once (a forward: the partition
-    happens when the forward compiles), on real or fake tensors alike; what its graphs save.
+    happens when the forward compiles), on real or fake tensors alike; what its graphs save under each of
+    ``budgets`` (Note: [one trace, several budgets]).
 
-    ``layers``: the module path of each transformer layer (``layer_paths``). Resets dynamo's caches before and
-    after (a model compiled before would not be partitioned again).
+    ``layers``: the module path of each transformer layer (``layer_paths``). ``cuda``: a CUDA step traced on CPU
+    tensors (``recompute.trace._cuda``): Inductor's CUDA decompositions, each saved storage in the caching
+    allocator's 512-byte blocks. Resets dynamo's caches before and after (a model compiled before would not be
+    partitioned again).
+
+    Note: [one trace, several budgets] The memory budget changes only the partition: dynamo's graph and
+    AOTAutograd's joint graph are the same under every budget, so each joint graph is partitioned once per
+    budget, on a copy, and one trace answers them all (``tests/test_compiled.py`` holds it to a trace per budget).
 
     Raises:
         ConfigError: as ``capture_backend``, or dynamo compiled nothing.
     """
-    backend, pairs = capture_backend(partitioner, budget)
+    backend, found = _backend(partitioner, budgets, cuda=cuda)
     torch._dynamo.reset()
     try:
         run(torch.compile(model, backend=backend, dynamic=False))
@@ -164,18 +213,64 @@ def capture(
         raise
     finally:
         torch._dynamo.reset()
+    return tuple(_counted(found[b], layers, cuda=cuda) for b in budgets)
+
+
+def _counted(pairs: Graphs, layers: Sequence[str], *, cuda: bool) -> Captured:
     require(bool(pairs), "torch.compile partitioned no graph: nothing of the step ran compiled with autograd on")
     per_layer = [0] * len(layers)
-    other = values = 0
+    other = values = flops = recomputed = 0
     for part in pairs:
+        flops += graph_flops(part.fw) + graph_flops(part.bw)
+        recomputed += sum(_written(n) for n in recomputed_ops(part) if _formula(n) is None)
         for node, nbytes in saved_values(part):
             values += 1
+            nbytes = -(-nbytes // _BLOCK) * _BLOCK if cuda else nbytes
             i = saver(node, layers)
             if i is None:
                 other += nbytes
             else:
                 per_layer[i] += nbytes
-    return Captured(tuple(per_layer), other, len(pairs), values)
+    return Captured(tuple(per_layer), other, len(pairs), values, flops, recomputed)
+
+
+_BLOCK = 512
+"""The CUDA caching allocator's smallest block (``recompute.trace._cuda.BLOCK``)."""
+
+
+def graph_flops(gm: torch.fx.GraphModule) -> int:
+    """FLOPs of the ops of ``gm`` that PyTorch's flop counter counts (matmuls, convolutions, attention), from the
+    shapes in each node's ``meta['val']``: what ``FlopCounterMode`` counts when the graph runs."""
+    total = 0
+    for node in gm.graph.nodes:
+        formula = _formula(node)
+        if formula is None:
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        total += _concrete(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    return total
+
+
+def recomputed_ops(part: Partition) -> list[torch.fx.Node]:
+    """The backward graph's ops that recompute forward ones: the partitioner tags every node of the joint graph
+    forward or backward (``partitioner_tag``) and copies the recomputed forward nodes into the backward graph
+    with their tags. Empty where this PyTorch does not tag."""
+    return [n for n in part.bw.graph.nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
+
+
+def _formula(node: torch.fx.Node) -> Callable[..., Any] | None:
+    """PyTorch's flop formula for ``node``'s op (``torch.utils.flop_counter``), or None: an op without FLOPs."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+    return flop_registry.get(packet) if packet is not None else None
+
+
+def _written(node: torch.fx.Node) -> int:
+    """Bytes of the tensors ``node`` makes (views make none)."""
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, tuple | list) else (vals,)
+    return sum(_concrete(v.numel()) * v.element_size() for v in vals if isinstance(v, Tensor) and v._base is None)
 
 
 def saved_values(part: Partition) -> Iterator[tuple[torch.fx.Node, int]]:
@@ -220,6 +315,28 @@ def saved_by_compiled(output: Tensor, *, exclude: Iterable[Tensor] = ()) -> int:
                 total += t.untyped_storage().nbytes()
     require(regions > 0, "found no compiled region in the output's autograd graph; compile the model with autograd on")
     return total
+
+
+def saved_by_eager(run: Callable[[], Any], *, exclude: Iterable[Tensor] = (), cuda: bool = False) -> int:
+    """Bytes the eager step ``run`` (a forward) saves for its backward, counted as ``saved_by_compiled`` counts the
+    compiled step's: once per storage, ``exclude``'s (parameters, inputs) not at all; on fake tensors or real.
+    A checkpointed region's own saves are its checkpoint's (dropped); what the region keeps to replay (its
+    inputs) is counted. ``cuda``: each storage in 512-byte blocks."""
+    skip = {_key(t) for t in exclude}
+    seen: dict[StorageWeakRef, int] = {}
+    held: list[Tensor] = []  # alive to the end, so no storage is freed and its key reused
+
+    def pack(t: Tensor) -> Tensor:
+        key = _key(t)
+        if key not in skip and key not in seen:
+            n = _concrete(t.untyped_storage().nbytes())
+            seen[key] = -(-n // _BLOCK) * _BLOCK if cuda else n
+            held.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
 
 
 def layer_paths(model: nn.Module, stack: nn.ModuleList) -> list[str]:
@@ -346,10 +463,34 @@ def _inductor_partition() -> Callable[..., Any]:
     return inductor
 
 
-def _inductor_decompositions() -> Any:
-    """Inductor's decomposition table: the ops its min cut partitions (``None`` where this PyTorch lacks it)."""
+def _inductor_decompositions(*, cuda: bool = False) -> Any:
+    """Inductor's decomposition table: the ops its min cut partitions (``None`` where this PyTorch lacks it);
+    ``cuda``: with LayerNorm's as on CUDA (``_cuda_layer_norm``)."""
     try:
         from torch._inductor.decomposition import select_decomp_table
     except ImportError:
         return None
-    return select_decomp_table()
+    table = select_decomp_table()
+    if cuda:
+        table = {**table, torch.ops.aten.native_layer_norm.default: _cuda_layer_norm}
+    return table
+
+
+def _cuda_layer_norm(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``native_layer_norm`` decomposed as on a CUDA tensor: ``torch._refs.native_layer_norm`` casts the mean and
+    rstd back to a bf16 or fp16 input's dtype on the CPU only, so a CUDA step keeps them in fp32 (its eager
+    kernel too, ``recompute.trace._cuda``). The same ops otherwise: the statistics in the computation dtype, the
+    output in the input's."""
+    dtype = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
+    dims = list(range(input.dim() - len(normalized_shape), input.dim()))
+    x = input.contiguous().to(dtype)
+    var, mean = torch.var_mean(x, dim=dims, unbiased=False, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out.to(input.dtype), mean, rstd

@@ -9,7 +9,9 @@ s = 8192 traces on a laptop.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,9 +26,10 @@ from recompute.core.workload import Workload
 from recompute.models.source import ModelSource, resolve_source
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, forward_autocast, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
-from recompute.trace._compiled import capture, check_options, layer_paths
+from recompute.trace._compiled import capture, check_options, layer_paths, saved_by_eager
+from recompute.trace._cuda import cuda_rules
 
-__all__ = ["CompiledTrace", "render_compiled", "trace_compiled"]
+__all__ = ["CompiledTrace", "render_compiled", "trace_budgets", "trace_compiled"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,15 @@ class CompiledTrace:
     """Forward/backward graph pairs dynamo made (one: no graph break)."""
     notes: tuple[str, ...]
     seconds: float
+    flops: int = 0
+    """FLOPs of the partitioned forward and backward graphs (``recompute.trace._compiled.graph_flops``): the
+    step's matmuls and attention, with what the partition recomputes."""
+    device: str = "cpu"
+    """The step traced: ``cpu``, or ``cuda`` (CUDA's kernels and 512-byte blocks on fake CPU tensors)."""
+    recomputed_bytes: int = 0
+    """Bytes the backward's recomputed ops without FLOPs write, unfused (``Captured.recomputed_bytes``)."""
+    eager_saved: int | None = None
+    """Bytes the same step saves run eagerly, counted the same way (``trace_budgets(..., eager=True)``)."""
 
     @property
     def saved(self) -> int:
@@ -71,22 +83,40 @@ def trace_compiled(
 
     Args:
         model: a ``ModelSpec`` (recompute's reference model), a ``ModelSource`` or what ``--model`` takes.
-        wl: batch, sequence, dtype, attention; a CPU step of one rank.
+        wl: batch, sequence, dtype, attention, device (``cpu``, or ``cuda``: CUDA's step on fake CPU tensors,
+            ``recompute.trace._cuda``); one rank.
         policy: a recompute policy applied before compiling (checkpointed layers become dynamo's checkpoint
             regions, which the partitioner recomputes), a name, a ``Policy`` or a plan file.
-        partitioner: ``min_cut`` (Inductor's) or ``default`` (``aot_eager``'s).
+        partitioner: ``min_cut`` (Inductor's) or ``default`` (``aot_eager``'s, CPU steps only).
         budget: ``torch._functorch.config.activation_memory_budget`` in (0, 1], for ``min_cut``.
 
     Raises:
         ConfigError: an unknown partitioner or a budget outside (0, 1], a workload this trace does not run
-            (CUDA, parallelism), an offload policy, or a model that cannot be built.
+            (parallelism), an offload policy, or a model that cannot be built.
     """
-    check_options(partitioner, budget)
+    return trace_budgets(model, wl, policy, (budget,), partitioner=partitioner)[0]
+
+
+def trace_budgets(
+    model: ModelSpec | ModelSource | str,
+    wl: Workload,
+    policy: Policy | str = "none",
+    budgets: Sequence[float | None] = (None,),
+    *,
+    partitioner: str = "min_cut",
+    eager: bool = False,
+) -> tuple[CompiledTrace, ...]:
+    """``trace_compiled`` under each of ``budgets`` from one trace of the model (Note: [one trace, several
+    budgets] in ``recompute.trace._compiled``), in their order. ``eager``: also what the same step saves run
+    eagerly (``saved_by_eager``), first, on the same fake model."""
+    for b in budgets:
+        check_options(partitioner, b)
     source = model if isinstance(model, ModelSource) else _source(model)
     pol = Policy.parse(policy)
-    _check(wl, pol)
+    _check(wl, pol, partitioner)
+    cuda = wl.device == "cuda"
     start = time.perf_counter()
-    with fake_kernels():
+    with fake_kernels(), cuda_rules() if cuda else contextlib.nullcontext():
         built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype])
         mode = torch._subclasses.fake_tensor.FakeTensorMode()
         fakeify(built.model, mode, "cpu")
@@ -101,26 +131,47 @@ def trace_compiled(
             with mode, forward_autocast(autocast_dtype(wl), "cpu"):
                 built.loss_fn(compiled, *batch)
 
-        got = capture(built.model, run, layers=layer_paths(built.model, stack), partitioner=partitioner, budget=budget)
-    notes = [
-        f"compiled {built.class_name} built from {source.origin} with torch.compile (whole model, dynamic=False) "
-        f"on fake CPU tensors; partitioned by {_described(partitioner, budget)}; no kernel generated or run",
-        *built.notes,
-    ]
-    if got.graphs > 1:
-        notes.append(f"dynamo broke the model into {got.graphs} graphs: what runs eagerly between them is not counted")
-    return CompiledTrace(
-        model=source.name,
-        policy=pol.describe(),
-        partitioner=partitioner,
-        budget=budget,
-        workload={k: getattr(wl, k) for k in ("micro_batch", "seq_len", "dtype", "precision", "attention")},
-        layers=got.layers,
-        other=got.other,
-        graphs=got.graphs,
-        notes=tuple(notes),
-        seconds=time.perf_counter() - start,
-    )
+        weights = [*built.model.parameters(), *built.model.buffers(), *batch]
+        eager_bytes = saved_by_eager(lambda: run(built.model), exclude=weights, cuda=cuda) if eager else None
+
+        paths = layer_paths(built.model, stack)
+        found = capture(built.model, run, layers=paths, partitioner=partitioner, budgets=budgets, cuda=cuda)
+    seconds = time.perf_counter() - start
+    on = "fake CPU tensors under CUDA's rules (recompute.trace._cuda)" if cuda else "fake CPU tensors"
+    results = []
+    for b, got in zip(budgets, found, strict=True):
+        notes = [
+            f"compiled {built.class_name} built from {source.origin} with torch.compile (whole model, "
+            f"dynamic=False) on {on}; partitioned by {_described(partitioner, b)}; no kernel generated or run",
+            *built.notes,
+        ]
+        if got.graphs > 1:
+            notes.append(f"dynamo broke the model into {got.graphs} graphs: what runs eagerly between is not counted")
+        if cuda:
+            notes.append(
+                "a CUDA step: FlashAttention or memory-efficient attention as CUDA selects it (no decomposition, its "
+                "output and log-sum-exp saved), fp32 LayerNorm statistics, 512-byte blocks; not yet held to a real "
+                "compiled CUDA step"
+            )
+        results.append(
+            CompiledTrace(
+                model=source.name,
+                policy=pol.describe(),
+                partitioner=partitioner,
+                budget=b,
+                workload={k: getattr(wl, k) for k in ("micro_batch", "seq_len", "dtype", "precision", "attention")},
+                layers=got.layers,
+                other=got.other,
+                graphs=got.graphs,
+                notes=tuple(notes),
+                seconds=seconds,
+                flops=got.flops,
+                device=wl.device,
+                eager_saved=eager_bytes,
+                recomputed_bytes=got.recomputed_bytes,
+            )
+        )
+    return tuple(results)
 
 
 def render_compiled(r: CompiledTrace) -> str:
@@ -136,8 +187,9 @@ def render_compiled(r: CompiledTrace) -> str:
     rows += [["outside the layers", size(r.other)], ["total", size(r.saved)]]
     w = r.workload
     title = (
-        f"{r.model}: b={w['micro_batch']} s={w['seq_len']} {w['dtype']}, {w['attention']} attention, policy "
-        f"{r.policy}, compiled ({_described(r.partitioner, r.budget)}; traced in {r.seconds:.1f} s)"
+        f"{r.model}: b={w['micro_batch']} s={w['seq_len']} {w['dtype']}, {w['attention']} attention, {r.device} "
+        f"step, policy {r.policy}, compiled ({_described(r.partitioner, r.budget)}; traced in {r.seconds:.1f} s); "
+        f"{r.flops / 1e12:.3f} TFLOPs forward and backward"
     )
     table = render_table(["saved for the backward by", "bytes"], rows)
     return "\n".join([title, "", table, "", *(f"- {n}" for n in r.notes)])
@@ -153,10 +205,11 @@ def _source(model: ModelSpec | str) -> ModelSource:
     return ModelSource.preset(model) if isinstance(model, ModelSpec) else resolve_source(model)
 
 
-def _check(wl: Workload, pol: Policy) -> None:
+def _check(wl: Workload, pol: Policy, partitioner: str) -> None:
     require(
-        wl.device == "cpu",
-        "the compiled trace runs the CPU step (Inductor's CPU decompositions and kernels' shapes); use device cpu",
+        wl.device == "cpu" or partitioner == "min_cut",
+        "the default partition is aot_eager's, a CPU debugging backend; a CUDA step is traced with Inductor's "
+        "min cut (drop --partitioner default, or use --device cpu)",
         fields=("device",),
     )
     require(

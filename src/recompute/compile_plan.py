@@ -1,0 +1,309 @@
+"""``with_memory_budget``: torch.compile's memory budget beside recompute's per-layer plan, on one step (issue 40).
+
+Under ``torch.compile`` two knobs trade memory for time: recompute's per-layer checkpointing (applied before
+compiling, it becomes dynamo's checkpoint regions, which the partitioner recomputes) and
+``torch._functorch.config.activation_memory_budget``, with which Inductor's min cut recomputes the ops whose
+runtime per byte is least until the saved bytes fall to that fraction of its own plan's. Neither figure is known
+before the run: PyTorch shows the budget's effect only on the GPU. This module traces the compiled step on fake
+tensors (``recompute.trace.trace_budgets``: one dynamo trace per layer assignment, partitioned under every
+budget) for a few assignments of the eager plan's frontier (recompute nothing, the plan itself and cheaper
+points between) and prices each (assignment, budget):
+
+- **peak**: the eager plan's predicted peak of that assignment with the bytes its eager step saves for the
+  backward replaced by those its compiled step saves (both counted once per storage, by the same rule, in the
+  same trace), and never under the phases no option changes (the optimizer step, the embedding's backward).
+  That is exact where the eager peak holds every saved byte (at the start of the backward, where an
+  activation-bound step peaks); where the compiled step's graphs free earlier, it is an upper bound. The
+  compiled step's own transient (its fused kernels' intermediates) is taken as the eager step's.
+- **time**: the FLOPs of the partitioned forward and backward graphs (``graph_flops``: matmuls and attention)
+  above those of the compiled step that recomputes nothing (budget 1.0), at the step's predicted FLOP rate.
+  Pointwise ops the min cut recomputes are fused into the backward's kernels by Inductor and priced at zero.
+
+The option chosen is the cheapest that fits; the advice names the best of each knob alone beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from recompute.core.errors import ConfigError, require
+from recompute.core.plan_file import Plan, PlanPoint
+from recompute.core.policy import Policy
+from recompute.core.stacks import runs
+from recompute.core.table import gib, render_table
+from recompute.core.workload import Workload
+from recompute.progress import Progress, no_progress
+
+__all__ = ["BUDGETS", "CompiledOption", "CompiledPlan", "render_compiled_plan", "with_memory_budget"]
+
+BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.1)
+"""The budgets weighed by default: 1.0 is PyTorch's default (the min cut's own plan), 0.1 keeps a tenth of it."""
+
+
+@dataclass(frozen=True)
+class CompiledOption:
+    """One way to run the compiled step: recompute's per-layer policies and the partitioner's budget."""
+
+    layers: tuple[str, ...]
+    """recompute's policy of each layer (applied before ``torch.compile``)."""
+    loss: str
+    budget: float
+    """``activation_memory_budget`` (1.0: PyTorch's default)."""
+    saved: int
+    """Bytes the compiled step saves for the backward (traced)."""
+    eager_saved: int
+    """Bytes the eager step of ``layers`` saves for the backward, counted the same way (traced)."""
+    eager_peak: float
+    """The eager plan's predicted peak of ``layers``."""
+    peak: float
+    flops: int
+    """FLOPs of the partitioned forward and backward graphs."""
+    extra_flops: int
+    """``flops`` above the compiled step that recomputes nothing (budget 1.0): what the option recomputes."""
+    extra_bytes: int
+    """Bytes the backward's recomputed ops without FLOPs write (unfused), above that step's."""
+    kept: tuple[int, ...]
+    """Bytes each layer's ops save in the compiled step."""
+    overhead: float
+    """FLOPs above the compiled step that recomputes nothing, over its FLOPs: the time the option adds."""
+    seconds: float | None
+    """``overhead`` in seconds of the predicted step, when the plan is priced in time."""
+
+    @property
+    def recomputes(self) -> bool:
+        return any(o != "none" for o in self.layers)
+
+    def label(self) -> str:
+        policy = runs(self.layers) if self.recomputes else "nothing"
+        return f"{policy}{', chunked loss' if self.loss == 'chunked' else ''}; budget {self.budget:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "layers": list(self.layers)}
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """The compiled step's options, the one chosen and why (``with_memory_budget``)."""
+
+    options: tuple[CompiledOption, ...]
+    chosen: CompiledOption | None
+    """The cheapest option that fits the budget; None where none does."""
+    budget: float
+    eager: PlanPoint
+    """The eager plan's chosen point, for comparison."""
+    advice: str
+    notes: tuple[str, ...]
+
+    def frontier(self) -> tuple[CompiledOption, ...]:
+        """Options nothing else beats on both peak and time."""
+        ordered = sorted(self.options, key=lambda o: (o.peak, o.overhead))
+        out: list[CompiledOption] = []
+        for o in ordered:
+            if not out or o.overhead < out[-1].overhead:
+                out.append(o)
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget": self.budget,
+            "chosen": self.chosen.to_dict() if self.chosen is not None else None,
+            "options": [o.to_dict() for o in self.options],
+            "frontier": [self.options.index(o) for o in self.frontier()],
+            "advice": self.advice,
+            "notes": list(self.notes),
+        }
+
+
+def with_memory_budget(
+    plan: Plan,
+    model: Any,
+    wl: Workload,
+    *,
+    floor: float = 0.0,
+    budgets: Sequence[float] = BUDGETS,
+    assignments: int = 4,
+    progress: Progress = no_progress,
+) -> tuple[Plan, CompiledPlan]:
+    """The compiled step's options around ``plan`` (module docstring), and the plan to run: the cheapest option
+    that fits, with its budget (``Plan.memory_budget``) and its figures as the chosen point; ``plan`` as it is
+    where no option fits.
+
+    Args:
+        model: what ``plan`` was made for (a preset's name, a ``ModelSource``).
+        wl: the workload planned (one rank: no tp, pp or fsdp).
+        floor: the peak of the phases no option changes (``CostTable.fixed``).
+        budgets: ``activation_memory_budget`` values, each in (0, 1].
+        assignments: at most this many layer assignments traced (each one dynamo trace).
+
+    Raises:
+        ConfigError: a workload the compiled trace does not run, or a budget outside (0, 1].
+    """
+    trace_budgets = importlib.import_module("recompute.trace").trace_budgets  # torch, loaded when weighed
+    require(bool(budgets), "give at least one memory budget, e.g. 1.0,0.5", fields=("memory_budget",))
+    budgets = tuple(sorted({float(b) for b in budgets}, reverse=True))
+    if budgets[0] != 1.0:
+        budgets = (1.0, *budgets)  # the base every option's time is counted from
+    require(
+        wl.tp == 1 and wl.pp == 1 and not wl.fsdp,
+        "the memory budget is weighed on the compiled step of one whole model; drop tp, pp and fsdp",
+        fields=("memory_budget",),
+    )
+    points, skipped = _assignments(plan, assignments)
+    options: list[CompiledOption] = []
+    base: Any = None
+    bandwidth = _bandwidth(plan)
+    for i, point in enumerate(points):
+        progress("the compiled step, traced under each memory budget", i, len(points))
+        step = dataclasses.replace(
+            wl, loss=point.loss, loss_chunk=plan.workload.get("loss_chunk") if point.loss == "chunked" else None
+        )
+        traced = trace_budgets(model, step, _policy(plan, point.layers), budgets, eager=True)
+        base = base or traced[0]  # the first assignment recomputes nothing, under budget 1.0
+        for t in traced:
+            assert t.budget is not None and t.eager_saved is not None
+            flops, written = t.flops - base.flops, t.recomputed_bytes - base.recomputed_bytes
+            seconds = None
+            if plan.timed:  # the FLOPs at the step's own rate, the bytes at the device's memory bandwidth
+                seconds = flops * plan.model_cost / base.flops + (written / bandwidth if bandwidth else 0.0)
+            overhead = seconds / plan.model_cost if seconds is not None else flops / base.flops
+            options.append(
+                CompiledOption(
+                    layers=point.layers,
+                    loss=point.loss,
+                    budget=t.budget,
+                    saved=t.saved,
+                    eager_saved=t.eager_saved,
+                    eager_peak=point.peak,
+                    peak=max(floor, point.peak - t.eager_saved + t.saved),
+                    flops=t.flops,
+                    extra_flops=flops,
+                    extra_bytes=written,
+                    kept=t.layers,
+                    overhead=overhead,
+                    seconds=seconds,
+                )
+            )
+    progress("the compiled step, traced under each memory budget", len(points), len(points))
+    fitting = [o for o in options if o.peak <= plan.budget]
+    chosen = min(fitting, key=lambda o: (o.overhead, -o.budget, o.recomputes)) if fitting else None
+    notes = [
+        "compiled options: the eager plan's peak of each assignment with its eager saved bytes replaced by the "
+        "compiled step's (traced on fake tensors, Inductor's min cut); time: the partitioned graphs' FLOPs above "
+        "those of the compiled step that recomputes nothing, at the step's predicted FLOP rate, and the bytes the "
+        "backward's recomputed pointwise ops write, unfused, at the device's memory bandwidth (Inductor fuses "
+        "them: an upper bound)",
+        *skipped,
+    ]
+    advice = _advice(options, chosen, plan)
+    result = CompiledPlan(tuple(options), chosen, plan.budget, plan.chosen, advice, tuple(notes))
+    return (_as_plan(plan, chosen, result) if chosen is not None else plan), result
+
+
+def render_compiled_plan(r: CompiledPlan) -> str:
+    """The options as a table (the chosen one marked, the frontier starred) and the advice."""
+    frontier = set(r.frontier())
+    rows = []
+    for o in sorted(r.options, key=lambda o: (o.peak, o.overhead)):
+        mark = ">" if o is r.chosen else ("*" if o in frontier else "")
+        cost = f"{o.overhead:+.1%}" + (f" ({o.seconds * 1e3:,.3g} ms)" if o.seconds is not None else "")
+        fits = "yes" if o.peak <= r.budget else "no"
+        rows.append([mark, o.label(), gib(o.saved), gib(o.peak), cost, fits])
+    table = render_table(["", "recompute; memory budget", "saved (compiled)", "peak", "time", "fits"], rows)
+    return "\n".join(
+        [f"Under torch.compile (Inductor's min cut), budget {gib(r.budget)}:", "", table, "", r.advice]
+        + [f"- {n}" for n in r.notes]
+    )
+
+
+def _assignments(plan: Plan, most: int) -> tuple[list[PlanPoint], list[str]]:
+    """Recompute nothing, the plan, and frontier points cheaper than the plan spread between (no offload)."""
+    none = plan.uniform.get("none")
+    if none is None:
+        raise ConfigError("the plan has no uniform 'none' point to count the compiled step's time from")
+    skipped: list[str] = []
+    chosen: list[PlanPoint] = []
+    if "offload" in plan.chosen.layers:
+        skipped.append("the plan offloads, which the compiled trace does not count: left out of the compiled options")
+    elif plan.chosen.layers != none.layers or plan.chosen.loss != none.loss:
+        chosen.append(plan.chosen)
+    between = [
+        p
+        for p in plan.frontier
+        if "offload" not in p.layers and p.cost < plan.chosen.cost and p.peak < none.peak and p.layers != none.layers
+    ]
+    room = max(0, most - 1 - len(chosen))
+    if between and room:
+        step = len(between) / (room + 1)
+        picked = {between[min(len(between) - 1, int(step * (k + 1)))] for k in range(room)}
+        chosen += sorted(picked, key=lambda p: p.peak)
+    return [none, *chosen], skipped
+
+
+def _bandwidth(plan: Plan) -> float | None:
+    """The device's memory bandwidth (bytes/s) at its largest measured size, or None."""
+    curve = ((plan.device or {}).get("bandwidth") or {}).get("memory")
+    return float(curve[-1][1]) if curve else None
+
+
+def _policy(plan: Plan, layers: tuple[str, ...]) -> Policy | str:
+    return Policy(layers=layers) if any(o != "none" for o in layers) else "none"
+
+
+def _advice(options: Sequence[CompiledOption], chosen: CompiledOption | None, plan: Plan) -> str:
+    """Which to use, against the best of each knob alone and the eager plan."""
+
+    def best(pred: Any) -> CompiledOption | None:
+        fit = [o for o in options if pred(o) and o.peak <= plan.budget]
+        return min(fit, key=lambda o: (o.overhead, -o.budget)) if fit else None
+
+    knob = best(lambda o: not o.recomputes)
+    policies = best(lambda o: o.recomputes and o.budget == 1.0)
+    eager = f"eager (no compile), recompute's plan: {plan.overhead:+.1%} by the time model"
+    alone = [
+        f"the budget alone: {f'{knob.budget:g} ({knob.overhead:+.1%})' if knob else 'nothing fits'}",
+        f"recompute's policies alone: {f'{policies.overhead:+.1%}' if policies else 'nothing fits'}",
+        eager,
+    ]
+    if chosen is None:
+        smallest = min(options, key=lambda o: o.peak)
+        return (
+            f"under torch.compile nothing weighed fits {gib(plan.budget)}: the smallest is {smallest.label()} at "
+            f"{gib(smallest.peak)}; " + "; ".join(alone[2:])
+        )
+    if not chosen.recomputes:
+        use = f"torch.compile's memory budget {chosen.budget:g} alone"
+    elif chosen.budget == 1.0:
+        use = "recompute's per-layer policies under torch.compile's default partitioner"
+    else:
+        use = f"both: recompute's per-layer policies and torch.compile's memory budget {chosen.budget:g}"
+    return f"use {use} ({chosen.label()}): {chosen.overhead:+.1%}, peak {gib(chosen.peak)}. " + "; ".join(alone)
+
+
+def _as_plan(plan: Plan, o: CompiledOption, compiled: CompiledPlan) -> Plan:
+    """``plan`` with the compiled option as its chosen point and its memory budget."""
+    point = PlanPoint(
+        peak=o.peak,
+        cost=o.seconds if o.seconds is not None else float(o.extra_flops),
+        overhead=o.overhead,
+        layers=o.layers,
+        loss=o.loss,
+        flops=float(o.extra_flops),
+        step_seconds=plan.model_cost + o.seconds if o.seconds is not None else None,
+    )
+    workload = {**plan.workload, "loss": o.loss}
+    return dataclasses.replace(
+        plan,
+        layers=o.layers,
+        chosen=point,
+        workload=workload,
+        peak_phase="backward (compiled)",
+        held=float(sum(o.kept)),
+        kept=tuple(float(k) for k in o.kept),
+        memory_budget=o.budget if o.budget < 1.0 else None,
+        compiled=compiled.to_dict(),
+        notes=(*plan.notes, compiled.advice),
+    )

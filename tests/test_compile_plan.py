@@ -1,0 +1,178 @@
+"""torch.compile's memory budget beside recompute's plan (issue 40 item 3): the pieces held to independent counts.
+
+- one trace partitioned under several budgets equals a trace per budget;
+- the partitioned graphs' FLOPs equal ``FlopCounterMode`` over a real eager step where nothing is recomputed;
+- the eager saved bytes equal ``recompute trace``'s tracker; a CUDA LayerNorm keeps fp32 statistics;
+- ``plan --memory-budget``: every option priced as documented, the cheapest that fits chosen, the plan file
+  carries the budget and ``apply`` sets it; bad values refused in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import smoke
+from recompute import Policy, Workload
+from recompute.checkpointing import apply
+from recompute.cli import main
+from recompute.compile_plan import with_memory_budget
+from recompute.core.errors import ConfigError
+from recompute.core.export import export
+from recompute.core.plan import plan
+from recompute.models.source import ModelSource, build_source
+from recompute.planning import cost_tables
+from recompute.runtime import random_batch
+from recompute.trace import trace, trace_budgets, trace_compiled
+from recompute.trace._compiled import _cuda_layer_norm
+from tiny import tiny_llama
+
+pytestmark = pytest.mark.skipif(torch.__version__ < "2.7", reason="torch 2.6's dynamo does not compile fake models")
+
+WL = Workload(micro_batch=2, seq_len=32, dtype="fp32", device="cpu")
+LLAMA = ModelSource.preset(tiny_llama())
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    budget = torch._functorch.config.activation_memory_budget
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch._functorch.config.activation_memory_budget = budget
+
+
+def test_one_trace_under_several_budgets_is_a_trace_per_budget() -> None:
+    many = trace_budgets(LLAMA, WL, "none", (1.0, 0.5, 0.1))
+    for got in many[1:]:
+        one = trace_compiled(LLAMA, WL, "none", budget=got.budget)
+        assert (got.layers, got.other, got.flops, got.recomputed_bytes) == (
+            one.layers,
+            one.other,
+            one.flops,
+            one.recomputed_bytes,
+        )
+    assert many[0].saved > many[1].saved > many[2].saved
+    assert many[0].flops < many[1].flops < many[2].flops
+
+
+def test_graph_flops_are_the_real_eager_steps_where_nothing_is_recomputed() -> None:
+    """The compiled step under PyTorch's default partition recomputes no matmul: its forward and backward graphs'
+    FLOPs are those ``FlopCounterMode`` counts over a real eager step of the same model (real tensors)."""
+    compiled = trace_compiled(LLAMA, WL, "none")
+    built = build_source(LLAMA, attention=WL.attention, dtype=torch.float32, device="cpu")
+    built.model.train()
+    batch = random_batch(built.vocab, WL.micro_batch, WL.seq_len)
+    with FlopCounterMode(display=False) as counter:
+        built.loss_fn(built.model, *batch)[1].backward()
+    assert compiled.flops == counter.get_total_flops()
+    block = trace_compiled(LLAMA, WL, "block")  # the checkpointed layers' matmuls run again, less than a forward
+    assert compiled.flops < block.flops < compiled.flops * 4 / 3
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_eager_saved_bytes_are_the_trackers(precision: str) -> None:
+    wl = Workload(micro_batch=2, seq_len=32, dtype="fp32" if precision == "fp32" else "bf16", device="cpu")
+    got = trace_budgets(LLAMA, wl, "none", (1.0,), eager=True)[0]
+    inputs = 2 * wl.micro_batch * wl.seq_len * 8  # the tracker counts the int64 token ids and targets autograd saves
+    assert got.eager_saved == trace(LLAMA, wl, "none").activations - inputs
+
+
+def test_cuda_layer_norm_keeps_fp32_statistics_and_computes_layer_norm() -> None:
+    x = torch.randn(2, 8, 64).to(torch.bfloat16)
+    w, b = torch.randn(64), torch.randn(64)
+    out, mean, rstd = _cuda_layer_norm(x, [64], w, b, 1e-5)
+    assert (out.dtype, mean.dtype, rstd.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    assert tuple(mean.shape) == (2, 8, 1)
+    torch.testing.assert_close(out, torch.nn.functional.layer_norm(x.float(), [64], w, b, 1e-5).to(torch.bfloat16))
+    _ref_out, ref_mean, ref_rstd = torch.ops.aten.native_layer_norm(x.float(), [64], w, b, 1e-5)
+    torch.testing.assert_close((mean, rstd), (ref_mean, ref_rstd))
+
+
+def test_a_cuda_step_keeps_flash_attentions_outputs_in_512_byte_blocks() -> None:
+    wl = Workload(micro_batch=1, seq_len=64, dtype="bf16", device="cuda")
+    cuda = trace_compiled(LLAMA, wl)
+    cpu = trace_compiled(LLAMA, Workload(micro_batch=1, seq_len=64, dtype="bf16", device="cpu"))
+    assert cuda.device == "cuda" and cuda.saved != cpu.saved
+    assert all(b % 512 == 0 for b in cuda.layers)
+    assert any("FlashAttention" in n for n in cuda.notes)
+
+
+def _planned(budget: float) -> tuple[object, object, Workload]:
+    wl = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
+    found = cost_tables(tiny_llama(), wl, losses=())
+    return plan(found.tables, budget), found, wl
+
+
+def test_the_plan_weighs_the_budget_knob_beside_its_policies() -> None:
+    eager, _, wl = _planned(budget=1e12)
+    none = eager.uniform["none"]
+    tight = (none.peak + eager.uniform["block"].peak) / 2
+    eager, _, wl = _planned(budget=tight)
+    chosen, compiled = with_memory_budget(eager, tiny_llama(), wl, budgets=(1.0, 0.3), assignments=2)
+    assert len(compiled.options) == 4  # recompute nothing and the eager plan, each under both budgets
+    for o in compiled.options:  # the documented price: eager peak, eager saved bytes out, compiled saved bytes in
+        assert o.peak >= o.eager_peak - o.eager_saved + o.saved
+        assert o.extra_flops >= 0 or o.budget < 1.0 or any(n != "none" for n in o.layers)
+    fitting = [o for o in compiled.options if o.peak <= tight]
+    assert compiled.chosen is not None and compiled.chosen in fitting
+    assert compiled.chosen.overhead == min(o.overhead for o in fitting)
+    assert chosen.peak == compiled.chosen.peak <= tight
+    assert chosen.memory_budget == (compiled.chosen.budget if compiled.chosen.budget < 1.0 else None)
+    assert "use " in compiled.advice
+
+
+def test_the_plan_file_carries_the_budget_and_apply_sets_it(tmp_path: Path) -> None:
+    policy = Policy("none", layers=("none", "none"), memory_budget=0.4)
+    assert Policy.from_dict(policy.to_dict()) == policy
+    path = tmp_path / "policy.json"
+    policy.save(path)
+    model = build_source(LLAMA, attention="flash", dtype=torch.float32, device="cpu").model
+    apply(model, str(path))
+    assert torch._functorch.config.activation_memory_budget == 0.4
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, True])
+def test_a_policys_memory_budget_is_a_fraction(bad: object) -> None:
+    with pytest.raises(ConfigError, match="a fraction in"):
+        Policy("none", memory_budget=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "0.5,2", ""])
+def test_plan_refuses_a_bad_memory_budget_in_one_line(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "gpt2", "--budget", "70GiB", "--memory-budget", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--memory-budget takes auto or fractions" in err
+
+
+def test_plan_memory_budget_at_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(smoke.LLAMA))
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", str(config), "--seq-len", "64", "--device", "cpu", "--budget", "1TiB"]
+    assert main([*argv, "--memory-budget", "1.0,0.5", "-o", str(out), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["compiled"]["options"] and got["compiled"]["chosen"]["budget"] == 1.0  # everything fits: no knob
+    assert json.loads(out.read_text())["compiled"] == got["compiled"]
+
+
+def test_torchtitan_exports_the_memory_budget_mode() -> None:
+    wl = Workload(micro_batch=1, seq_len=1024)
+    found = cost_tables("gpt2", wl, losses=())
+    eager = plan(found.tables, 1e12)
+    none = dataclasses.replace(eager, memory_budget=0.5)  # the plan recomputes nothing: the knob alone
+    out = export(none, found.tables, "torchtitan")
+    assert out.exact and 'mode = "memory_budget"\nmemory_budget = 0.5\n' in out.text and "enable = true" in out.text
+    block = ("block",) * 12
+    mixed = dataclasses.replace(none, layers=block, chosen=dataclasses.replace(none.chosen, layers=block))
+    out = export(mixed, found.tables, "torchtitan")
+    assert not out.exact and any("modes exclude each other" in w for w in out.why)
+    out = export(none, found.tables, "megatron")
+    assert not out.exact and any("activation_memory_budget 0.5" in w for w in out.why)
