@@ -176,3 +176,11 @@ def test_torchtitan_exports_the_memory_budget_mode() -> None:
     assert not out.exact and any("modes exclude each other" in w for w in out.why)
     out = export(none, found.tables, "megatron")
     assert not out.exact and any("activation_memory_budget 0.5" in w for w in out.why)
+
+
+@pytest.mark.parametrize("bad", [[2], "0.5", [], [True]])
+def test_the_api_refuses_a_bad_memory_budget(bad: object) -> None:
+    import recompute
+
+    with pytest.raises(ConfigError, match="memory_budget is 'auto' or fractions"):
+        recompute.plan("gpt2", "70GiB", memory_budget=bad)  # type: ignore[arg-type]

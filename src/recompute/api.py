@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recompute.compile_plan import BUDGETS, fixed_floor, with_memory_budget
 from recompute.core.analytic import Estimate
 from recompute.core.analytic import estimate as analytic_estimate
 from recompute.core.errors import ConfigError, require
@@ -98,6 +99,7 @@ def plan(
     consider: Sequence[str] | None = None,
     host_budget: str | float | None = None,
     trace: bool = False,
+    memory_budget: str | Sequence[float] | None = None,
     progress: ProgressArg = "auto",
     **workload: Any,
 ) -> Plan:
@@ -118,6 +120,9 @@ def plan(
         trace: check the chosen plan's peak on the real step (fake tensors) and re-plan until it fits; on CUDA
             what must fit is what the caching allocator reserves over its steps (a GPU's budget then leaves out
             its fragmentation allowance, which that replay measures).
+        memory_budget: weigh ``torch.compile``'s ``activation_memory_budget`` beside the per-layer policies
+            (``recompute.compile_plan``; implies ``compiled``): ``"auto"`` or fractions in (0, 1]. The plan is
+            then the cheapest of the knob, the policies and their mix, and ``apply`` sets its budget.
         progress: what the minutes of a cold profile (or of pricing a preset's time) show: ``"auto"`` (the
             default) the command line's bar when stderr is a terminal and nothing otherwise, True or False, or a
             callback ``(label, done, total)`` that receives each step.
@@ -129,6 +134,8 @@ def plan(
     require(cost in ("time", "flops"), f"cost must be time or flops, got {cost!r}", fields=("cost",))
     consider = _considered(consider)
     require(gpu is None or isinstance(gpu, str), f"gpu must be a GPU's name, got {gpu!r}", fields=("gpu",))
+    budgets = _memory_budgets(memory_budget)
+    compiled = compiled or budgets is not None
     for key, value in (("compiled", compiled), ("trace", trace)):  # compiled="no" was taken as true (issue 38)
         require(isinstance(value, bool), f"{key} must be True or False, got {value!r}", fields=(key,))
     if budget is None and gpu is None:
@@ -154,7 +161,7 @@ def plan(
         checked = importlib.import_module("recompute.trace").step_needs(
             found.spec if found.spec is not None else target
         )
-    return plan_tables(
+    result = plan_tables(
         found.tables,
         limit,
         host_budget=host,
@@ -162,6 +169,32 @@ def plan(
         alternatives=found.alternatives,
         notes=(*said, *found.notes),
     )
+    if budgets is None:
+        return result
+    with shown_progress("plan", progress) as show:
+        floor = fixed_floor(found.tables)
+        return with_memory_budget(result, target, wl, floor=floor, budgets=budgets, progress=show)[0]
+
+
+def _memory_budgets(value: str | Sequence[float] | None) -> tuple[float, ...] | None:
+    """``plan``'s ``memory_budget``: None, ``"auto"`` (``BUDGETS``) or fractions in (0, 1].
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is None:
+        return None
+    if value == "auto":
+        return BUDGETS
+    ok = not isinstance(value, str) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1 for v in value
+    )
+    require(
+        ok and len(value) > 0,
+        f"memory_budget is 'auto' or fractions in (0, 1] (e.g. (1.0, 0.5, 0.2)), got {value!r}",
+        fields=("memory_budget",),
+    )
+    return tuple(float(v) for v in value)
 
 
 def _considered(consider: Sequence[str] | None) -> Sequence[str]:

@@ -20,6 +20,11 @@ points between) and prices each (assignment, budget):
   Pointwise ops the min cut recomputes are fused into the backward's kernels by Inductor and priced at zero.
 
 The option chosen is the cheapest that fits; the advice names the best of each knob alone beside it.
+
+Note: [what the compiled options leave out] The chunked loss takes each chunk's gradients inside the forward
+(``torch.autograd.grad`` in ``recompute.chunked_loss``), which dynamo does not put in a graph: its FLOPs and
+saved bytes would be missed, so the compiled options run the full loss (the eager plan's chunked points are not
+traced). Offload runs eagerly too (saved-tensor hooks), and is left out likewise.
 """
 
 from __future__ import annotations
@@ -30,15 +35,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from recompute.core.errors import ConfigError, require
+from recompute.core.costs import CostTable
+from recompute.core.errors import require
 from recompute.core.plan_file import Plan, PlanPoint
 from recompute.core.policy import Policy
+from recompute.core.progress import Progress, no_progress
 from recompute.core.stacks import runs
 from recompute.core.table import gib, render_table
 from recompute.core.workload import Workload
-from recompute.progress import Progress, no_progress
 
-__all__ = ["BUDGETS", "CompiledOption", "CompiledPlan", "render_compiled_plan", "with_memory_budget"]
+__all__ = [
+    "BUDGETS",
+    "CompiledOption",
+    "CompiledPlan",
+    "fixed_floor",
+    "render_compiled_plan",
+    "with_memory_budget",
+]
 
 BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.1)
 """The budgets weighed by default: 1.0 is PyTorch's default (the min cut's own plan), 0.1 keeps a tenth of it."""
@@ -148,11 +161,18 @@ def with_memory_budget(
     if budgets[0] != 1.0:
         budgets = (1.0, *budgets)  # the base every option's time is counted from
     require(
-        wl.tp == 1 and wl.pp == 1 and not wl.fsdp,
-        "the memory budget is weighed on the compiled step of one whole model; drop tp, pp and fsdp",
+        wl.tp == 1 and wl.pp == 1,
+        "the memory budget is weighed on the compiled step of one whole model; drop tp and pp (fsdp is taken)",
         fields=("memory_budget",),
     )
     points, skipped = _assignments(plan, assignments)
+    if wl.fsdp:  # an FSDP rank saves what the unsharded model's step saves: its weights are graph inputs either way
+        skipped.append(
+            "FSDP: the compiled step traced is the unsharded model's on one rank, whose saved activations are an "
+            "FSDP rank's (weights are not saved values: FSDP frees the gathered ones); the sharded states are the "
+            "eager plan's"
+        )
+        wl = dataclasses.replace(wl, fsdp=False, dp=1)
     options: list[CompiledOption] = []
     base: Any = None
     bandwidth = _bandwidth(plan)
@@ -203,6 +223,12 @@ def with_memory_budget(
     return (_as_plan(plan, chosen, result) if chosen is not None else plan), result
 
 
+def fixed_floor(tables: Sequence[CostTable]) -> float:
+    """The peak of the phases no option changes (the optimizer step, the embedding's backward) of the full loss's
+    step, the one the compiled options run (Note: [what the compiled options leave out])."""
+    return max((v for t in tables if t.workload["loss"] == "full" for v in t.fixed.values()), default=0.0)
+
+
 def render_compiled_plan(r: CompiledPlan) -> str:
     """The options as a table (the chosen one marked, the frontier starred) and the advice."""
     frontier = set(r.frontier())
@@ -220,27 +246,32 @@ def render_compiled_plan(r: CompiledPlan) -> str:
 
 
 def _assignments(plan: Plan, most: int) -> tuple[list[PlanPoint], list[str]]:
-    """Recompute nothing, the plan, and frontier points cheaper than the plan spread between (no offload)."""
+    """Recompute nothing, the plan, and frontier points spread from the plan's to nothing; the full loss and no
+    offload only (Note: [what the compiled options leave out])."""
     none = plan.uniform.get("none")
-    if none is None:
-        raise ConfigError("the plan has no uniform 'none' point to count the compiled step's time from")
+    require(
+        none is not None and none.loss == "full",
+        "the memory budget is weighed on the full loss's step: plan without --loss chunked (the chunked loss is "
+        "weighed anyway)",
+        fields=("memory_budget",),
+    )
+    assert none is not None
     skipped: list[str] = []
-    chosen: list[PlanPoint] = []
+    if plan.chosen.loss == "chunked":
+        skipped.append(
+            "the eager plan chunks the loss, which runs outside torch.compile's graphs (its chunks' backward is "
+            "taken in the forward): the compiled options use the full loss"
+        )
     if "offload" in plan.chosen.layers:
-        skipped.append("the plan offloads, which the compiled trace does not count: left out of the compiled options")
-    elif plan.chosen.layers != none.layers or plan.chosen.loss != none.loss:
-        chosen.append(plan.chosen)
-    between = [
-        p
-        for p in plan.frontier
-        if "offload" not in p.layers and p.cost < plan.chosen.cost and p.peak < none.peak and p.layers != none.layers
-    ]
+        skipped.append("the eager plan offloads, which the compiled trace does not count: left out")
+    ok = [p for p in plan.frontier if p.loss == "full" and "offload" not in p.layers and p.layers != none.layers]
+    chosen = [plan.chosen] if plan.chosen in ok else []
+    rest = sorted((p for p in ok if p not in chosen), key=lambda p: p.peak)
     room = max(0, most - 1 - len(chosen))
-    if between and room:
-        step = len(between) / (room + 1)
-        picked = {between[min(len(between) - 1, int(step * (k + 1)))] for k in range(room)}
-        chosen += sorted(picked, key=lambda p: p.peak)
-    return [none, *chosen], skipped
+    if rest and room:  # the smallest first, then spread towards recomputing nothing
+        step = (len(rest) - 1) / max(1, room - 1) if room > 1 else 0
+        chosen += [rest[round(step * k)] for k in range(min(room, len(rest)))]
+    return [none, *dict.fromkeys(chosen)], skipped
 
 
 def _bandwidth(plan: Plan) -> float | None:

@@ -26,7 +26,7 @@ from recompute.cli._common import (
 )
 from recompute.cli._lazy import torch_floor
 from recompute.cli.render import render_plan
-from recompute.compile_plan import BUDGETS, render_compiled_plan, with_memory_budget
+from recompute.compile_plan import BUDGETS, fixed_floor, render_compiled_plan, with_memory_budget
 from recompute.core.analytic import estimate
 from recompute.core.costs import CostTable
 from recompute.core.errors import ConfigError, require
@@ -210,11 +210,6 @@ def memory_budgets(text: str) -> tuple[float, ...]:
         fields=("memory_budget",),
     )
     return values
-
-
-def fixed_floor(tables: Sequence[CostTable]) -> float:
-    """The peak of the phases no option changes (the optimizer step, the embedding's backward)."""
-    return max((v for t in tables for v in t.fixed.values()), default=0.0)
 
 
 def _beside(output: Path | None, stack: str | None) -> Path | None:
