@@ -340,7 +340,7 @@ def _resolve_op(name: str) -> list[Any]:
 
 
 def _wrap(module: nn.Module, method: str, options: _Options, index: int) -> None:
-    wrapper = _offloaded_forward if method == "offload" else _WRAPPERS.get(method)  # none for "config"
+    wrapper = _eager_offloaded_forward() if method == "offload" else _WRAPPERS.get(method)  # none for "config"
     if method == "offload":  # the layer's own forward, run by the offloader
         module.__dict__[_INDEX] = index
         method = "forward"
@@ -385,7 +385,6 @@ def _checkpointed_core(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _run(self, _original(self, "core"), args, kwargs)
 
 
-@torch.compiler.disable
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The layer's forward with what it saves for the backward in host memory (``recompute.offload``).
 
@@ -400,6 +399,14 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 _WRAPPERS = {"forward": _checkpointed_forward, "core": _checkpointed_core}
+
+
+@functools.cache
+def _eager_offloaded_forward() -> Callable[..., Any]:
+    """``_offloaded_forward`` under ``torch.compiler.disable`` (Note: [eager under torch.compile]), made at the
+    first offloaded layer: the decorator imports ``torch._dynamo`` (seconds), which importing this module, or a
+    run without offload, need not pay."""
+    return torch.compiler.disable(_offloaded_forward)
 
 
 def _run(module: nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

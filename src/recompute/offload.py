@@ -163,9 +163,11 @@ class Offloader:
         """Forward hooks on the offloaded layers and the layers just above them: the gradient of their output
         starts the copies back (``backward_begins``). Remove the handles to undo."""
         wanted = sorted({j for i in self.layers for j in (i, i + 1) if j < len(layers)})
-        return [layers[j].register_forward_hook(partial(self._on_output, j)) for j in wanted]
+        # A gradient hook from a compiled frame: left to eager. Disabled here, not by a decorator: that would
+        # import torch._dynamo (seconds) with this module, for every run, offloaded or not.
+        on_output = torch.compiler.disable(self._on_output)
+        return [layers[j].register_forward_hook(partial(on_output, j)) for j in wanted]
 
-    @torch.compiler.disable  # a gradient hook from a compiled frame: left to eager
     def _on_output(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from recompute.trace._flops import span, tensors_of
 
-__all__ = ["MAX_COPIES", "Rotation", "copied", "pool_bytes", "rotation"]
+__all__ = ["MAX_COPIES", "Rotation", "copied", "copies_of", "pool_bytes", "rotation"]
 
 MAX_COPIES = 1024
 """At most so many copies of a small op's operands: below ``pool / MAX_COPIES`` bytes an op's ring is smaller than
@@ -62,7 +62,7 @@ class Rotation:
 
     def __call__(self) -> None:
         if self.turn is None:
-            self.turn = itertools.cycle([copied(self.args) for _ in range(self.copies)])
+            self.turn = itertools.cycle(copies_of(self.args, self.copies))
         self.kept.append(self.fn(*next(self.turn)))
 
     def close(self) -> None:
@@ -74,21 +74,33 @@ class Rotation:
 def copied(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """``args`` with every tensor in them (nested ones too) copied into storage of its own, strides, offset and
     ``requires_grad`` kept: a transposed view stays transposed, views of one storage stay views of one copy."""
-    bases: dict[int, torch.Tensor] = {}
+    return copies_of(args, 1)[0]
 
-    def copy(a: Any) -> Any:
-        if not isinstance(a, torch.Tensor):
-            return a
-        storage = a.untyped_storage()
-        key = storage.data_ptr()
-        if key not in bases:
-            raw = torch.empty(0, dtype=torch.uint8, device=a.device).set_(storage)  # the storage's bytes
-            whole = -(-raw.numel() // a.element_size()) * a.element_size()  # whole elements: a.dtype's view holds
-            flat = torch.empty(whole, dtype=torch.uint8, device=a.device)
-            flat[: raw.numel()].copy_(raw)
-            bases[key] = flat
-        twin = bases[key].view(a.dtype).as_strided(a.size(), a.stride(), a.storage_offset())
-        return twin.detach().requires_grad_(a.requires_grad)
 
-    out: tuple[Any, ...] = tree_map(copy, args)
+def copies_of(args: tuple[Any, ...], n: int) -> list[tuple[Any, ...]]:
+    """``n`` copies of ``args`` as ``copied`` makes one, ``args`` walked once, not once a copy: 1024 copies of the
+    operands of each of the 27 named ops at 4 KiB take 0.65 s, against 2.1 to 2.7 s copy by copy (issue 39)."""
+    leaves, spec = tree_flatten(args)
+    flat = len(leaves) == len(args) and all(leaf is a for leaf, a in zip(leaves, args, strict=True))
+    storages: dict[int, tuple[torch.Tensor, int]] = {}  # storage -> (its bytes, whole elements' bytes)
+    views = []  # (leaf index, storage, dtype, size, stride, offset, requires_grad) of each tensor
+    for i, a in enumerate(leaves):
+        if isinstance(a, torch.Tensor):
+            key = a.untyped_storage().data_ptr()
+            if key not in storages:
+                raw = torch.empty(0, dtype=torch.uint8, device=a.device).set_(a.untyped_storage())  # its bytes
+                storages[key] = raw, -(-raw.numel() // a.element_size()) * a.element_size()  # whole elements
+            views.append((i, key, a.dtype, a.size(), a.stride(), a.storage_offset(), a.requires_grad))
+    out = []
+    for _ in range(n):
+        bases = {}
+        for key, (raw, whole) in storages.items():
+            base = torch.empty(whole, dtype=torch.uint8, device=raw.device)
+            (base if whole == raw.numel() else base[: raw.numel()]).copy_(raw)
+            bases[key] = base
+        twins = list(leaves)
+        for i, key, dtype, size, stride, offset, grad in views:
+            twin = bases[key].view(dtype).as_strided(size, stride, offset)
+            twins[i] = twin.detach().requires_grad_() if grad else twin
+        out.append(tuple(twins) if flat else tree_unflatten(twins, spec))
     return out

@@ -18,6 +18,18 @@ Each curve is measured at several sizes, because eager PyTorch reaches a device'
 Every point is the best of three batches, each batch repeating the op until it has run a minimum time; GPU
 batches are timed with CUDA events around enough work to hide the launch.
 
+Note: [quick batches] A quick CPU calibration times batches of 15 ms, not 30 (issue 39): its 81 named-op
+points took over half its time. Two runs apart in time do not tell the two apart on this shared 2-core machine (the
+same code's rates moved 2x between runs), so ``python benchmarks/calibrate_speed.py --paired-batch 0.015`` times
+every rate of the quick plan with batches of 30 ms and of 15 ms alternately in one process: at load 3.9 the 15 ms
+rates came out a median 7.5 % higher (30 ms against 30 ms: -1.4 %), 24 % at the middle sizes, and the steps of
+``benchmarks/time_model.py`` priced on them -14 % to +6 %, their time overheads within 1.5 points; at load 3.5 a
+median of +0.6 %, at load 6 +29 %. The shift grows with the load because a short batch more often runs between
+the other jobs' time slices, the best of three then nearer a quiet machine's rate; on a quiet machine the two
+time the same calls. ``math`` stays timed apart, not taken from the named ops it is made of: a named op is called
+through ``torch.ops.aten``, 1 to 2 us a call more than ``torch.exp`` (3.65 against 2.60 us on 4 KiB), which makes
+the named ops' rates at 4 KiB a lower bound.
+
 Note: [ranks in step] Under torchrun (``calibrate --collectives`` on a profile not made yet) every rank
 calibrates at once, and each batch starts after a barrier: the ranks of a tensor-parallel step run the same
 kernel at the same moment, and on a CPU whose cores they share a matmul then runs slower than beside another
@@ -220,6 +232,8 @@ class _Plan:
     elements: tuple[int, ...]
     seqs: tuple[int, ...]
     batch_seconds: float
+    host_seconds: float
+    """Seconds of real steps per model the host is timed on (``recompute.bench._host``)."""
 
     @property
     def steps(self) -> int:
@@ -229,22 +243,24 @@ class _Plan:
 def _plan(gpu: bool, quick: bool) -> _Plan:
     if gpu:
         if quick:
-            return _Plan((256, 1024, 4096), ("bfloat16", "float32"), _pow2(16, 22, 27), (512, 2048), 0.02)
+            return _Plan((256, 1024, 4096), ("bfloat16", "float32"), _pow2(16, 22, 27), (512, 2048), 0.02, 0.4)
         return _Plan(
             (128, 256, 512, 1024, 2048, 4096, 8192),
             ("bfloat16", "float16", "float32"),
             _pow2(14, 16, 18, 20, 22, 24, 26, 28),
             (256, 1024, 4096),
             0.1,
+            2.0,
         )
     if quick:
-        return _Plan((64, 256, 1024), ("float32",), _pow2(10, 16, 22), (128, 512), 0.03)
+        return _Plan((64, 256, 1024), ("float32",), _pow2(10, 16, 22), (128, 512), 0.015, 0.6)  # Note: [quick batches]
     return _Plan(
         (32, 64, 128, 256, 512, 1024),
         ("float32", "bfloat16"),
         _pow2(8, 10, 12, 14, 16, 18, 20, 22, 24),
         (128, 256, 512, 1024),
         0.15,
+        3.0,
     )
 
 
@@ -351,7 +367,7 @@ def calibrate(
             "operand_pool_bytes": bench.pool,  # 0: measured on warm operands (Note: [cold operands])
         },
     )
-    host = host_cost(rates, models=("gpt",) if quick else tuple(HOST_MODELS), seconds=20 * plan.batch_seconds)
+    host = host_cost(rates, models=("gpt",) if quick else tuple(HOST_MODELS), seconds=plan.host_seconds)
     bench.tick("host dispatch")
     return replace(rates, host=host)
 
