@@ -220,7 +220,9 @@ def with_memory_budget(
     ]
     advice = _advice(options, chosen, plan)
     result = CompiledPlan(tuple(options), chosen, plan.budget, plan.chosen, advice, tuple(notes))
-    return (_as_plan(plan, chosen, result) if chosen is not None else plan), result
+    if chosen is None:  # the eager plan stands, with what was weighed
+        return dataclasses.replace(plan, compiled=result.to_dict(), notes=(*plan.notes, advice)), result
+    return _as_plan(plan, chosen, result), result
 
 
 def fixed_floor(tables: Sequence[CostTable]) -> float:
