@@ -328,6 +328,8 @@ def _as_plan(plan: Plan, o: CompiledOption, compiled: CompiledPlan) -> Plan:
         step_seconds=plan.model_cost + o.seconds if o.seconds is not None else None,
     )
     workload = {**plan.workload, "loss": o.loss}
+    if o.loss == "full":
+        workload["loss_chunk"] = None  # a chunk with the full loss is refused (the eager plan may have chunked)
     return dataclasses.replace(
         plan,
         layers=o.layers,
