@@ -103,10 +103,20 @@ def main() -> None:
     parser.add_argument("--classes", action="store_true", help="check every causal-LM class transformers ships")
     parser.add_argument("--only", help="with --classes: these model_types only (comma-separated)")
     parser.add_argument("--table", action="store_true", help="with --classes: print the docs table of the results")
+    parser.add_argument("--wide", action="store_true", help="with --classes: the exact ones near published width")
+    parser.add_argument("--seq-len", type=int, default=256, help="with --wide: the sequence length")
     parser.add_argument("--check", metavar="TYPE", help=argparse.SUPPRESS)  # one class, in a child process
+    parser.add_argument("--check-wide", nargs=2, metavar=("TYPE", "S"), help=argparse.SUPPRESS)  # --wide's child
     args = parser.parse_args()
+    import hf_wide  # here: it imports this module's checks
+
     if args.check:
         check_main(args.check)
+    elif args.check_wide:
+        torch.set_num_threads(2)
+        hf_wide.check_wide_main(args.check_wide[0], int(args.check_wide[1]))
+    elif args.classes and args.wide:
+        hf_wide.wide_main(args.only.split(",") if args.only else None, args.seq_len, table_only=args.table)
     elif args.classes:
         classes_main(args.only.split(",") if args.only else None, table_only=args.table)
     else:
@@ -193,7 +203,7 @@ CLASS_WIDTHS: dict[str, int] = {
     **dict.fromkeys(("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim", "ssm_state_size"), 16),
     **dict.fromkeys(("linear_num_key_heads", "index_n_heads", "swa_num_key_value_heads"), 2),
     **dict.fromkeys(("linear_num_value_heads", "linear_num_heads", "mamba_n_heads", "swa_num_attention_heads"), 4),
-    "vocab_size": 256,
+    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input"), 256),  # Gemma 3n's and 4's per-layer tables too
     "q_lora_rank": 32,
     "moe_k": 2,
     "mamba_d_ssm": 128,  # Falcon-H1: heads * head size = expand * hidden
@@ -226,24 +236,7 @@ def _layer_count(raw: dict[str, Any]) -> int | None:
 def shrunk(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` (a default config) with ``CLASS_LAYERS`` layers and the small sizes of ``CLASS_WIDTHS``: per-layer
     lists and layer-indexed tables cut to the new depth, token ids kept inside the vocabulary."""
-    out = dict(raw)
-    n = _layer_count(raw)
-    top = CLASS_WIDTHS["vocab_size"] - 1
-    for key, value in raw.items():
-        if isinstance(value, bool):
-            continue
-        if key.endswith(("token_id", "token_ids")):  # inside the small vocabulary
-            out[key] = [min(v, top) for v in value] if isinstance(value, list) else _clamp(value, top)
-        elif key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") and isinstance(value, int):
-            out[key] = CLASS_LAYERS
-        elif key in CLASS_WIDTHS and isinstance(value, int):
-            out[key] = CLASS_WIDTHS[key]
-        elif isinstance(value, list) and n and len(value) == n:
-            out[key] = value[:CLASS_LAYERS]
-        elif _indices(value, n):  # layer indices (Bamba's attention layers): those left, or the last one
-            out[key] = [i for i in value if i < CLASS_LAYERS] or [CLASS_LAYERS - 1]
-        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-            out[key] = {k: v for k, v in value.items() if int(k) < CLASS_LAYERS}
+    out = resized(raw, CLASS_LAYERS, CLASS_WIDTHS)
     heads = out.get("num_attention_heads")
     if isinstance(raw.get("num_key_value_heads"), int) and isinstance(heads, int):
         out["num_key_value_heads"] = heads if raw["num_key_value_heads"] >= raw["num_attention_heads"] else 2
@@ -252,6 +245,30 @@ def shrunk(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
     if "mamba_d_head" in raw:
         out["mamba_d_head"] = int(out.get("mamba_expand", 2)) * out["hidden_size"] // out.get("mamba_n_heads", 4)
     return {**out, **CLASS_OVERRIDES.get(model_type, {})}
+
+
+def resized(raw: dict[str, Any], n_layers: int, sizes: dict[str, int]) -> dict[str, Any]:
+    """``raw`` with ``n_layers`` layers and the sizes of ``sizes`` where it has the key (``vocab_size`` among
+    them): per-layer lists and layer-indexed tables cut to the new depth, token ids kept inside the vocabulary."""
+    out = dict(raw)
+    n = _layer_count(raw)
+    top = sizes["vocab_size"] - 1
+    for key, value in raw.items():
+        if isinstance(value, bool):
+            continue
+        if key.endswith(("token_id", "token_ids")):  # inside the small vocabulary
+            out[key] = [min(v, top) for v in value] if isinstance(value, list) else _clamp(value, top)
+        elif key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") and isinstance(value, int):
+            out[key] = n_layers
+        elif key in sizes and isinstance(value, int):
+            out[key] = sizes[key]
+        elif isinstance(value, list) and n and len(value) == n:
+            out[key] = value[:n_layers]
+        elif _indices(value, n):  # layer indices (Bamba's attention layers): those left, or the last one
+            out[key] = [i for i in value if i < n_layers] or [n_layers - 1]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            out[key] = {k: v for k, v in value.items() if int(k) < n_layers}
+    return out
 
 
 def _clamp(value: Any, top: int) -> Any:
@@ -264,40 +281,43 @@ def _indices(value: Any, n: int | None) -> bool:
     return bool(ints and n and len(set(value)) == len(value) < n and max(value) < n and min(value) >= 0)
 
 
-def real_kept(built: BuiltModel, idx: torch.Tensor, targets: torch.Tensor) -> list[int]:
+def real_kept(built: BuiltModel, idx: torch.Tensor, targets: torch.Tensor, *, backward: bool = True) -> list[int]:
     """Bytes each layer keeps for the backward in a real step: the distinct storages that the tensors autograd
     saved still keep alive when the backward starts (a view keeps its whole storage; what a dropped branch saved,
-    such as a router's unused scores, is freed by then), each by the layer that saved it first; no weights."""
+    such as a router's unused scores, is freed by then), each by its first saver, as the trace counts them (a
+    storage the embedding saves before layer 0 does, such as Gemma 4's embedded tokens, is not layer 0's); no
+    weights. ``backward=False``: the forward only (the counts are taken before the backward)."""
     model = built.model
     layers = find_layers(model)
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     current: list[int | None] = [None]
-    saved: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+    saved: list[tuple[int | None, weakref.ref[torch.Tensor]]] = []  # (layer, or None outside the layers)
     handles = [
         layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)) for i, layer in enumerate(layers)
     ]
     handles += [layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)) for layer in layers]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if current[0] is not None:
-            saved.append((current[0], weakref.ref(t)))
+        saved.append((current[0], weakref.ref(t)))
         return t
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             _, loss = built.loss_fn(model, idx, targets)
-        first: dict[int, tuple[int, int]] = {}  # storage -> (layer, bytes), over the tensors still alive
+        first: dict[int, tuple[int | None, int]] = {}  # storage -> (first saver, bytes), of the tensors alive
         for layer, ref in saved:
             t = ref()
             if t is not None and t.untyped_storage().data_ptr() not in weights:
                 first.setdefault(t.untyped_storage().data_ptr(), (layer, t.untyped_storage().nbytes()))
-        loss.backward()
+        if backward:
+            loss.backward()
     finally:
         for h in handles:
             h.remove()
     out = [0] * len(layers)
     for layer, nbytes in first.values():
-        out[layer] += nbytes
+        if layer is not None:
+            out[layer] += nbytes
     return out
 
 
@@ -417,13 +437,13 @@ def classes_main(only: list[str] | None, *, table_only: bool) -> None:
     write(path, command, start, rows)
 
 
-def check_in_child(model_type: str, timeout: float = 900.0) -> dict[str, Any]:
-    """``check_class`` in a process of its own: a class whose step crashes the interpreter (a ``topk`` past its
-    dimension corrupts the heap) or hangs costs its own row only."""
+def check_in_child(model_type: str, timeout: float = 900.0, flag: str = "--check", *more: str) -> dict[str, Any]:
+    """``check_class`` (or the check ``flag`` names) in a process of its own: a class whose step crashes the
+    interpreter (a ``topk`` past its dimension corrupts the heap) or hangs costs its own row only."""
     start = time.perf_counter()
     try:
         done = subprocess.run(
-            [sys.executable, __file__, "--check", model_type], capture_output=True, text=True, timeout=timeout
+            [sys.executable, __file__, flag, model_type, *more], capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         done = None

@@ -82,3 +82,27 @@ def test_an_mlp_width_per_layer_is_taken() -> None:
     raw = transformers.AutoConfig.for_model("gemma3n_text").to_dict()
     assert isinstance(raw["intermediate_size"], list)
     assert ModelSource.from_config(hf_fidelity.shrunk("gemma3n_text", raw), name="gemma3n_text").config is not None
+
+
+@pytest.mark.parametrize(
+    ("model_type", "trace"),
+    [
+        ("dory", [246528, 488960, 244480]),  # deep-copies its cache layers: fake tensors deep-copy as real ones
+        ("gemma4_text", [511744, 321280, 321280, 321280, 321280, 2289408]),  # layer 0 without the embedded tokens
+    ],
+)
+def test_the_classes_the_sweep_found_off_are_exact(model_type: str, trace: list[int]) -> None:
+    """Per-layer bytes of the shrunk copy, trace against a real step, each storage by its first saver: Gemma 4's
+    per-layer input projection saves the embedded tokens before layer 0 does (the embedding's, not layer 0's)."""
+    import transformers
+
+    from recompute.models.source import ModelSource, build_source
+    from recompute.trace import trace as run_trace
+
+    raw = transformers.AutoConfig.for_model(model_type).to_dict()
+    small = ModelSource.from_config(hf_fidelity.shrunk(model_type, raw), name=model_type)
+    torch.manual_seed(0)
+    built = build_source(small)
+    idx, targets = torch.randint(built.vocab, (2, hf_fidelity.CLASS_WL.micro_batch, hf_fidelity.CLASS_WL.seq_len))
+    assert hf_fidelity.real_kept(built, idx, targets, backward=False) == trace
+    assert [p.total for p in run_trace(small, hf_fidelity.CLASS_WL, "none").layers] == trace

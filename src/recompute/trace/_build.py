@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from recompute._compat import drop_library
 from recompute.core.errors import ConfigError, first_line
@@ -61,21 +63,43 @@ def build_meta(source: ModelSource, *, attention: str, dtype: torch.dtype, n_lay
 
 @contextlib.contextmanager
 def fake_kernels() -> Iterator[None]:
-    """Shape rules fake tensors need beyond PyTorch's own, for the trace's duration.
+    """Shape rules (and a deep copy) fake tensors need beyond PyTorch's own, for the trace's duration.
 
     Note: [grouped_mm on fake tensors] transformers' MoE experts (``grouped_mm_experts_forward``) sort the
     routed tokens by expert and run ``aten._grouped_mm`` over all b*s*top_k rows with per-expert offsets, so
     every tensor's size is fixed whatever the routing (no load assumption needed). PyTorch's meta kernel for
     ``_grouped_mm`` holds every dtype to CUDA's bf16-only rule, while the CPU kernel takes any float dtype;
     this registers the shape rule alone (removed on exit) so an fp32 trace runs the op a real CPU step runs.
+
+    Note: [deepcopy of a fake tensor] Dory's forward deep-copies its cache layers (one copy per recurrent
+    loop), and a sliding-window layer holds ``torch.tensor(window)``: made under the fake mode, that fake tensor
+    keeps the real constant it was made from, and ``Tensor.__deepcopy__`` copies it too, a CPU storage set on a
+    meta tensor, which PyTorch refuses. For the trace's duration a fake tensor deep-copies as a real one does
+    (a new storage of the same size, the same strides and offset; ``requires_grad`` kept), in fake tensors.
     """
     lib = torch.library.Library("aten", "IMPL")
     with contextlib.suppress(RuntimeError):  # a PyTorch with its own Python meta rule (2.11): that one stands
         lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
+    own = FakeTensor.__dict__.get("__deepcopy__")  # a nested trace's, or none (torch.Tensor's)
+    FakeTensor.__deepcopy__ = _fake_deepcopy  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
+        if own is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = own  # type: ignore[method-assign]
         drop_library(lib)
+
+
+def _fake_deepcopy(self: FakeTensor, memo: dict[int, Any]) -> Tensor:
+    """``copy.deepcopy`` of a fake tensor: a fake copy of its whole storage, viewed as ``self`` is."""
+    if id(self) not in memo:  # inside the trace's modes (the tracker sees the allocation), or in its fake mode
+        with contextlib.nullcontext() if active_fake_mode() is self.fake_mode else self.fake_mode:
+            base = torch.empty(self.untyped_storage().nbytes(), dtype=torch.uint8, device=self.device)
+            new = base.view(self.dtype).as_strided(self.size(), self.stride(), self.storage_offset())
+        memo[id(self)] = new.requires_grad_(self.requires_grad)
+    return memo[id(self)]
 
 
 def _grouped_mm_meta(

@@ -1,0 +1,224 @@
+"""Every class the ``--classes`` sweep found exact, again near its published width (issue 37, item 3).
+
+``python benchmarks/hf_fidelity.py --classes --wide [--only TYPES] [--seq-len 256]``: the shrunk sweep holds the
+trace to real steps at h = 64 only. Here each class its rows in benchmarks/results/hf_classes.json call exact
+is built from its config class's defaults (usually a published size: Llama's are Llama-2-7B's) at its own
+hidden, MLP and head sizes, with the vocabulary cut to ``WIDE_VOCAB`` and a few layers, bf16, b = 1, s = 256,
+SDPA, random weights on this CPU. One real forward, each saved storage counted once by its first saver
+(``hf_fidelity.real_kept``), against the trace of the same config on fake tensors, layer by layer.
+
+Note: [the vocabulary does not matter] the bytes a layer keeps are its own: the embedding, the head and the
+loss are outside the layers (the trace counts them apart), so a vocabulary of 512 changes no layer's figure
+and spares the 131,072 x 4,096 head a real bf16 step would multiply on this CPU.
+
+Note: [layers] two, or as many as it takes to reach every kind of layer the shrunk copy showed (a kind: a
+distinct per-layer byte count among its six layers; Gemma 3's sixth layer is global), every one compared. A
+published window wider than s leaves a sliding layer attending as a full one does (its mask is then the same).
+
+A class whose real step would not fit this machine is skipped with the figure: more than ``LIMIT_BYTES`` of
+bf16 weights and saved activations, or more than ``LIMIT_SECONDS`` by its forward's matmuls at ``BF16_RATE``
+(every parameter a multiply-add per token: an upper bound for mixture-of-experts layers, whose tokens reach
+top-k experts only). Writes benchmarks/results/hf_classes_wide.json (``--only`` replaces those rows).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import transformers
+from hf_fidelity import CLASS_OVERRIDES, RESULTS, _why, check_in_child, real_kept, resized, write
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from recompute import Workload
+from recompute.core.errors import ConfigError
+from recompute.models.source import ModelSource, build_source
+from recompute.trace import trace
+
+WIDE_VOCAB = 512
+LIMIT_BYTES = 6 * 2**30
+LIMIT_SECONDS = 120.0
+BF16_RATE = 7e9
+"""FLOP/s of a bf16 ``F.linear`` on this CPU (AVX2, no bf16 units): 7.5 GFLOP/s measured at 256 x 4096 by
+11008 x 4096, one thread or two."""
+
+WIDE_SIZES = {"vocab_size": WIDE_VOCAB, "vocab_size_per_layer_input": WIDE_VOCAB, "first_k_dense_replace": 1}
+"""What changes beside the layer count: the vocabularies, and DeepSeek-style dense first layers cut to one (the
+shrunk copy's pattern: layer 0 dense, the others mixture-of-experts)."""
+WIDE_LAYERS = {"dory": 8}
+"""Layer counts chosen by hand: Dory's config counts the attention and the MLP of a layer as two (it halves
+them), and its fourth layer is the first global one."""
+
+WIDE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "dory": {"n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 4},  # layers 0, 1 (looped), 2-3
+    "gemma3n_text": CLASS_OVERRIDES["gemma3n_text"],
+}
+"""What a config class validates beyond its defaults at a few layers."""
+TIMEOUT = 600.0
+
+
+def wide_workload(seq_len: int) -> Workload:
+    return Workload(seq_len=seq_len, micro_batch=1, dtype="bf16", attention="flash", device="cpu")
+
+
+def layer_count(shrunk_bytes: list[int]) -> int:
+    """Two, or enough layers to reach every kind the shrunk copy's per-layer bytes show (``[layers]``)."""
+    first = {b: i for i, b in reversed(list(enumerate(shrunk_bytes))) if i > 0}
+    return max(2, 1 + max(first.values(), default=1))
+
+
+def wide_config(model_type: str, raw: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """``raw`` at its own widths with ``n_layers`` layers and the vocabulary cut to ``WIDE_VOCAB``."""
+    return {**resized(raw, n_layers, WIDE_SIZES), **WIDE_OVERRIDES.get(model_type, {})}
+
+
+def estimate(model: torch.nn.Module, activations: int, seq_len: int) -> dict[str, float]:
+    """GiB (bf16 weights and the saved activations) and seconds (the forward's matmuls: a multiply-add per
+    parameter and token, an expert's parameters at the share of tokens top-k routing sends it) of the real step."""
+    params = int(model.num_parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    cfg = model.config.to_dict()
+    k = next((cfg[key] for key in _TOP_K if isinstance(cfg.get(key), int)), None)
+    e = next((cfg[key] for key in _EXPERTS if isinstance(cfg.get(key), int)), None)
+    active = params - experts + experts * k / e if experts and k and e else params
+    return {
+        "parameters": params,
+        "GiB": (2 * params + activations) / 2**30,
+        "seconds": 2 * active * seq_len / BF16_RATE,
+    }
+
+
+_TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k_experts")
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def too_big(est: dict[str, float], n_layers: int) -> str | None:
+    """Why the real step would not fit this machine, or None."""
+    if est["GiB"] <= LIMIT_BYTES / 2**30 and est["seconds"] <= LIMIT_SECONDS:
+        return None
+    size = f"{est['GiB']:.1f} GiB, {est['seconds']:.0f} s"
+    return f"{size} estimated at {n_layers} layers ({est['parameters']:,} parameters)"
+
+
+@contextmanager
+def bf16_default() -> Iterator[None]:
+    """Weights made in bf16 from the start: no fp32 copy of them at twice the bytes."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def check_wide(model_type: str, shrunk_bytes: list[int], seq_len: int) -> dict[str, Any]:
+    """One class near its published width: exact, off (which layers, by how many bytes), skipped (why) or
+    refused (recompute's one line)."""
+    row: dict[str, Any] = {"model_type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
+    raw = transformers.AutoConfig.for_model(model_type).to_dict()
+    every = WIDE_LAYERS.get(model_type) or layer_count(shrunk_bytes)
+    for n in dict.fromkeys((every, 2)):  # every kind of layer, else the first two
+        cfg = wide_config(model_type, raw, n)
+        row["config"] = {k: cfg[k] for k in _WIDTH_KEYS if isinstance(cfg.get(k), int)}
+        try:
+            source = ModelSource.from_config(cfg, name=model_type)
+            meta = build_source(source, device="meta").model
+        except ConfigError as e:
+            return {**row, "status": "refused", "why": str(e)}
+        if not (why := too_big(estimate(meta, 0, seq_len), n)):  # the weights alone: no trace needed to say so
+            break
+        if n != 2:
+            row["note"] = f"at 2 layers only: every kind of layer, at {n} layers, {why}"
+    else:
+        return {**row, "status": "skipped", "why": why}
+    wl = wide_workload(seq_len)
+    try:
+        result = trace(source, wl, "none")
+    except ConfigError as e:
+        return {**row, "status": "refused", "why": f"trace: {e}"}
+    except Exception as e:  # at 2 layers a hybrid may have no attention layer, which its class needs
+        if "note" not in row:
+            raise
+        every_kind = row.pop("note").removeprefix("at 2 layers only: ")
+        return {**row, "status": "skipped", "why": f"{every_kind}; at 2 layers the class fails: {_why(e)}"}
+    row["layers"] = {"trace": [p.total for p in result.layers]}
+    row["estimate"] = estimate(meta, result.activations, seq_len)
+    if why := too_big(row["estimate"], n):
+        return {**row, "status": "skipped", "why": why}
+    torch.manual_seed(0)
+    with bf16_default():
+        built = build_source(source, dtype=torch.bfloat16)
+    idx, targets = torch.randint(built.vocab, (2, wl.micro_batch, seq_len))
+    try:
+        real = real_kept(built, idx, targets, backward=False)
+    except Exception as e:
+        return {**row, "status": "not checked", "why": f"the class's own step fails: {_why(e)}"}
+    row["layers"]["real"] = real
+    off = [
+        f"layer {i}: trace {t - r:+,} B of {r:,}"
+        for i, (t, r) in enumerate(zip(row["layers"]["trace"], real))
+        if t != r
+    ]
+    return {**row, "status": "off" if off else "exact", "off": off}
+
+
+_WIDTH_KEYS = (
+    "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "num_attention_heads", "n_head",
+    "num_key_value_heads", "head_dim", "num_local_experts", "num_experts", "moe_intermediate_size",
+    "num_hidden_layers", "n_layer", "sliding_window",
+)  # fmt: skip
+
+
+def exact_classes() -> dict[str, list[int]]:
+    """The classes the shrunk sweep found exact, with its per-layer bytes."""
+    rows = json.loads((RESULTS / "hf_classes.json").read_text())["rows"]
+    return {r["model_type"]: r["layers"]["trace"] for r in rows if r["status"] == "exact"}
+
+
+def wide_main(only: list[str] | None, seq_len: int, *, table_only: bool = False) -> None:
+    path = RESULTS / "hf_classes_wide.json"
+    if table_only:
+        print(render_wide(json.loads(path.read_text())))
+        return
+    start = time.perf_counter()
+    exact = exact_classes()
+    command = f"python benchmarks/hf_fidelity.py --classes --wide --seq-len {seq_len}"
+    command += f" --only {','.join(only)}" if only else ""
+    old = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    commands = [old["command"], command] if "command" in old else [command]  # the commands add up
+    rows = {row["model_type"]: row for row in old["rows"]}  # earlier rows stay unless checked again
+    for model_type in only or list(exact):
+        if model_type not in exact:
+            row = {"model_type": model_type, "status": "not checked", "why": "not exact in hf_classes.json"}
+        else:
+            row = check_in_child(model_type, TIMEOUT, "--check-wide", str(seq_len))
+        rows[model_type] = row
+        print(f"{model_type:<26} {row['status']:<12} {'; '.join(row.get('off', [])) or row.get('why', '')}"[:200],
+              f"({row.get('seconds', 0):.0f} s)", flush=True)  # fmt: skip
+        write(path, "; ".join(commands), start, list(rows.values()))  # after each class: a stopped sweep keeps its rows
+
+
+def check_wide_main(model_type: str, seq_len: int) -> None:
+    """``--check-wide TYPE S``: one class's row, as one JSON line (what ``check_in_child`` runs)."""
+    print(json.dumps(check_wide(model_type, exact_classes()[model_type], seq_len)))
+
+
+def render_wide(data: dict[str, Any]) -> str:
+    """The docs table: one row per class, its widths, layer 1's bytes, its verdict and seconds."""
+    lines = ["| model_type | h | d_ff | heads | layers | layer 1 (B) | verdict | seconds |"]
+    lines.append("|---|---:|---:|---:|---:|---:|---|---:|")
+    for row in data["rows"]:
+        cfg = row.get("config", {})
+        h = cfg.get("hidden_size", cfg.get("n_embd", cfg.get("d_model", "")))
+        ff = cfg.get("intermediate_size", cfg.get("n_inner", cfg.get("moe_intermediate_size", "")))
+        heads = cfg.get("num_attention_heads", cfg.get("n_head", ""))
+        traced = row.get("layers", {}).get("trace", [])
+        detail = "; ".join(row.get("off", [])) or row.get("why", "") or row.get("note", "")
+        verdict = f"**{row['status']}**" + (f": {detail}" if detail else "")
+        cells = [row["model_type"], h, ff, heads, len(traced) or "", f"{traced[1]:,}" if traced[1:] else ""]
+        lines.append("| " + " | ".join(str(c) for c in [*cells, verdict, row.get("seconds", "")]) + " |")
+    return "\n".join(lines)
