@@ -61,9 +61,7 @@ class ModelSource:
     """A transformers ``PretrainedConfig``."""
     factory: Callable[[], nn.Module] | None = field(default=None, compare=False)
     raw: dict[str, Any] | None = field(default=None, compare=False)
-    """A config source's identity for the store (``recompute.trace.profile_key``): the config's every field
-    (``to_dict``, defaults filled in) but the path and the transformers release it was written by, so a config
-    object and the config.json it saved (which holds only what differs from the defaults) are one model."""
+    """A config source's config.json as read (its identity for caches: ``recompute.core.profile.cache_key``)."""
 
     @classmethod
     def preset(cls, spec: ModelSpec, *, hf: bool = False) -> ModelSource:
@@ -73,7 +71,7 @@ class ModelSource:
     def from_config(cls, config: Any, *, name: str | None = None) -> ModelSource:
         """A source from a config.json path (or its folder), a dict, or a transformers config object."""
         cfg = load_hf_config(config)
-        raw = {k: v for k, v in cfg.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        raw = hf_config_dict(config)
         origin = f"{type(cfg).__name__}"
         if isinstance(config, (str, Path)):
             path = Path(config)
