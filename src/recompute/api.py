@@ -134,10 +134,10 @@ def plan(
     require(cost in ("time", "flops"), f"cost must be time or flops, got {cost!r}", fields=("cost",))
     consider = _considered(consider)
     require(gpu is None or isinstance(gpu, str), f"gpu must be a GPU's name, got {gpu!r}", fields=("gpu",))
-    budgets = _memory_budgets(memory_budget)
-    compiled = compiled or budgets is not None
     for key, value in (("compiled", compiled), ("trace", trace)):  # compiled="no" was taken as true (issue 38)
         require(isinstance(value, bool), f"{key} must be True or False, got {value!r}", fields=(key,))
+    budgets = _memory_budgets(memory_budget)
+    compiled = compiled or budgets is not None  # the budget is torch.compile's: no eager host dispatch
     if budget is None and gpu is None:
         raise ConfigError("plan needs a budget: give budget= (e.g. '70GiB') or gpu= (its usable memory)")
     host = parse_budget(host_budget, "host_budget") if host_budget is not None else None

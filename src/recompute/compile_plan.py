@@ -16,8 +16,10 @@ points between) and prices each (assignment, budget):
   activation-bound step peaks); where the compiled step's graphs free earlier, it is an upper bound. The
   compiled step's own transient (its fused kernels' intermediates) is taken as the eager step's.
 - **time**: the FLOPs of the partitioned forward and backward graphs (``graph_flops``: matmuls and attention)
-  above those of the compiled step that recomputes nothing (budget 1.0), at the step's predicted FLOP rate.
-  Pointwise ops the min cut recomputes are fused into the backward's kernels by Inductor and priced at zero.
+  above those of the compiled step that recomputes nothing (budget 1.0), at the step's predicted FLOP rate, and
+  the bytes the backward's recomputed ops without FLOPs write (pointwise), unfused, at the device's memory
+  bandwidth: an upper bound, as Inductor fuses them into the backward's kernels (PyTorch's own knapsack prices
+  them at zero).
 
 The option chosen is the cheapest that fits; the advice names the best of each knob alone beside it.
 
@@ -82,7 +84,8 @@ class CompiledOption:
     kept: tuple[int, ...]
     """Bytes each layer's ops save in the compiled step."""
     overhead: float
-    """FLOPs above the compiled step that recomputes nothing, over its FLOPs: the time the option adds."""
+    """The time the option adds over the step's (``seconds`` over it); unpriced in time, ``extra_flops`` over the
+    FLOPs of the compiled step that recomputes nothing."""
     seconds: float | None
     """``overhead`` in seconds of the predicted step, when the plan is priced in time."""
 
@@ -91,8 +94,7 @@ class CompiledOption:
         return any(o != "none" for o in self.layers)
 
     def label(self) -> str:
-        policy = runs(self.layers) if self.recomputes else "nothing"
-        return f"{policy}{', chunked loss' if self.loss == 'chunked' else ''}; budget {self.budget:g}"
+        return f"{runs(self.layers) if self.recomputes else 'nothing'}; budget {self.budget:g}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "layers": list(self.layers)}
@@ -106,8 +108,6 @@ class CompiledPlan:
     chosen: CompiledOption | None
     """The cheapest option that fits the budget; None where none does."""
     budget: float
-    eager: PlanPoint
-    """The eager plan's chosen point, for comparison."""
     advice: str
     notes: tuple[str, ...]
 
@@ -142,12 +142,12 @@ def with_memory_budget(
     progress: Progress = no_progress,
 ) -> tuple[Plan, CompiledPlan]:
     """The compiled step's options around ``plan`` (module docstring), and the plan to run: the cheapest option
-    that fits, with its budget (``Plan.memory_budget``) and its figures as the chosen point; ``plan`` as it is
-    where no option fits.
+    that fits, with its budget (``Plan.memory_budget``) and its figures as the chosen point; where no option fits,
+    ``plan`` with what was weighed (``Plan.compiled``).
 
     Args:
         model: what ``plan`` was made for (a preset's name, a ``ModelSource``).
-        wl: the workload planned (one rank: no tp, pp or fsdp).
+        wl: the workload planned (no tp or pp; under FSDP the unsharded model's step is traced).
         floor: the peak of the phases no option changes (``CostTable.fixed``).
         budgets: ``activation_memory_budget`` values, each in (0, 1].
         assignments: at most this many layer assignments traced (each one dynamo trace).
@@ -173,15 +173,13 @@ def with_memory_budget(
             "eager plan's"
         )
         wl = dataclasses.replace(wl, fsdp=False, dp=1)
+    step = dataclasses.replace(wl, loss="full", loss_chunk=None)  # Note: [what the compiled options leave out]
     options: list[CompiledOption] = []
     base: Any = None
     bandwidth = _bandwidth(plan)
     for i, point in enumerate(points):
         progress("the compiled step, traced under each memory budget", i, len(points))
-        step = dataclasses.replace(
-            wl, loss=point.loss, loss_chunk=plan.workload.get("loss_chunk") if point.loss == "chunked" else None
-        )
-        traced = trace_budgets(model, step, _policy(plan, point.layers), budgets, eager=True)
+        traced = trace_budgets(model, step, _policy(point.layers), budgets, eager=True)
         base = base or traced[0]  # the first assignment recomputes nothing, under budget 1.0
         for t in traced:
             assert t.budget is not None and t.eager_saved is not None
@@ -219,7 +217,7 @@ def with_memory_budget(
         *skipped,
     ]
     advice = _advice(options, chosen, plan)
-    result = CompiledPlan(tuple(options), chosen, plan.budget, plan.chosen, advice, tuple(notes))
+    result = CompiledPlan(tuple(options), chosen, plan.budget, advice, tuple(notes))
     if chosen is None:  # the eager plan stands, with what was weighed
         return dataclasses.replace(plan, compiled=result.to_dict(), notes=(*plan.notes, advice)), result
     return _as_plan(plan, chosen, result), result
@@ -282,7 +280,7 @@ def _bandwidth(plan: Plan) -> float | None:
     return float(curve[-1][1]) if curve else None
 
 
-def _policy(plan: Plan, layers: tuple[str, ...]) -> Policy | str:
+def _policy(layers: tuple[str, ...]) -> Policy | str:
     return Policy(layers=layers) if any(o != "none" for o in layers) else "none"
 
 
@@ -327,9 +325,7 @@ def _as_plan(plan: Plan, o: CompiledOption, compiled: CompiledPlan) -> Plan:
         flops=float(o.extra_flops),
         step_seconds=plan.model_cost + o.seconds if o.seconds is not None else None,
     )
-    workload = {**plan.workload, "loss": o.loss}
-    if o.loss == "full":
-        workload["loss_chunk"] = None  # a chunk with the full loss is refused (the eager plan may have chunked)
+    workload = {**plan.workload, "loss": o.loss, "loss_chunk": None}  # the full loss (the eager plan may chunk)
     return dataclasses.replace(
         plan,
         layers=o.layers,

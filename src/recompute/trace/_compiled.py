@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from recompute.core.errors import ConfigError, require
+from recompute.trace._cuda import BLOCK
 
 __all__ = [
     "PARTITIONERS",
@@ -225,7 +226,7 @@ def _counted(pairs: Graphs, layers: Sequence[str], *, cuda: bool) -> Captured:
         recomputed += sum(_written(n) for n in recomputed_ops(part) if _formula(n) is None)
         for node, nbytes in saved_values(part):
             values += 1
-            nbytes = -(-nbytes // _BLOCK) * _BLOCK if cuda else nbytes
+            nbytes = _in_blocks(nbytes, cuda)
             i = saver(node, layers)
             if i is None:
                 other += nbytes
@@ -234,8 +235,9 @@ def _counted(pairs: Graphs, layers: Sequence[str], *, cuda: bool) -> Captured:
     return Captured(tuple(per_layer), other, len(pairs), values, flops, recomputed)
 
 
-_BLOCK = 512
-"""The CUDA caching allocator's smallest block (``recompute.trace._cuda.BLOCK``)."""
+def _in_blocks(nbytes: int, cuda: bool) -> int:
+    """``nbytes`` as the CUDA caching allocator holds it (512-byte blocks), or as it is on the CPU."""
+    return -(-nbytes // BLOCK) * BLOCK if cuda else nbytes
 
 
 def graph_flops(gm: torch.fx.GraphModule) -> int:
@@ -330,7 +332,7 @@ def saved_by_eager(run: Callable[[], Any], *, exclude: Iterable[Tensor] = (), cu
         key = _key(t)
         if key not in skip and key not in seen:
             n = _concrete(t.untyped_storage().nbytes())
-            seen[key] = -(-n // _BLOCK) * _BLOCK if cuda else n
+            seen[key] = _in_blocks(n, cuda)
             held.append(t)
         return t
 
