@@ -9,7 +9,8 @@ temporary folder) and after (this tree). Its seconds are wall time around the ch
 profiles each stores (both loss modes: the plan weighs the chunked loss too) are compared byte for byte, less
 their ``seconds``.
 
-    python benchmarks/cold_plan.py [--runs 2] [--before 9727924] [--models tiny qwen2.5-1.5b] [--out cold_plan.json]
+    python benchmarks/cold_plan.py [--runs 2] [--before 9727924] [--models tiny qwen2.5-1.5b] [--precision bf16]
+        [--out cold_plan.json]
 
 Writes benchmarks/results/cold_plan.json (or ``--out``'s name there).
 """
@@ -44,12 +45,13 @@ MODELS = {
 ARGS = ("--gpu", "rtx4090-24gb", "--seq-len", "1024")
 
 
-def cold_plan(src: Path, config: Path, store: Path) -> dict[str, Any]:
-    """One cold plan in a child process importing ``recompute`` from ``src``, with an empty store at ``store``."""
+def cold_plan(src: Path, config: Path, store: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One cold plan in a child process importing ``recompute`` from ``src``, with an empty store at ``store``
+    (``extra``: more arguments to ``plan``)."""
     env = {**os.environ, "PYTHONPATH": str(src), "RECOMPUTE_CACHE": str(store)}
     load, cpu, start = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "recompute", "plan", "--model", str(config), *ARGS],
+        [sys.executable, "-m", "recompute", "plan", "--model", str(config), *ARGS, *extra],
         env=env,
         capture_output=True,
         text=True,
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--before", default="9727924", help="the revision whose cold plan is timed as before")
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen2.5-1.5b"], choices=list(MODELS))
     parser.add_argument("--out", default="cold_plan.json", help="the results file in benchmarks/results")
+    parser.add_argument("--precision", help="plan's --precision (default: its own, amp)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
     before_src, after_src = export(args.before, folder), ROOT / "src"
@@ -100,7 +103,8 @@ def main() -> None:
             found = {}
             for side, src in (("before", before_src), ("after", after_src)):
                 store = folder / f"{name}-{side}-{i}"
-                runs[side].append(cold_plan(src, path, store))
+                extra = ("--precision", args.precision) if args.precision else ()
+                runs[side].append(cold_plan(src, path, store, extra))
                 found[side] = stored(store)
             same = same and bool(found["before"]) and found["before"] == found["after"]
         results[name] = {"config": file, "layers": n_layers or config["num_hidden_layers"], "same_profiles": same}
@@ -111,13 +115,16 @@ def main() -> None:
             f"({a['median_cpu_s']:.1f} s CPU); the same profiles stored: {same}"
         )
     result = {
-        "plan": f"recompute plan --model CONFIG {' '.join(ARGS)} (an empty store)",
+        "plan": f"recompute plan --model CONFIG {' '.join(ARGS)}"
+        + (f" --precision {args.precision}" if args.precision else "")
+        + " (an empty store)",
         "before_revision": args.before,
         "models": results,
         "targets": {"up_to_3b_s": 10, "8b_s": 20},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "command": f"python benchmarks/cold_plan.py --runs {args.runs} --before {args.before} --models "
         + " ".join(args.models)
+        + (f" --precision {args.precision}" if args.precision else "")
         + (f" --out {args.out}" if args.out != "cold_plan.json" else ""),
     }
     out = Path(__file__).parent / "results" / args.out

@@ -162,7 +162,7 @@ def _short_step(shape: _Shape, a: int, b: int, p: str, q: str) -> tuple[int, int
     return rec.layer_starts[x + 1] - start, peak["forward"], peak["backward"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gpt2"])
 def test_one_pass_profiles_every_loss_mode(kind: str) -> None:
     """``profiles`` measures the links once, under its first loss mode: the full loss's profile from a pass
     led by the chunked one is the one ``profile`` measures alone (the chunked one's is, by the same steps)."""
@@ -175,13 +175,46 @@ def test_one_pass_profiles_every_loss_mode(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_steps_in_worker_processes_measure_what_one_process_does(kind: str) -> None:
-    """Note: [steps in workers]: the profile measured with its steps spread over forked workers is the one
-    measured with every step here, byte for byte less its ``seconds`` (the fixture's takes the default)."""
+    """Note: [steps in workers]: the profile measured with its steps spread over forked workers, its chain cut
+    in parts (Note: [the chain in parts]), is the one measured with every step here in one chain, byte for byte
+    less its ``seconds`` (the fixture's takes the default)."""
     _, path, prof = measured(kind)
     source = resolve_source(str(path))
     for workers in (0, 3):
         found = profiles(source, WL, (WL.loss,), workers=workers)[WL.loss]
         assert _figures(found) == _figures(prof), workers
+
+
+AMP = dataclasses.replace(WL, dtype="bf16", precision="amp", micro_batch=32, seq_len=64)
+"""Autocast over fp32 weights, at a micro-batch where the layers' phases are the step's highest."""
+
+
+def test_under_amp_the_chain_in_parts_measures_what_one_chain_does() -> None:
+    """Note: [dropped as the forward ends]: a checkpointed layer's cast weights are freed as the forward ends,
+    so without the correction a layer's backward figures would depend on how many checkpointed layers stand
+    below it in the chain, and cutting the chain would change them."""
+    _, path, _ = measured("llama")
+    source = resolve_source(str(path))
+    one, parts = (profiles(source, AMP, ("full",), workers=w)["full"] for w in (0, 3))
+    assert _figures(one) == _figures(parts)
+
+
+def test_under_amp_the_composed_peak_is_never_below_the_trace() -> None:
+    """Under amp what a layer holds is its forward's growth, cast weights included, though a checkpointed layer
+    drops them before the backward: the composed peak is never low, and high by no more than every layer's
+    weights in bf16 beside the four hidden states of ``test_composed_peak_is_held_to_whole_traces``."""
+    _, path, prof = measured("llama")
+    source = resolve_source(str(path))
+    amp = profile(source, AMP)
+    table = amp.cost_table()
+    hidden = int(ZOO["llama"]["hidden_size"])
+    bound = 2 * amp.parameter_count + 4 * AMP.micro_batch * AMP.seq_len * hidden * 2
+    rng = random.Random(1)
+    names = [n for n in amp.applicable() if n != "offload"]
+    assert table.compose(["none"] * amp.n_layers).peak == trace(source, AMP, "none").peak
+    for layers in [[n] * amp.n_layers for n in names] + [[rng.choice(names) for _ in range(4)] for _ in range(3)]:
+        composed, traced = table.compose(layers).peak, trace(source, AMP, Policy(layers=tuple(layers))).peak
+        assert traced <= composed <= traced + bound, layers
 
 
 def _figures(prof: Profile) -> str:

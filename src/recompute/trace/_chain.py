@@ -16,6 +16,26 @@ it stands nor on the layers before it, given three things put right here:
 So the links are measured in one model whose layers walk an Euler path through the graph of transitions
 (Hierholzer): about one layer per transition, where a short model per transition takes four.
 tests/test_profile.py holds the result to short models of single transitions, byte for byte.
+
+Note: [dropped as the forward ends] Under autocast over fp32 weights a layer's cast weights live to the end of
+the forward (Note: [the weight cache]); a checkpointed layer saves none of them, so they are freed before the
+backward begins (``StepRecord.layer_dropped``). Measured from the layer's start, its backward's peak would then
+be lower by what the checkpointed layers below it dropped: a figure of its position, not of its own policy and
+the next one's. The sites count it back in, as if the layers below had dropped nothing, which is how a cost
+table composes the backward (what a layer holds is its forward's growth): the composed backward peaks of
+checkpointed layers under amp are high by what the layers below them drop (their cast weights), never low.
+
+Note: [the chain in parts] Since a layer's figures do not depend on where it stands, the walk can be cut into
+parts, each a model of its own (the leading layers, its stretch of the walk, the last layer), traced side by side
+in worker processes (Note: [steps in workers]): one long step would leave the other CPUs idle while it runs. Each
+stretch starts with the node the one before it ends with, so every transition is in one part; a part repeats the
+leading layers, so none is shorter than ``MIN_PART`` transitions. Within a step a layer's figures are the same
+wherever it stands, but a step's length can shift every backward figure in it alike: Gemma 2 keeps 4 bytes per
+layer of the model, made before the first, through the backward. So each part starts (after its leading layers)
+with a walk of every pair of kinds under ``none``, its own references, and its backward figures are moved by what
+its references measure beyond the first part's (``_profile._rebased``): every figure is then a difference within
+one step, as in a single chain. The profile is the same however many parts (``tests/test_profile.py``: one
+process and one part against workers and parts, for every zoo kind and under amp).
 """
 
 from __future__ import annotations
@@ -28,7 +48,18 @@ from recompute.core.policy import OFFLOAD_POLICIES
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
 
-__all__ = ["Site", "chain", "chain_positions", "chain_sites", "kind_keys", "lead_picks", "leads"]
+__all__ = [
+    "MIN_PART",
+    "Site",
+    "chain",
+    "chain_positions",
+    "chain_sites",
+    "cut",
+    "dropped_below",
+    "kind_keys",
+    "lead_picks",
+    "leads",
+]
 
 Node = tuple[int, str]
 """A layer of the chain: (kind, policy)."""
@@ -58,7 +89,8 @@ class Site:
     above: int = 0
     """Bytes at the peak of the layer's backward that a short model would not hold: what the layers beyond
     the next one leave allocated (their gradients, what their forward keeps to the end of the step), and what
-    the layers below keep of the shared tensors beyond what the short model's keep (the module's note)."""
+    the layers below keep of the shared tensors beyond what the short model's keep (the module's note); less
+    what the layers below dropped as the forward ended (``dropped_below``: negative in an anchor step)."""
 
 
 def chain(pairs: Sequence[tuple[int, int]], ok: Sequence[Sequence[str]]) -> list[Node]:
@@ -99,6 +131,19 @@ def _circuit(start: Node, adj: dict[Node, list[Node]]) -> list[Node]:
     return path[::-1]
 
 
+MIN_PART = 8
+"""Transitions a part of the chain walks at least (Note: [the chain in parts])."""
+
+
+def cut(order: Sequence[Node], n: int) -> list[tuple[Node, ...]]:
+    """``order`` cut into up to ``n`` walks of about as many transitions each, at least ``MIN_PART`` (Note: [the
+    chain in parts]), each starting with the node the one before ends with."""
+    steps = len(order) - 1
+    n = max(1, min(n, steps // MIN_PART))
+    size = -(-steps // n) if steps > 0 else 1
+    return [tuple(order[i : i + size + 1]) for i in range(0, max(steps, 1), size)]
+
+
 def chain_positions(chain: Sequence[Node], first: int, pairs: set[tuple[int, int]]) -> dict[tuple[Any, ...], int]:
     """Where each transition ``("pair", a, b, p, q)`` of ``chain`` is measured: the index of its first layer
     in the chained model (whose layers from ``first`` on are the chain's); the first occurrence of each."""
@@ -129,5 +174,11 @@ def chain_sites(
     out = {}
     for key, x in positions.items():
         here = rec.phase_shared.get(Phase("backward", "layer", x), 0)
-        out[key] = Site(rec, x, sum(left[x + 2 :]) + here - shared[key[3]])
+        out[key] = Site(rec, x, sum(left[x + 2 :]) + here - shared[key[3]] - dropped_below(rec, x))
     return out
+
+
+def dropped_below(rec: StepRecord, x: int) -> int:
+    """Bytes the layers below layer ``x`` allocated in their forward and freed as the forward ended: in the
+    memory at its start, gone by its backward (Note: [dropped as the forward ends])."""
+    return sum(rec.layer_dropped[:x])

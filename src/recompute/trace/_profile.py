@@ -7,10 +7,10 @@ Three kinds of step, all traced like ``trace`` (nothing allocated):
 2. the links: for every pair of kinds that follow each other in the model and every pair of policies (the
    layer's, the next one's), what a layer at a generic position holds for the backward and the peaks of its
    forward and backward phases. A layer's backward depends on how the next one hands it the gradient, so its
-   figures are measured per policy of the next layer. All of them come from one chained step (``_chain``:
-   a model whose layers walk through every transition, each figure equal to that of a short model of the
-   transition alone); a kind's own figures (what it saves, by component and op; its FLOPs and kernels) from
-   its layers there followed by one under ``none``. Layers are copies of the model's own (with their
+   figures are measured per policy of the next layer. All of them come from the chained steps (``_chain``:
+   models whose layers walk through every transition, in parts side by side, each figure equal to that of a
+   short model of the transition alone); a kind's own figures (what it saves, by component and op; its FLOPs
+   and kernels) from its layers there followed by one under ``none``. Layers are copies of the model's own (with their
    attention type, dense or MoE MLP);
 3. anchors: per policy, the last layer with the head after it (its backward and the head's phases), the
    leading layers (the first of each kind) under that policy where they take it, as in the whole model when
@@ -20,6 +20,14 @@ A policy a layer cannot take is recorded with its reason. Offload is measured as
 follows the copies an offloaded layer's tensors come back in, which count in the backward of the layer above it
 (``LayerKind.below``) and are taken off every layer's own backward figure (``_rise``). The loss mode changes the
 head and the step's fixed phases, not the layers: ``profiles`` measures the links once for several loss modes.
+
+Note: [anchors once for every loss mode] The anchors are measured once too, under the first loss mode, and
+serve every other: what they give are differences against ``none`` (``LastFigures``: the last layer's backward
+peak, the head's forward and backward peaks, each against the same anchor under ``none``), and the last layer's
+policy shifts what is held through the head's phases by the same bytes whatever the loss does there; the loss's
+own transients cancel in the difference. A loss mode's whole step (its own head, fixed phases and states) is still
+measured under it. ``tests/test_profile.py`` holds each loss mode's profile from a pass led by another loss mode
+to the one measured alone, byte for byte (``benchmarks/cold_plan.py`` does too, at Qwen2.5-1.5B's size).
 
 What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
 start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
@@ -59,14 +67,25 @@ from recompute.models.identity import model_identity
 from recompute.models.source import BuiltModel, ModelSource
 from recompute.runtime import TORCH_DTYPES
 from recompute.trace._build import build_meta, fake_kernels
-from recompute.trace._chain import Node, Site, chain, chain_positions, chain_sites, kind_keys, lead_picks, leads
+from recompute.trace._chain import (
+    Node,
+    Site,
+    chain,
+    chain_positions,
+    chain_sites,
+    cut,
+    dropped_below,
+    kind_keys,
+    lead_picks,
+    leads,
+)
 from recompute.trace._cuda import fake_device_note, trace_device
 from recompute.trace._kinds import layer_kinds, ranges, short_model
 from recompute.trace._mesh import fake_group
 from recompute.trace._run import _check_traceable, _source_of, step_built
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
-from recompute.trace._workers import run_jobs
+from recompute.trace._workers import run_jobs, side_workers
 
 __all__ = ["cached_profile", "cached_profiles", "profile", "profile_key", "profiles", "with_loss"]
 
@@ -183,36 +202,40 @@ def profiles(
     weights = wl.dtype if wl.mixed_policy else None
     with fake_kernels():
         shape = _Shape.of(source, one, weights)
-        # Every model built on meta before a step makes one of them fake: the chained one once.
-        built = {loss: shape.models(chained=i == 0) for i, loss in enumerate(workloads)}
+        parts = _parts(shape, 1 + side_workers(workers))
+        positions, refs = _part_positions(shape, parts)
+        # Every model built on meta before a step makes one of them fake: the chained ones and the anchors once
+        # (Note: [anchors once for every loss mode]).
         first = next(iter(workloads))
-        chained = built[first][2]
-        jobs: list[Callable[[], Any]] = []
-        if chained is not None:
-            jobs.append(partial(_chain_step, shape, chained, _one_rank_stand_in(workloads[first]), device))
-        for loss, w in workloads.items():
-            whole, anchors, _ = built[loss]
-            jobs.append(partial(_whole_step, source, whole, w, device))
-            for (_, p, x), short in zip(shape.anchors, anchors):
-                per_layer = Policy(layers=(*leads(p, shape.ok)[:x], p))
-                jobs.append(partial(_anchor_step, short, _one_rank_stand_in(w), per_layer, device, shape.only_last))
+        whole = {loss: shape.whole_copy() for loss in workloads}
+        anchors, chained = shape.models(parts)
+        stand_in = _one_rank_stand_in(workloads[first])
+        jobs: list[Callable[[], Any]] = [
+            partial(_chain_step, shape, part, where | ref, built, stand_in, device)
+            for part, where, ref, built in zip(parts, positions, refs, chained)
+        ]
+        jobs += [partial(_whole_step, source, whole[loss], w, device) for loss, w in workloads.items()]
+        for (_, p, x), short in zip(shape.anchors, anchors):
+            per_layer = Policy(layers=(*leads(p, shape.ok)[:x], p))
+            jobs.append(partial(_anchor_step, short, stand_in, per_layer, device, shape.only_last))
         progress("profile", 0, len(jobs))
         done = run_jobs(jobs, workers=workers, done=lambda n: progress("profile", n, len(jobs)))
-    chain_rec = done.pop(0) if chained is not None else None
-    measured: dict[str, tuple[StepRecord, int, dict[tuple[Any, ...], Site], dict[str, int]]] = {}
-    for loss in workloads:
-        base, n_params = done.pop(0)
-        records, shared = {}, {}
-        for tag, p, x in shape.anchors:
-            rec = done.pop(0)
-            records[tag, p] = Site(rec, x)
-            shared[p] = rec.phase_shared.get(Phase("backward", "layer", x), 0)
-        measured[loss] = base, n_params, records, shared
-    links = chain_sites(chain_rec, _chain_positions(shape), measured[first][3]) if chain_rec is not None else {}
+    chain_recs = [done.pop(0) for _ in parts]
+    wholes = {loss: done.pop(0) for loss in workloads}
+    records, shared = {}, {}
+    for tag, p, x in shape.anchors:
+        rec = done.pop(0)
+        records[tag, p] = Site(rec, x, -dropped_below(rec, x))
+        shared[p] = rec.phase_shared.get(Phase("backward", "layer", x), 0)
+    lead_sites: dict[tuple[Any, ...], Site] = {}
+    for rec, where, ref in zip(chain_recs, positions, refs):
+        sites = chain_sites(rec, where | ref, shared)
+        lead_sites = lead_sites or sites
+        records |= _rebased(sites, set(ref), lead_sites)
     seconds = time.perf_counter() - start
     return {
-        loss: shape.profile(source, workloads[loss], base, n_params, records | links, seconds)
-        for loss, (base, n_params, records, _) in measured.items()
+        loss: shape.profile(source, workloads[loss], base, n_params, records, seconds)
+        for loss, (base, n_params) in wholes.items()
     }
 
 
@@ -248,16 +271,56 @@ def _anchor_step(short: BuiltModel, wl: Workload, policy: Policy, device: str, f
     return step_built(short, wl, policy, device=device, flops=flops, step=False, owners=True)[0]
 
 
-def _chain_positions(shape: _Shape) -> dict[tuple[Any, ...], int]:
-    return chain_positions(shape.chain, len(shape.lead_policies), set(shape.pairs))
+def _parts(shape: _Shape, n: int) -> list[tuple[Node, ...]]:
+    """The chain in up to ``n`` parts (Note: [the chain in parts]), each led by the walk of every pair of kinds
+    under ``none`` (``_Shape.refs``): its own references."""
+    return [(*shape.refs, *part) for part in cut(shape.chain, n)] if shape.chain else []
 
 
-def _chain_step(shape: _Shape, built: BuiltModel, wl: Workload, device: str) -> StepRecord:
-    """The chained step (``_chain``), FLOPs and kernels counted where a kind's come from (``chain_sites`` turns
-    it into every link's site)."""
-    per_layer = (*shape.lead_policies, *(p for _, p in shape.chain), "none")
-    positions = _chain_positions(shape)
-    counted = {positions[key] for key in kind_keys(shape.pairs, shape.ok)}
+def _part_positions(
+    shape: _Shape, parts: Sequence[tuple[Node, ...]]
+) -> tuple[list[dict[tuple[Any, ...], int]], list[dict[tuple[Any, ...], int]]]:
+    """Per part of the chain: where each transition is measured (in the first part that walks it, at the index of
+    its first layer in that part's model), and where the part's own references (every pair of kinds under
+    ``none``, at its start) are."""
+    out: list[dict[tuple[Any, ...], int]] = []
+    refs: list[dict[tuple[Any, ...], int]] = []
+    seen: set[tuple[Any, ...]] = set()
+    lead = len(shape.lead_policies)
+    for part in parts:
+        found = chain_positions(part, lead, set(shape.pairs))
+        refs.append(chain_positions(part[: len(shape.refs)], lead, set(shape.pairs)))
+        out.append({key: x for key, x in found.items() if key not in seen and key not in refs[-1]})
+        seen |= set(found)
+    return out, refs
+
+
+def _rebased(
+    sites: dict[tuple[Any, ...], Site], refs: set[tuple[Any, ...]], first: dict[tuple[Any, ...], Site]
+) -> dict[tuple[Any, ...], Site]:
+    """A part's sites, less its references unless it is the first part, each backward figure moved by what its
+    pair's reference measures in this part beyond the first (Note: [the chain in parts])."""
+    out = {}
+    for key, site in sites.items():
+        ref = (*key[:3], "none", "none")
+        if sites is first or key not in refs:
+            d = _rise(sites[ref], "backward", "layer") - _rise(first[ref], "backward", "layer")
+            out[key] = dataclasses.replace(site, above=site.above + d)
+    return out
+
+
+def _chain_step(
+    shape: _Shape,
+    part: tuple[Node, ...],
+    positions: dict[tuple[Any, ...], int],
+    built: BuiltModel,
+    wl: Workload,
+    device: str,
+) -> StepRecord:
+    """A part of the chained step (``_chain``), FLOPs and kernels counted where a kind's come from
+    (``chain_sites`` turns it into its links' sites)."""
+    per_layer = (*shape.lead_policies, *(p for _, p in part), "none")
+    counted = {positions[key] for key in kind_keys(shape.pairs, shape.ok) if key in positions}
     pol = Policy(layers=per_layer)
     return step_built(built, wl, pol, device=device, flops=True, step=False, owners=True, flop_layers=counted)[0]
 
@@ -279,6 +342,8 @@ class _Shape:
     """The policies each kind takes."""
     pairs: tuple[tuple[int, int], ...]
     chain: tuple[Node, ...]
+    refs: tuple[Node, ...]
+    """A walk of every pair of kinds under ``none``: each part of the chain starts with it (``_parts``)."""
     anchors: tuple[tuple[str, str, int], ...]
     """(tag, policy, index of the measured layer): ``last`` the last layer with the head after it, per
     policy; ``alone`` for a policy the chain runs that the last layer cannot take, a layer of a kind that
@@ -298,6 +363,7 @@ class _Shape:
         ok = tuple(tuple(p for p in profiled_policies() if p not in refused[k]) for k in range(lead))
         pairs = tuple(sorted({(kind_of[i], kind_of[i + 1]) for i in range(n - 1)}))
         order = tuple(chain(pairs, ok))
+        refs = tuple(chain(pairs, [("none",)] * lead))
         x_last = lead if n > 1 else 0
         anchors = [("last", p, x_last) for p in ok[kind_of[-1]]]
         picks = [tuple([*reps, n - 1] if n > 1 else [0]) for _ in anchors]
@@ -307,8 +373,8 @@ class _Shape:
                 anchors.append(("alone", p, lead))
                 picks.append((*reps, reps[k]))
         return cls(
-            whole, layers, tuple(kind_of), tuple(reps), tuple(labels), refused, ok, pairs, order, tuple(anchors),
-            tuple(picks),
+            whole, layers, tuple(kind_of), tuple(reps), tuple(labels), refused, ok, pairs, order, refs,
+            tuple(anchors), tuple(picks),
         )  # fmt: skip
 
     @property
@@ -321,14 +387,16 @@ class _Shape:
         """Whether a kind is only the model's last layer (its own figures come from the anchors)."""
         return any(k not in {a for a, _ in self.pairs} for k in range(len(self.reps)))
 
-    def models(self, *, chained: bool) -> tuple[BuiltModel, list[BuiltModel], BuiltModel | None]:
-        """Meta copies of the whole model, of each anchor's short model and (``chained``) of the chained one."""
-        whole = _copy(self.whole)
+    def whole_copy(self) -> BuiltModel:
+        """A meta copy of the whole model."""
+        return _copy(self.whole)
+
+    def models(self, parts: Sequence[tuple[Node, ...]]) -> tuple[list[BuiltModel], list[BuiltModel]]:
+        """Meta copies of each anchor's short model and of the chained model of each part of the chain."""
         anchors = [short_model(self.whole, self.layers, picks) for picks in self.picks]
-        if not (chained and self.chain):
-            return whole, anchors, None
-        picks = [*lead_picks(self.reps, self.ok), *(self.reps[k] for k, _ in self.chain), len(self.layers) - 1]
-        return whole, anchors, short_model(self.whole, self.layers, picks)
+        lead, last = lead_picks(self.reps, self.ok), len(self.layers) - 1
+        chained = [[*lead, *(self.reps[k] for k, _ in part), last] for part in parts]
+        return anchors, [short_model(self.whole, self.layers, picks) for picks in chained]
 
     def profile(
         self,

@@ -61,6 +61,10 @@ class StepRecord:
     layer_left: tuple[int, ...] = ()
     """Bytes each layer's forward allocated that are still alive when the backward ends (``owners=True``),
     such as a key/value cache's entries."""
+    layer_dropped: tuple[int, ...] = ()
+    """Bytes each layer's forward allocated that were freed as the forward ended, before the backward began
+    (``owners=True``): autocast's cast weights that nothing saved, a checkpointed layer's (Note: [the weight
+    cache] in ``_autocast``); zeros without autocast."""
     phase_shared: dict[Phase, int] = field(default_factory=dict)
     """Bytes alive at each phase's peak of what the forward allocated before the first layer, which the layers
     share (position ids, masks, rotary tables; ``owners=True``)."""
@@ -163,8 +167,11 @@ def run_step(
     try:
         with tracker, real_step_path():
             tracker.set_stage("forward")
-            with saved_tensors_hooks(tracker.pack, tracker.unpack), forward_autocast(autocast, batch[0].device):
-                kept, loss = loss_fn(model, *batch)
+            with saved_tensors_hooks(tracker.pack, tracker.unpack):
+                with forward_autocast(autocast, batch[0].device):
+                    kept, loss = loss_fn(model, *batch)
+                    ended = tracker.left_by_layer() if owners else ()
+                dropped = tuple(a - b for a, b in zip(ended, tracker.left_by_layer()))
             tracker.set_stage("backward")
             loss.backward()
             left = tracker.left_by_layer()
@@ -192,6 +199,7 @@ def run_step(
         host_peak=tracker.host_peak,
         layer_grads=grads,
         layer_left=left if owners else (),
+        layer_dropped=dropped,
         phase_shared=dict(tracker.phase_shared),
         phase_fetched=dict(tracker.phase_fetched),
         allocations=stream,

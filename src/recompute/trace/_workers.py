@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["run_jobs", "usable_cpus"]
+__all__ = ["run_jobs", "side_workers", "usable_cpus"]
 
 T = TypeVar("T")
 
@@ -42,14 +42,20 @@ def _forkable() -> bool:
     return sys.platform == "linux" and not torch.cuda.is_initialized()
 
 
+def side_workers(workers: int | None = None) -> int:
+    """How many forked processes ``run_jobs`` would run beside this one, for as many jobs as wanted: ``workers``
+    (default: one per other usable CPU), or 0 where it cannot fork (the module's note)."""
+    return max(0, usable_cpus() - 1 if workers is None else workers) if _forkable() else 0
+
+
 def run_jobs(
     jobs: Sequence[Callable[[], T]], *, workers: int | None = None, done: Callable[[int], None] = lambda n: None
 ) -> list[T]:
     """Each job's result, in order, with up to ``workers`` forked processes taking jobs beside this one
     (default: one per other usable CPU; 0, or one job: all here, in order). ``done(n)`` is called here as the
     ``n``-th job is done (the module's note)."""
-    n = min(len(jobs) - 1, usable_cpus() - 1 if workers is None else workers)
-    if n < 1 or not _forkable():
+    n = min(len(jobs) - 1, side_workers(workers))
+    if n < 1:
         out = []
         for job in jobs:
             out.append(job())
