@@ -17,8 +17,14 @@ published window wider than s leaves a sliding layer attending as a full one doe
 
 A class whose real step would not fit this machine is skipped with the figure: more than ``LIMIT_BYTES`` of
 bf16 weights and saved activations, or more than ``LIMIT_SECONDS`` by its forward's matmuls at ``BF16_RATE``
-(every parameter a multiply-add per token: an upper bound for mixture-of-experts layers, whose tokens reach
-top-k experts only). Writes benchmarks/results/hf_classes_wide.json (``--only`` replaces those rows).
+(every parameter a multiply-add per token, an expert's at the share of tokens its top-k routing sends it).
+Writes benchmarks/results/hf_classes_wide.json (``--only`` replaces those rows).
+
+Note: [fewer experts] a mixture-of-experts class too big at its published expert count is checked with its
+routed experts cut to ``fewer_experts`` (max(2k, 8) for top-k routing, a multiple of the expert groups), every
+width kept: hidden, heads, expert MLP, top-k, window. What that checks is the class at published width with E
+experts, not the published E: the router's logits (s x E) and what is kept per expert change with E, and the
+trace is of the same cut config. The row's note says so.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from recompute.trace import trace
 WIDE_VOCAB = 512
 LIMIT_BYTES = 6 * 2**30
 LIMIT_SECONDS = 120.0
+LIMIT_SECONDS_BY_CLASS = {"cohere": 130.0, "cohere2": 130.0}
+"""Classes allowed a bit more time: Cohere's 8192-wide layers, 121 s estimated at 2 layers, 3.1 GiB."""
 BF16_RATE = 7e9
 """FLOP/s of a bf16 ``F.linear`` on this CPU (AVX2, no bf16 units): 7.5 GFLOP/s measured at 256 x 4096 by
 11008 x 4096, one thread or two."""
@@ -94,11 +102,24 @@ def estimate(model: torch.nn.Module, activations: int, seq_len: int) -> dict[str
 
 _TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k_experts")
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_GROUPS = ("n_group", "num_expert_group")
 
 
-def too_big(est: dict[str, float], n_layers: int) -> str | None:
+def fewer_experts(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """``cfg`` with its routed experts cut to max(2k, 8), rounded up to a multiple of its expert groups, or None
+    where it routes to no experts or has no more than that (``[fewer experts]``)."""
+    key = next((key for key in _EXPERTS if isinstance(cfg.get(key), int)), None)
+    k = next((cfg[key] for key in _TOP_K if isinstance(cfg.get(key), int)), None)
+    if key is None or k is None:
+        return None
+    groups = next((cfg[g] for g in _GROUPS if isinstance(cfg.get(g), int) and cfg[g] > 0), 1)
+    e = -(-max(2 * k, 8) // groups) * groups
+    return {**cfg, key: e} if e < cfg[key] else None
+
+
+def too_big(est: dict[str, float], n_layers: int, limit_seconds: float = LIMIT_SECONDS) -> str | None:
     """Why the real step would not fit this machine, or None."""
-    if est["GiB"] <= LIMIT_BYTES / 2**30 and est["seconds"] <= LIMIT_SECONDS:
+    if est["GiB"] <= LIMIT_BYTES / 2**30 and est["seconds"] <= limit_seconds:
         return None
     size = f"{est['GiB']:.1f} GiB, {est['seconds']:.0f} s"
     return f"{size} estimated at {n_layers} layers ({est['parameters']:,} parameters)"
@@ -121,20 +142,23 @@ def check_wide(model_type: str, shrunk_bytes: list[int], seq_len: int) -> dict[s
     row: dict[str, Any] = {"model_type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
     raw = transformers.AutoConfig.for_model(model_type).to_dict()
     every = WIDE_LAYERS.get(model_type) or layer_count(shrunk_bytes)
+    notes = []
     for n in dict.fromkeys((every, 2)):  # every kind of layer, else the first two
-        cfg = wide_config(model_type, raw, n)
-        row["config"] = {k: cfg[k] for k in _WIDTH_KEYS if isinstance(cfg.get(k), int)}
         try:
-            source = ModelSource.from_config(cfg, name=model_type)
-            meta = build_source(source, device="meta").model
+            cfg, source, meta, why = fitting(model_type, raw, n, seq_len)
         except ConfigError as e:
             return {**row, "status": "refused", "why": str(e)}
-        if not (why := too_big(estimate(meta, 0, seq_len), n)):  # the weights alone: no trace needed to say so
+        row["config"] = {k: cfg[k] for k in _WIDTH_KEYS if isinstance(cfg.get(k), int)}
+        if why is None:
             break
         if n != 2:
-            row["note"] = f"at 2 layers only: every kind of layer, at {n} layers, {why}"
+            notes = [f"at 2 layers only: every kind of layer, at {n} layers, {why}"]
     else:
         return {**row, "status": "skipped", "why": why}
+    if cut := experts_cut(raw, cfg):
+        notes.insert(0, cut)
+    if notes:
+        row["note"] = "; ".join(notes)
     wl = wide_workload(seq_len)
     try:
         result = trace(source, wl, "none")
@@ -143,11 +167,10 @@ def check_wide(model_type: str, shrunk_bytes: list[int], seq_len: int) -> dict[s
     except Exception as e:  # at 2 layers a hybrid may have no attention layer, which its class needs
         if "note" not in row:
             raise
-        every_kind = row.pop("note").removeprefix("at 2 layers only: ")
-        return {**row, "status": "skipped", "why": f"{every_kind}; at 2 layers the class fails: {_why(e)}"}
+        return {**row, "status": "skipped", "why": f"{row.pop('note')}; at 2 layers the class fails: {_why(e)}"}
     row["layers"] = {"trace": [p.total for p in result.layers]}
     row["estimate"] = estimate(meta, result.activations, seq_len)
-    if why := too_big(row["estimate"], n):
+    if why := too_big(row["estimate"], n, LIMIT_SECONDS_BY_CLASS.get(model_type, LIMIT_SECONDS)):
         return {**row, "status": "skipped", "why": why}
     torch.manual_seed(0)
     with bf16_default():
@@ -166,10 +189,41 @@ def check_wide(model_type: str, shrunk_bytes: list[int], seq_len: int) -> dict[s
     return {**row, "status": "off" if off else "exact", "off": off}
 
 
+def fitting(
+    model_type: str, raw: dict[str, Any], n_layers: int, seq_len: int
+) -> tuple[dict[str, Any], ModelSource, torch.nn.Module, str | None]:
+    """The config at ``n_layers`` whose real step fits this machine, published or with ``fewer_experts``, with
+    its source and meta-device model; else the smallest tried and why it does not fit."""
+    limit = LIMIT_SECONDS_BY_CLASS.get(model_type, LIMIT_SECONDS)
+    published = wide_config(model_type, raw, n_layers)
+    whys = []
+    for cfg in filter(None, (published, fewer_experts(published))):
+        source = ModelSource.from_config(cfg, name=model_type)
+        meta = build_source(source, device="meta").model
+        if not (why := too_big(estimate(meta, 0, seq_len), n_layers, limit)):  # the weights alone: no trace
+            return cfg, source, meta, None
+        whys.append(why if cfg is published else f"with {experts_cut(published, cfg, short=True)}: {why}")
+    return cfg, source, meta, "; ".join(whys)
+
+
+def experts_cut(raw: dict[str, Any], cfg: dict[str, Any], *, short: bool = False) -> str | None:
+    """What ``fewer_experts`` cut, in words (None where nothing was)."""
+    key = next((key for key in _EXPERTS if isinstance(cfg.get(key), int) and cfg[key] != raw.get(key)), None)
+    if key is None:
+        return None
+    e, published = cfg[key], raw[key]
+    if short:
+        return f"{e} routed experts"
+    return (
+        f"{e} routed experts, not the published {published} ({key}): the class at published width with {e} experts"
+        f" (the router's logits, s x {e}, change with E)"
+    )
+
+
 _WIDTH_KEYS = (
     "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "num_attention_heads", "n_head",
-    "num_key_value_heads", "head_dim", "num_local_experts", "num_experts", "moe_intermediate_size",
-    "num_hidden_layers", "n_layer", "sliding_window",
+    "num_key_value_heads", "head_dim", "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+    "moe_intermediate_size", "num_hidden_layers", "n_layer", "sliding_window",
 )  # fmt: skip
 
 
