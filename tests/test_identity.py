@@ -130,7 +130,7 @@ def test_a_step_without_a_key_value_cache_is_another_model(tmp_path: Path) -> No
     assert spec_id(off).hash != spec_id(spec).hash
     assert spec_id(off).name == "gpt2 with kv_cache=False"
     assert not build_hf_model(off, device="meta").config.use_cache  # transformers' class of it runs without one
-    on, without = (resolve_source(str(folder(tmp_path, f"cache-{c}", use_cache=c) / "config.json")) for c in (True, False))
+    on, without = (resolve_source(str(folder(tmp_path, f"cache-{c}", use_cache=c))) for c in (True, False))
     assert source_identity(on).hash == config_identity(dict(QWEN2)).hash != source_identity(without).hash
     wl = Workload(seq_len=16)
     assert profile_key(on, wl) != profile_key(without, wl)  # the store keeps the two profiles apart

@@ -52,7 +52,7 @@ def hf_config(spec: ModelSpec, *, attention: str = "flash") -> Any:
     # Not in the config classes' typed signatures, but every PretrainedConfig takes it.
     extra: dict[str, Any] = {
         "attn_implementation": HF_ATTENTION[one_of("attention", attention, tuple(HF_ATTENTION))],
-        "use_cache": spec.kv_cache,  # what the class's training step builds (Note: [the key/value cache changes a step])
+        "use_cache": spec.kv_cache,  # what its training step builds (Note: [the key/value cache changes a step])
     }
     if (spec.mlp, spec.norm, spec.position) == ("gelu", "layernorm", "learned") and spec.n_kv_heads == spec.n_heads:
         return transformers.GPT2Config(
