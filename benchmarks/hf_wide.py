@@ -48,8 +48,20 @@ from recompute.trace import trace
 WIDE_VOCAB = 512
 LIMIT_BYTES = 6 * 2**30
 LIMIT_SECONDS = 120.0
-LIMIT_SECONDS_BY_CLASS = {"cohere": 130.0, "cohere2": 130.0}
-"""Classes allowed a bit more time: Cohere's 8192-wide layers, 121 s estimated at 2 layers, 3.1 GiB."""
+LIMITS_BY_CLASS = {
+    "cohere": (LIMIT_BYTES, 130.0),
+    "cohere2": (LIMIT_BYTES, 130.0),
+    "bailing_hybrid": (7 * 2**30, 120.0),
+}
+"""Classes allowed a bit more (bytes, seconds): Cohere's 8192-wide layers, 121 s estimated at 2 layers, 3.1 GiB;
+Bailing's linear-attention layers, 0.99 GB kept each at s = 256, 6.3 GiB estimated at 6 layers (its first
+attention layer is the sixth), 1.7 GiB of it weights."""
+WIDE_EXPERTS = {"llama4_text": 2}
+"""Fewest experts chosen by hand: Llama 4 runs every routed expert on every token (``DENSE_EXPERTS``), so its
+step's time grows with E, not k: with 8 the check ran past 600 s; 2 keep its top-1 routing a choice."""
+DENSE_EXPERTS = {"llama4_text"}
+"""Classes whose every expert runs on every token, its input scaled by the router's score (Llama 4): the time
+estimate counts all their experts' parameters, not the top-k share."""
 BF16_RATE = 7e9
 """FLOP/s of a bf16 ``F.linear`` on this CPU (AVX2, no bf16 units): 7.5 GFLOP/s measured at 256 x 4096 by
 11008 x 4096, one thread or two."""
@@ -92,7 +104,8 @@ def estimate(model: torch.nn.Module, activations: int, seq_len: int) -> dict[str
     cfg = model.config.to_dict()
     k = next((cfg[key] for key in _TOP_K if isinstance(cfg.get(key), int)), None)
     e = next((cfg[key] for key in _EXPERTS if isinstance(cfg.get(key), int)), None)
-    active = params - experts + experts * k / e if experts and k and e else params
+    share = 1.0 if cfg.get("model_type") in DENSE_EXPERTS else k / e if k and e else 1.0
+    active = params - experts + experts * share
     return {
         "parameters": params,
         "GiB": (2 * params + activations) / 2**30,
@@ -105,21 +118,23 @@ _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_exp
 _GROUPS = ("n_group", "num_expert_group")
 
 
-def fewer_experts(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """``cfg`` with its routed experts cut to max(2k, 8), rounded up to a multiple of its expert groups, or None
-    where it routes to no experts or has no more than that (``[fewer experts]``)."""
+def fewer_experts(cfg: dict[str, Any], fewest: int | None = None) -> dict[str, Any] | None:
+    """``cfg`` with its routed experts cut to ``fewest``, by default max(2k, 8) rounded up to a multiple of its
+    expert groups, or None where it routes to no experts or has no more than that (``[fewer experts]``)."""
     key = next((key for key in _EXPERTS if isinstance(cfg.get(key), int)), None)
     k = next((cfg[key] for key in _TOP_K if isinstance(cfg.get(key), int)), None)
     if key is None or k is None:
         return None
     groups = next((cfg[g] for g in _GROUPS if isinstance(cfg.get(g), int) and cfg[g] > 0), 1)
-    e = -(-max(2 * k, 8) // groups) * groups
+    e = fewest or -(-max(2 * k, 8) // groups) * groups
     return {**cfg, key: e} if e < cfg[key] else None
 
 
-def too_big(est: dict[str, float], n_layers: int, limit_seconds: float = LIMIT_SECONDS) -> str | None:
-    """Why the real step would not fit this machine, or None."""
-    if est["GiB"] <= LIMIT_BYTES / 2**30 and est["seconds"] <= limit_seconds:
+def too_big(
+    est: dict[str, float], n_layers: int, limits: tuple[float, float] = (LIMIT_BYTES, LIMIT_SECONDS)
+) -> str | None:
+    """Why the real step would not fit this machine (``limits``: bytes, seconds), or None."""
+    if est["GiB"] <= limits[0] / 2**30 and est["seconds"] <= limits[1]:
         return None
     size = f"{est['GiB']:.1f} GiB, {est['seconds']:.0f} s"
     return f"{size} estimated at {n_layers} layers ({est['parameters']:,} parameters)"
@@ -170,7 +185,7 @@ def check_wide(model_type: str, shrunk_bytes: list[int], seq_len: int) -> dict[s
         return {**row, "status": "skipped", "why": f"{row.pop('note')}; at 2 layers the class fails: {_why(e)}"}
     row["layers"] = {"trace": [p.total for p in result.layers]}
     row["estimate"] = estimate(meta, result.activations, seq_len)
-    if why := too_big(row["estimate"], n, LIMIT_SECONDS_BY_CLASS.get(model_type, LIMIT_SECONDS)):
+    if why := too_big(row["estimate"], n, LIMITS_BY_CLASS.get(model_type, (LIMIT_BYTES, LIMIT_SECONDS))):
         return {**row, "status": "skipped", "why": why}
     torch.manual_seed(0)
     with bf16_default():
@@ -194,13 +209,13 @@ def fitting(
 ) -> tuple[dict[str, Any], ModelSource, torch.nn.Module, str | None]:
     """The config at ``n_layers`` whose real step fits this machine, published or with ``fewer_experts``, with
     its source and meta-device model; else the smallest tried and why it does not fit."""
-    limit = LIMIT_SECONDS_BY_CLASS.get(model_type, LIMIT_SECONDS)
+    limits = LIMITS_BY_CLASS.get(model_type, (LIMIT_BYTES, LIMIT_SECONDS))
     published = wide_config(model_type, raw, n_layers)
     whys = []
-    for cfg in filter(None, (published, fewer_experts(published))):
+    for cfg in filter(None, (published, fewer_experts(published, WIDE_EXPERTS.get(model_type)))):
         source = ModelSource.from_config(cfg, name=model_type)
         meta = build_source(source, device="meta").model
-        if not (why := too_big(estimate(meta, 0, seq_len), n_layers, limit)):  # the weights alone: no trace
+        if not (why := too_big(estimate(meta, 0, seq_len), n_layers, limits)):  # the weights alone: no trace
             return cfg, source, meta, None
         whys.append(why if cfg is published else f"with {experts_cut(published, cfg, short=True)}: {why}")
     return cfg, source, meta, "; ".join(whys)
