@@ -102,8 +102,8 @@ def estimate(model: torch.nn.Module, activations: int, seq_len: int) -> dict[str
     params = int(model.num_parameters())
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     cfg = model.config.to_dict()
-    k = next((cfg[key] for key in _TOP_K if isinstance(cfg.get(key), int)), None)
-    e = next((cfg[key] for key in _EXPERTS if isinstance(cfg.get(key), int)), None)
+    key, k = _routing(cfg)
+    e = cfg[key] if key else None
     share = 1.0 if cfg.get("model_type") in DENSE_EXPERTS else k / e if k and e else 1.0
     active = params - experts + experts * share
     return {
@@ -121,8 +121,7 @@ _GROUPS = ("n_group", "num_expert_group")
 def fewer_experts(cfg: dict[str, Any], fewest: int | None = None) -> dict[str, Any] | None:
     """``cfg`` with its routed experts cut to ``fewest``, by default max(2k, 8) rounded up to a multiple of its
     expert groups, or None where it routes to no experts or has no more than that (``[fewer experts]``)."""
-    key = next((key for key in _EXPERTS if isinstance(cfg.get(key), int)), None)
-    k = next((cfg[key] for key in _TOP_K if isinstance(cfg.get(key), int)), None)
+    key, k = _routing(cfg)
     if key is None or k is None:
         return None
     groups = next((cfg[g] for g in _GROUPS if isinstance(cfg.get(g), int) and cfg[g] > 0), 1)
@@ -211,14 +210,25 @@ def fitting(
     its source and meta-device model; else the smallest tried and why it does not fit."""
     limits = LIMITS_BY_CLASS.get(model_type, (LIMIT_BYTES, LIMIT_SECONDS))
     published = wide_config(model_type, raw, n_layers)
+    fewer = fewer_experts(published, WIDE_EXPERTS.get(model_type))
     whys = []
-    for cfg in filter(None, (published, fewer_experts(published, WIDE_EXPERTS.get(model_type)))):
+    for cfg in filter(None, (published, fewer)):
         source = ModelSource.from_config(cfg, name=model_type)
         meta = build_source(source, device="meta").model
         if not (why := too_big(estimate(meta, 0, seq_len), n_layers, limits)):  # the weights alone: no trace
             return cfg, source, meta, None
         whys.append(why if cfg is published else f"with {experts_cut(published, cfg, short=True)}: {why}")
+    key, k = _routing(published)
+    if key and k and not fewer:
+        whys.append(f"its {published[key]} routed experts (top-{k}) are already the fewest the check takes")
     return cfg, source, meta, "; ".join(whys)
+
+
+def _routing(cfg: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The key of a mixture-of-experts config's routed expert count and its top-k (None, None for a dense one)."""
+    key = next((key for key in _EXPERTS if isinstance(cfg.get(key), int)), None)
+    k = next((cfg[key] for key in _TOP_K if isinstance(cfg.get(key), int)), None)
+    return key, k
 
 
 def experts_cut(raw: dict[str, Any], cfg: dict[str, Any], *, short: bool = False) -> str | None:
