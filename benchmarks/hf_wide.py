@@ -59,6 +59,11 @@ attention layer is the sixth), 1.7 GiB of it weights."""
 WIDE_EXPERTS = {"llama4_text": 2}
 """Fewest experts chosen by hand: Llama 4 runs every routed expert on every token (``DENSE_EXPERTS``), so its
 step's time grows with E, not k: with 8 the check ran past 600 s; 2 keep its top-1 routing a choice."""
+WIDE_DTYPES = {"llama4_text": "fp32"}
+"""Classes checked in fp32 (trace and real step alike): Llama 4's experts multiply by ``torch.bmm``, which runs at
+0.2 GFLOP/s in bf16 on this CPU (``F.linear`` at 10) and at 61 in fp32; in bf16 its 2-layer step ran past 600 s
+with 8 experts and with 2."""
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DENSE_EXPERTS = {"llama4_text"}
 """Classes whose every expert runs on every token, its input scaled by the router's score (Llama 4): the time
 estimate counts all their experts' parameters, not the top-k share."""
@@ -81,8 +86,10 @@ WIDE_OVERRIDES: dict[str, dict[str, Any]] = {
 TIMEOUT = 600.0
 
 
-def wide_workload(seq_len: int) -> Workload:
-    return Workload(seq_len=seq_len, micro_batch=1, dtype="bf16", attention="flash", device="cpu")
+def wide_workload(seq_len: int, model_type: str = "") -> Workload:
+    """b = 1, ``seq_len``, SDPA on this CPU, bf16 (fp32 for the classes of ``WIDE_DTYPES``)."""
+    dtype = WIDE_DTYPES.get(model_type, "bf16")
+    return Workload(seq_len=seq_len, micro_batch=1, dtype=dtype, attention="flash", device="cpu")
 
 
 def layer_count(shrunk_bytes: list[int]) -> int:
@@ -96,7 +103,7 @@ def wide_config(model_type: str, raw: dict[str, Any], n_layers: int) -> dict[str
     return {**resized(raw, n_layers, WIDE_SIZES), **WIDE_OVERRIDES.get(model_type, {})}
 
 
-def estimate(model: torch.nn.Module, activations: int, seq_len: int) -> dict[str, float]:
+def estimate(model: torch.nn.Module, activations: int, seq_len: int, *, weight_bytes: int = 2) -> dict[str, float]:
     """GiB (bf16 weights and the saved activations) and seconds (the forward's matmuls: a multiply-add per
     parameter and token, an expert's parameters at the share of tokens top-k routing sends it) of the real step."""
     params = int(model.num_parameters())
@@ -108,7 +115,7 @@ def estimate(model: torch.nn.Module, activations: int, seq_len: int) -> dict[str
     active = params - experts + experts * share
     return {
         "parameters": params,
-        "GiB": (2 * params + activations) / 2**30,
+        "GiB": (weight_bytes * params + activations) / 2**30,
         "seconds": 2 * active * seq_len / BF16_RATE,
     }
 
@@ -140,10 +147,10 @@ def too_big(
 
 
 @contextmanager
-def bf16_default() -> Iterator[None]:
-    """Weights made in bf16 from the start: no fp32 copy of them at twice the bytes."""
+def dtype_default(dtype: torch.dtype) -> Iterator[None]:
+    """Weights made in ``dtype`` from the start: in bf16, no fp32 copy of them at twice the bytes."""
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:
@@ -173,7 +180,7 @@ def check_wide(model_type: str, shrunk_bytes: list[int], seq_len: int) -> dict[s
         notes.insert(0, cut)
     if notes:
         row["note"] = "; ".join(notes)
-    wl = wide_workload(seq_len)
+    wl = wide_workload(seq_len, model_type)
     try:
         result = trace(source, wl, "none")
     except ConfigError as e:
@@ -183,12 +190,13 @@ def check_wide(model_type: str, shrunk_bytes: list[int], seq_len: int) -> dict[s
             raise
         return {**row, "status": "skipped", "why": f"{row.pop('note')}; at 2 layers the class fails: {_why(e)}"}
     row["layers"] = {"trace": [p.total for p in result.layers]}
-    row["estimate"] = estimate(meta, result.activations, seq_len)
+    row["estimate"] = estimate(meta, result.activations, seq_len, weight_bytes=wl.element_bytes)
     if why := too_big(row["estimate"], n, LIMITS_BY_CLASS.get(model_type, (LIMIT_BYTES, LIMIT_SECONDS))):
         return {**row, "status": "skipped", "why": why}
     torch.manual_seed(0)
-    with bf16_default():
-        built = build_source(source, dtype=torch.bfloat16)
+    dtype = TORCH_DTYPES[wl.dtype]
+    with dtype_default(dtype):
+        built = build_source(source, dtype=dtype)
     idx, targets = torch.randint(built.vocab, (2, wl.micro_batch, seq_len))
     try:
         real = real_kept(built, idx, targets, backward=False)
@@ -215,7 +223,8 @@ def fitting(
     for cfg in filter(None, (published, fewer)):
         source = ModelSource.from_config(cfg, name=model_type)
         meta = build_source(source, device="meta").model
-        if not (why := too_big(estimate(meta, 0, seq_len), n_layers, limits)):  # the weights alone: no trace
+        est = estimate(meta, 0, seq_len, weight_bytes=wide_workload(seq_len, model_type).element_bytes)
+        if not (why := too_big(est, n_layers, limits)):  # the weights alone: no trace
             return cfg, source, meta, None
         whys.append(why if cfg is published else f"with {experts_cut(published, cfg, short=True)}: {why}")
     key, k = _routing(published)
