@@ -178,6 +178,8 @@ def check_wide(model_type: str, shrunk_bytes: list[int], seq_len: int) -> dict[s
         return {**row, "status": "skipped", "why": why}
     if cut := experts_cut(raw, cfg):
         notes.insert(0, cut)
+    if model_type in WIDE_DTYPES:
+        notes.append(f"in {WIDE_DTYPES[model_type]}, trace and real step alike")
     if notes:
         row["note"] = "; ".join(notes)
     wl = wide_workload(seq_len, model_type)
