@@ -95,15 +95,16 @@ def test_parameters_equal_the_class(name: str) -> None:
         assert n_params(spec_from_config(raw)) == PUBLISHED[name]
 
 
-def traced(name: str, wl: Workload, policy: str, folder: Path) -> list[int]:
-    """Per-layer bytes of the real class's trace, plus the sub-block checkpoint's keyword input.
+def traced(name: str, wl: Workload, policy: str, folder: Path, raw: dict[str, Any] | None = None) -> list[int]:
+    """Per-layer bytes of the real class's trace (of ``CONFIGS[name]`` unless ``raw``), plus the sub-block
+    checkpoint's keyword input.
 
     Note: [keyword inputs of a checkpoint] recompute's ``attn`` checkpoint of a class that calls its
     attention as ``self_attn(hidden_states=...)`` holds that input through ``functools.partial`` (alive until
     the backward, e*T*h) rather than as a saved tensor, so the trace's saved bytes leave it out; the analytic
     model counts it, as the memory holds it.
     """
-    raw = CONFIGS[name]
+    raw = raw or CONFIGS[name]
     path = folder / f"{name}.json"
     path.write_text(json.dumps(raw))
     result = trace(resolve_source(str(path)), wl, policy)
@@ -139,6 +140,31 @@ def test_sub_block_policies_match_the_trace(name: str, policy: str, tmp_path) ->
     wl = Workload(seq_len=32, micro_batch=2, dtype="bf16", attention=attention, device="cpu")
     errs = errors(name, wl, policy, tmp_path)
     assert max(abs(x) for x in errs) < 1e-12, errs
+
+
+PUBLISHED_WIDTH: dict[str, dict[str, Any]] = {
+    "phi3": transformers.Phi3Config().to_dict(),  # Phi-3-mini: h 3072, d_ff 8192, 32 heads
+    "gpt_neox": transformers.GPTNeoXConfig(hidden_size=4096, intermediate_size=16384, num_attention_heads=32).to_dict(),
+}
+"""Two classes with a fused Q/K/V whose V, without a key/value cache, is a view that keeps the fused output
+(``memory_hf._view_keeps_fused``), at published width (Pythia-6.9B's for GPT-NeoX), 2 layers, a small vocabulary
+(the layers' bytes do not depend on it)."""
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", list(PUBLISHED_WIDTH))
+def test_published_width_with_and_without_a_cache(name: str, policy: str, use_cache: bool, tmp_path) -> None:
+    """Formula == trace, layer by layer, under every policy, with and without the cache (issue 37, item 2).
+
+    Under ``attn`` Phi-3's formula is e*T*h above the trace's saved bytes with the cache as without it: the
+    keyword input the checkpoint holds (Note: [keyword inputs of a checkpoint]), which ``traced`` adds."""
+    raw = {**PUBLISHED_WIDTH[name], "num_hidden_layers": 2, "vocab_size": 512, "use_cache": use_cache}
+    raw.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # inside the small vocabulary
+    wl = Workload(seq_len=64, micro_batch=1, dtype="bf16", attention="flash", device="cpu")
+    spec = spec_from_config(raw)
+    real = traced(name, wl, policy, tmp_path, raw)
+    assert [layer_activations(spec, wl, i).stored(policy) for i in range(len(real))] == real
 
 
 def test_rmsnorm_of_transformers_is_counted_as_it_saves() -> None:

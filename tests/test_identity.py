@@ -31,6 +31,7 @@ from recompute.models import build_model
 from recompute.models.hf import build_hf_model
 from recompute.models.identity import config_identity, model_identity, source_identity
 from recompute.models.source import resolve_source
+from recompute.trace._profile import profile_key
 from tiny import tiny_gpt
 
 QWEN2 = {
@@ -44,7 +45,7 @@ QWEN2 = {
     "max_position_embeddings": 64,
 }
 """A tiny Qwen2 config as a hub config.json states it (a hub-style name, dtype and token ids besides)."""
-NOT_SHAPES = {"_name_or_path": "Qwen/Qwen2.5-0.5B", "torch_dtype": "bfloat16", "bos_token_id": 1, "use_cache": False}
+NOT_SHAPES = {"_name_or_path": "Qwen/Qwen2.5-0.5B", "torch_dtype": "bfloat16", "bos_token_id": 1, "use_cache": True}
 
 
 def hf_checkpointing(model: nn.Module, on: bool) -> None:
@@ -115,6 +116,28 @@ def test_what_shapes_nothing_is_left_out() -> None:
     for key, value in [*NOT_SHAPES.items(), ("architectures", ["Qwen2ForCausalLM"]), ("output_hidden_states", True)]:
         assert config_id({**QWEN2, key: value}).hash == base.hash, key
     assert config_id({**QWEN2, "hidden_act": "gelu"}).hash != base.hash  # what the step computes is kept
+
+
+def test_a_step_without_a_key_value_cache_is_another_model(tmp_path: Path) -> None:
+    """Note: [the key/value cache changes a step]: Phi-3 without the cache keeps 2·s·h·e more a layer
+    (tests/test_real_step.py), so its plans and profiles are not those of Phi-3 with it. The cache on, as every
+    config has it by default, hashes as before: written or not, the hash is the one of a config without the key."""
+    base = config_id(QWEN2)
+    assert config_id({**QWEN2, "use_cache": True}).hash == base.hash
+    assert config_id({**QWEN2, "use_cache": False}).hash != base.hash
+    spec = ModelSpec.from_name("gpt2")
+    off = dataclasses.replace(spec, kv_cache=False)
+    assert spec_id(off).hash != spec_id(spec).hash
+    assert spec_id(off).name == "gpt2 with kv_cache=False"
+    assert not build_hf_model(off, device="meta").config.use_cache  # transformers' class of it runs without one
+    on, without = (resolve_source(str(folder(tmp_path, f"cache-{c}", use_cache=c))) for c in (True, False))
+    assert source_identity(on).hash == config_identity(dict(QWEN2)).hash != source_identity(without).hash
+    wl = Workload(seq_len=16)
+    assert profile_key(on, wl) != profile_key(without, wl)  # the store keeps the two profiles apart
+    plan_path = plan_file(tmp_path / "plan.json", source_identity(on), ("block",))
+    model = from_config(folder(tmp_path, "no-cache", use_cache=False))
+    with pytest.raises(ConfigError, match="make a plan for this model"):
+        apply(model, plan_path)
 
 
 def test_presets_hash_their_spec_and_resized_ones_say_how() -> None:

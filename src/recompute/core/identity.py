@@ -6,10 +6,11 @@ a hash of its architecture, with a readable name beside it for messages; the nam
 both sides have a hash. Three kinds of model, three things hashed:
 
 - a preset (``ModelSpec``): its shape fields (``spec_id``); not its name, source or the numerics that change
-  no tensor (the norm's epsilon, the rotary base);
+  no tensor (the norm's epsilon, the rotary base); ``kv_cache`` where it is off;
 - a transformers config: its architecture fields (``config_id``), i.e. its full ``to_dict()`` without what
   names, types or runs it (``NOT_ARCHITECTURE``: its path, class list, dtype, library version, attention
-  implementation, cache and output switches, token ids, labels, initialisation). The dict must be the
+  implementation, output switches, token ids, labels, initialisation), and ``use_cache`` where it is off
+  (Note: [the key/value cache changes a step]). The dict must be the
   config's full one, as transformers fills it in: a config.json as read lacks the defaults its class adds,
   so ``recompute.models.identity`` reads it through transformers first;
 - any other module (a factory's): its parameters' names and shapes and its modules' classes (``module_id``).
@@ -48,7 +49,7 @@ NOT_ARCHITECTURE = frozenset(
         "torch_dtype",
         "transformers_version",
         "attn_implementation",
-        "use_cache",
+        "use_cache",  # hashed where it is off: ``_cache_off``
         "return_dict",
         "use_return_dict",
         "torchscript",
@@ -93,8 +94,14 @@ starting with ``_`` (``_name_or_path``, ``_attn_implementation``, ...), ``output
 (``*_token_id``, ``*_token_ids``)."""
 
 _NOT_A_SHAPE = ("name", "source", "norm_eps", "rope_theta", "kv_cache")
-"""``ModelSpec`` fields that shape no tensor; ``kv_cache`` is a run switch, as ``use_cache`` is for a config
-(``NOT_ARCHITECTURE``)."""
+"""``ModelSpec`` fields that shape no tensor; ``kv_cache`` is hashed where it is off (``_cache_off``).
+
+Note: [the key/value cache changes a step] transformers' classes build a key/value cache in a training step
+when ``use_cache`` is on, and K and V reach attention as the cache's copies; with it off, a fused Q/K/V output
+stays whole behind V, a view of it: Phi-3 and GPT-NeoX keep 2·s·h·e more a layer (issue 37; the trace of every
+class the sweep finds exact, docs/validation.md). A plan or profile made for one is wrong for the other, so the
+identity tells them apart. Only ``off`` is hashed: a model with the cache on (every config's default) keeps
+the hash it had before, and plans written then still apply."""
 
 _SQUASH = re.compile(r"[^a-z0-9]")
 
@@ -179,7 +186,13 @@ def spec_id(spec: ModelSpec, name: str | None = None) -> ModelId:
 
 
 def _shape(spec: ModelSpec) -> dict[str, Any]:
-    return {k: v for k, v in spec.to_dict().items() if k not in _NOT_A_SHAPE}
+    return {k: v for k, v in spec.to_dict().items() if k not in _NOT_A_SHAPE} | _cache_off(spec.kv_cache)
+
+
+def _cache_off(on: object) -> dict[str, bool]:
+    """``{"kv_cache": False}`` for a model run without a key/value cache, else nothing (Note: [the key/value
+    cache changes a step])."""
+    return {"kv_cache": False} if on is False else {}
 
 
 def architecture(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -194,7 +207,7 @@ def config_id(config: Mapping[str, Any], name: str | None = None) -> ModelId:
         name: the readable name (default: ``_name_or_path``, else ``model_type``).
     """
     readable = name or str(config.get("_name_or_path") or config.get("model_type") or "transformers model")
-    return ModelId(readable, _digest("config", architecture(config)))
+    return ModelId(readable, _digest("config", architecture(config) | _cache_off(config.get("use_cache"))))
 
 
 def module_id(

@@ -50,7 +50,10 @@ def hf_config(spec: ModelSpec, *, attention: str = "flash") -> Any:
     transformers = transformers_module()
 
     # Not in the config classes' typed signatures, but every PretrainedConfig takes it.
-    extra: dict[str, Any] = {"attn_implementation": HF_ATTENTION[one_of("attention", attention, tuple(HF_ATTENTION))]}
+    extra: dict[str, Any] = {
+        "attn_implementation": HF_ATTENTION[one_of("attention", attention, tuple(HF_ATTENTION))],
+        "use_cache": spec.kv_cache,  # what its training step builds (Note: [the key/value cache changes a step])
+    }
     if (spec.mlp, spec.norm, spec.position) == ("gelu", "layernorm", "learned") and spec.n_kv_heads == spec.n_heads:
         return transformers.GPT2Config(
             vocab_size=spec.vocab,
