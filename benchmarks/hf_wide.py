@@ -52,13 +52,16 @@ LIMITS_BY_CLASS = {
     "cohere": (LIMIT_BYTES, 130.0),
     "cohere2": (LIMIT_BYTES, 130.0),
     "bailing_hybrid": (7 * 2**30, 120.0),
+    "cohere2_moe": (10 * 2**30, 240.0),
 }
 """Classes allowed a bit more (bytes, seconds): Cohere's 8192-wide layers, 121 s estimated at 2 layers, 3.1 GiB;
 Bailing's linear-attention layers, 0.99 GB kept each at s = 256, 6.3 GiB estimated at 6 layers (its first
-attention layer is the sixth), 1.7 GiB of it weights."""
-WIDE_EXPERTS = {"llama4_text": 2}
+attention layer is the sixth), 1.7 GiB of it weights; Cohere 2 MoE's 8192-wide layers with 4 experts, 9.3 GiB and
+202 s estimated at 2 layers."""
+WIDE_EXPERTS = {"llama4_text": 2, "cohere2_moe": 4}
 """Fewest experts chosen by hand: Llama 4 runs every routed expert on every token (``DENSE_EXPERTS``), so its
-step's time grows with E, not k: with 8 the check ran past 600 s; 2 keep its top-1 routing a choice."""
+step's time grows with E, not k: with 8 the check ran past 600 s; 2 keep its top-1 routing a choice. Cohere 2 MoE's
+published 8 are max(2k, 8) already, 17.5 GiB at 2 layers: 4 = 2k keep its top-2 routing a choice."""
 WIDE_DTYPES = {"llama4_text": "fp32"}
 """Classes checked in fp32 (trace and real step alike): Llama 4's experts multiply by ``torch.bmm``, which runs at
 0.2 GFLOP/s in bf16 on this CPU (``F.linear`` at 10) and at 61 in fp32; in bf16 its 2-layer step ran past 600 s

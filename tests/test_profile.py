@@ -203,7 +203,7 @@ def test_under_amp_the_composed_peak_is_never_below_the_trace() -> None:
     """Under amp what a layer holds is its forward's growth, cast weights included, though a checkpointed layer
     drops them before the backward: the composed peak is never low, and high by no more than every layer's
     weights in bf16 beside the four hidden states of ``test_composed_peak_is_held_to_whole_traces``."""
-    _, path, prof = measured("llama")
+    _, path, _ = measured("llama")
     source = resolve_source(str(path))
     amp = profile(source, AMP)
     table = amp.cost_table()

@@ -1,6 +1,6 @@
 """Independent fake steps side by side: forked worker processes and this one take the jobs in turn.
 
-Note: [steps in workers] A profile's steps (the whole model's, the anchors', the chained one) share nothing
+Note: [steps in workers] A profile's steps (the whole model's, the anchors', the chain's parts) share nothing
 while they run: each traces its own meta copy of the model on fake tensors. On a machine with more than one CPU,
 worker processes forked before any job starts (they inherit the models and the fake kernels already set up, and
 import nothing) and this process take the jobs one at a time, in the order given (the longest first keeps them
