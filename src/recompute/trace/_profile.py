@@ -27,7 +27,8 @@ peak, the head's forward and backward peaks, each against the same anchor under 
 policy shifts what is held through the head's phases by the same bytes whatever the loss does there; the loss's
 own transients cancel in the difference. A loss mode's whole step (its own head, fixed phases and states) is still
 measured under it. ``tests/test_profile.py`` holds each loss mode's profile from a pass led by another loss mode
-to the one measured alone, byte for byte (``benchmarks/cold_plan.py`` does too, at Qwen2.5-1.5B's size).
+to the one measured alone, byte for byte (``benchmarks/cold_plan.py --precision bf16`` does too, against the
+revision before, at Qwen2.5-1.5B's size).
 
 What a layer adds to the memory the backward inherits is measured as the growth of allocated bytes from the
 start of its forward to the start of the next one's: that counts what it saves, what a checkpoint holds by
