@@ -472,8 +472,10 @@ def _measured(records: dict[tuple[Any, ...], Site], k: int) -> dict[str, Site]:
     follow = [key for key in records if key[0] == "pair" and key[1] == k]
     if follow:
         b = max(key[2] for key in follow)
-        return {key[3]: v for key, v in records.items() if key[:3] == ("pair", k, b) and key[4] == "none"}
-    return {key[1]: v for key, v in records.items() if key[0] == "last"}
+        found = {key[3]: v for key, v in records.items() if key[:3] == ("pair", k, b) and key[4] == "none"}
+    else:
+        found = {key[1]: v for key, v in records.items() if key[0] == "last"}
+    return {name: found[name] for name in profiled_policies() if name in found}  # in the policies' order
 
 
 def _replaying_nothing(mine: dict[str, Site], names: Sequence[str]) -> dict[str, str]:
