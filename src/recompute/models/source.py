@@ -61,7 +61,7 @@ class ModelSource:
     """A transformers ``PretrainedConfig``."""
     factory: Callable[[], nn.Module] | None = field(default=None, compare=False)
     raw: dict[str, Any] | None = field(default=None, compare=False)
-    """A config source's config.json as read (its identity for caches: ``recompute.core.profile.cache_key``)."""
+    """A config source's config.json as read (its identity for the profile store: ``recompute.trace.profile_key``)."""
 
     @classmethod
     def preset(cls, spec: ModelSpec, *, hf: bool = False) -> ModelSource:

@@ -25,17 +25,17 @@ the next one's. The sites count it back in, as if the layers below had dropped n
 table composes the backward (what a layer holds is its forward's growth): the composed backward peaks of
 checkpointed layers under amp are high by what the layers below them drop (their cast weights), never low.
 
-Note: [the chain in parts] Since a layer's figures do not depend on where it stands, the walk can be cut into
-parts, each a model of its own (the leading layers, its stretch of the walk, the last layer), traced side by side
-in worker processes (Note: [steps in workers]): one long step would leave the other CPUs idle while it runs. Each
-stretch starts with the node the one before it ends with, so every transition is in one part; a part repeats the
-leading layers, so none is shorter than ``MIN_PART`` transitions. Within a step a layer's figures are the same
-wherever it stands, but a step's length can shift every backward figure in it alike: Gemma 2 keeps 4 bytes per
-layer of the model, made before the first, through the backward. So each part starts (after its leading layers)
-with a walk of every pair of kinds under ``none``, its own references, and its backward figures are moved by what
-its references measure beyond the first part's (``_profile._rebased``): every figure is then a difference within
-one step, as in a single chain. The profile is the same however many parts (``tests/test_profile.py``: one
-process and one part against workers and parts, for every zoo kind and under amp).
+Note: [the chain in parts] Since a layer's figures do not depend on where it stands, the walk can be cut into parts,
+each a model of its own (the leading layers, its stretch of the walk, the last layer), traced side by side in worker
+processes (Note: [steps in workers]): one long step would leave the other CPUs idle while it runs. Each stretch
+starts with the node the one before it ends with, so every transition is in one part; a part repeats the leading
+layers, so none is shorter than ``MIN_PART`` transitions. Within a step a layer's figures are the same wherever it
+stands, but a step's length can shift every backward figure in it alike: Gemma 2's shared bytes alive through the
+backward grow with the model's layer count (8 bytes between parts of 41 and 39 layers). So each part starts (after
+its leading layers) with a walk of every pair of kinds under ``none``, its own references, and its backward figures
+are moved by what its references measure beyond the first part's (``_profile._rebased``): every figure is then a
+difference within one step, as in a single chain. The profile is the same however many parts
+(``tests/test_profile.py``: one process and one part against workers and parts, for every zoo kind and under amp).
 """
 
 from __future__ import annotations

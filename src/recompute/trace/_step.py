@@ -171,7 +171,7 @@ def run_step(
                 with forward_autocast(autocast, batch[0].device):
                     kept, loss = loss_fn(model, *batch)
                     ended = tracker.left_by_layer() if owners else ()
-                dropped = tuple(a - b for a, b in zip(ended, tracker.left_by_layer()))
+                dropped = tuple(a - b for a, b in zip(ended, tracker.left_by_layer())) if owners else ()
             tracker.set_stage("backward")
             loss.backward()
             left = tracker.left_by_layer()
