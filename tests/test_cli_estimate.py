@@ -162,6 +162,19 @@ def test_top_level_help_loads_no_command() -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.parametrize("command", ["estimate", "plan", "profile", "report"])
+def test_a_mistyped_model_is_refused_before_torch_loads(command: str) -> None:
+    """A name that is no preset, path or factory gets its one line (exit 2) at once: it took 4.6 s, the time to
+    import torch and the trace, to say so."""
+    code = (
+        "import sys; from recompute.cli import main; rc = main([sys.argv[1], '--model', 'gpt2-small']); "
+        "assert 'torch' not in sys.modules, 'imported torch'; sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "'gpt2-small' is not a known model" in done.stderr
+
+
 @pytest.mark.parametrize("command", ["estimate", "plan", "report"])
 def test_torch_free_commands_import_no_torch(command: str) -> None:
     """Only the command asked for is loaded: estimate, plan and report start without torch."""

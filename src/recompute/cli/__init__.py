@@ -18,6 +18,7 @@ from typing import NamedTuple, NoReturn
 
 from recompute.cli._common import Parser
 from recompute.core.errors import ConfigError
+from recompute.core.spec import check_model_text
 from recompute.core.torch_range import installed_torch, require_supported_torch
 
 __all__ = ["COMMANDS", "build_parser", "main", "main_exit"]
@@ -117,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.given = given_options(_subparser(parser, args.command), argv)
     cmd = COMMANDS[args.command]
     try:
+        if isinstance(getattr(args, "model", None), str):
+            check_model_text(args.model)  # a mistyped name refused before a command's module imports torch
         return int(getattr(_load(args.command), cmd.run)(args))
     except ConfigError as e:
         print(f"recompute {args.command}: error: {as_flags(e, _subparser(parser, args.command))}", file=sys.stderr)

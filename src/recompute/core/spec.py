@@ -7,6 +7,7 @@ comes from this one dataclass. Derived fields are filled in and checked in ``__p
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +19,20 @@ from recompute.core.presets import PRESETS
 from recompute.core.raw_config import SIZE_LIMITS
 from recompute.core.results import read_json
 
-__all__ = ["ModelSpec", "analytic_model", "hf_config_dict", "resolve_model", "spec_from_config"]
+__all__ = [
+    "HF_ALIASES",
+    "ModelSpec",
+    "analytic_model",
+    "check_model_text",
+    "hf_config_dict",
+    "resolve_model",
+    "spec_from_config",
+]
+
+HF_ALIASES = {"llama": "llama3.1-8b"}
+"""``hf:NAME`` shorthands for a preset."""
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+"""``package.module:factory``."""
 
 MLPKind = Literal["gelu", "gelu_new", "swiglu", "geglu"]
 NormKind = Literal["layernorm", "rmsnorm", "rmsnorm_fp32", "gemma_rmsnorm"]
@@ -309,6 +323,28 @@ def _llama_ffn(h: int, multiple_of: int = 256) -> int:
     """Llama's SwiGLU width rule: 2/3 of 4h, rounded up to a multiple (meta-llama/llama model.py)."""
     hidden = int(2 * 4 * h / 3)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def check_model_text(text: str) -> str:
+    """``text`` when it has one of ``--model``'s forms (a preset, ``hf:`` and a preset, an existing path, or
+    ``package.module:factory``), checked without torch: a mistyped name is refused at once, not after the seconds
+    ``import torch`` takes.
+
+    Raises:
+        ConfigError: none of these (the message lists the forms and the known models).
+    """
+    base = text.removeprefix("hf:")
+    if base in PRESETS or (text.startswith("hf:") and base in HF_ALIASES) or is_path(text) or is_factory(text):
+        return text
+    raise ConfigError(
+        f"{text!r} is not a known model, an existing config.json path or a package.module:factory; "
+        f"known models: {', '.join(PRESETS)}"
+    )
+
+
+def is_factory(text: str) -> bool:
+    """Whether ``text`` reads as ``package.module:factory``."""
+    return _FACTORY.match(text) is not None
 
 
 def hf_config_dict(config: Any) -> dict[str, Any]:

@@ -13,15 +13,13 @@ import torch
 from torch import nn
 
 from recompute.core.errors import ConfigError, first_line, one_of
-from recompute.core.spec import ModelSpec
+from recompute.core.spec import HF_ALIASES, ModelSpec
 
 __all__ = ["HF_ALIASES", "HF_ATTENTION", "build_hf_model", "hf_class_name", "hf_config", "transformers_module"]
 
 HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
 """recompute's attention names and the ``attn_implementation`` they map to."""
 
-HF_ALIASES = {"llama": "llama3.1-8b"}
-"""``hf:NAME`` shorthands for a preset."""
 
 
 def transformers_module() -> ModuleType:

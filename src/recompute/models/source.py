@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,15 +33,14 @@ from recompute.core.errors import ConfigError, first_line, one_of
 from recompute.core.files import is_path
 from recompute.core.presets import PRESETS
 from recompute.core.raw_config import check_config
-from recompute.core.spec import ModelSpec, hf_config_dict
+from recompute.core.spec import HF_ALIASES, ModelSpec, check_model_text, hf_config_dict
 from recompute.core.workload import ATTENTIONS
 from recompute.models import build_model, model_class
-from recompute.models.hf import HF_ALIASES, HF_ATTENTION, build_hf_model, hf_class_name, transformers_module
+from recompute.models.hf import HF_ATTENTION, build_hf_model, hf_class_name, transformers_module
 from recompute.models.loss import LossFn, hf_loss, lm_loss
 
 __all__ = ["BuiltModel", "ModelSource", "build_source", "load_hf_config", "meta_copy", "resolve_source"]
 
-_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True)
@@ -165,17 +163,13 @@ def resolve_source(text: str) -> ModelSource:
     Raises:
         ConfigError: none of these (the message lists the forms), or the config/factory is unusable.
     """
+    check_model_text(text)
     base = text.removeprefix("hf:")
-    if base in PRESETS or (text.startswith("hf:") and base == "llama"):
+    if base in PRESETS or (text.startswith("hf:") and base in HF_ALIASES):
         return ModelSource.preset(ModelSpec.from_name(HF_ALIASES.get(base, base)), hf=base != text)
     if is_path(text):  # a dangling link or a loop too: the reader says which
         return ModelSource.from_config(text)
-    if _FACTORY.match(text):
-        return ModelSource(name=text, origin=text, factory=_import_factory(text))
-    raise ConfigError(
-        f"{text!r} is not a known model, an existing config.json path or a package.module:factory; "
-        f"known models: {', '.join(PRESETS)}"
-    )
+    return ModelSource(name=text, origin=text, factory=_import_factory(text))
 
 
 def _config_name(path: Path) -> str:
