@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from recompute import ModelSpec, Policy, Workload
-from recompute.checkpointing import apply
+from recompute.checkpointing import apply, find_layers
 from recompute.core.table import render_table
 from recompute.models.source import ModelSource, build_source
 from recompute.runtime import random_batch
-from recompute.trace import saved_by_compiled, trace_compiled
+from recompute.trace import saved_by_compiled, saved_by_eager, trace_compiled
 
 OUT = Path(__file__).parent / "results" / "compiled_fidelity.json"
 WL = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
@@ -68,29 +68,46 @@ PUBLISHED_WL = Workload(micro_batch=1, seq_len=256, dtype="fp32", device="cpu")
 
 
 def real_saved(
-    source: ModelSource, wl: Workload, policy: Policy, backend: str | Callable[..., Any], budget: float | None
-) -> int:
+    source: ModelSource,
+    wl: Workload,
+    policy: Policy,
+    backend: str | Callable[..., Any],
+    budget: float | None,
+    per_block: bool = False,
+) -> tuple[int, int | None]:
     """Bytes a real compiled step of ``source`` (built on the CPU with random weights, ``policy`` applied, then
-    compiled with ``backend`` under ``budget``) holds for its backward, read from its autograd graph."""
+    compiled with ``backend`` under ``budget``: the whole model, or each layer on its own) holds for its backward:
+    the compiled regions' saved tensors read from its autograd graph, and (``per_block``) every tensor autograd
+    saves, eager ones too, as its saved-tensor hooks see them (None for the whole model)."""
     torch.manual_seed(0)
     built = build_source(source, attention=wl.attention, dtype=torch.float32, device="cpu")
     model = built.model.train()
     apply(model, policy, loss=wl.loss, loss_chunk=wl.loss_chunk)
     idx, targets = random_batch(built.vocab, wl.micro_batch, wl.seq_len, seed=0)
+    weights = [*model.parameters(), *model.buffers(), idx, targets]
     torch._dynamo.reset()
     patch = (
         torch._functorch.config.patch(activation_memory_budget=budget)
         if budget is not None
         else contextlib.nullcontext()
     )
+    losses = []
     try:
         with patch:
-            _, loss = built.loss_fn(torch.compile(model, backend=backend, dynamic=False), idx, targets)
-            saved = saved_by_compiled(loss, exclude=[*model.parameters(), *model.buffers(), idx, targets])
-            loss.backward()  # the step runs through: the backward reads what was saved
+            if per_block:
+                stack = find_layers(model)
+                for i, layer in enumerate(list(stack)):
+                    stack[i] = torch.compile(layer, backend=backend, dynamic=False)
+                forward = lambda: losses.append(built.loss_fn(model, idx, targets)[1])  # noqa: E731
+                every: int | None = saved_by_eager(forward, exclude=weights)
+            else:
+                losses.append(built.loss_fn(torch.compile(model, backend=backend, dynamic=False), idx, targets)[1])
+                every = None
+            saved = saved_by_compiled(losses[0], exclude=weights)
+            losses[0].backward()  # the step runs through: the backward reads what was saved
     finally:
         torch._dynamo.reset()
-    return saved
+    return saved, every
 
 
 def check(
@@ -100,30 +117,36 @@ def check(
     budget: float | None,
     models: dict[str, ModelSource] = MODELS,
     wl: Workload = WL,
+    per_block: bool = False,
 ) -> dict[str, Any]:
     """One case: the fake trace beside the real step (Inductor for min cut, aot_eager for the default)."""
     source, pol = models[name], POLICIES[policy]
     start = time.perf_counter()
-    fake = trace_compiled(source, wl, pol, partitioner=partitioner, budget=budget)
+    fake = trace_compiled(source, wl, pol, partitioner=partitioner, budget=budget, per_block=per_block)
     traced_s = time.perf_counter() - start
     start = time.perf_counter()
-    real = real_saved(
-        source, wl, pol, "inductor" if partitioner == "min_cut" else "aot_eager_default_partitioner", budget
-    )
-    return {
+    backend = "inductor" if partitioner == "min_cut" else "aot_eager_default_partitioner"
+    regions, every = real_saved(source, wl, pol, backend, budget, per_block)
+    # per block: the compiled regions are the layers (the rest runs eagerly); whole model: everything is
+    traced = sum(fake.layers) if per_block else fake.saved
+    row = {
         "model": name,
         "policy": policy,
         "partitioner": partitioner,
         "budget": budget,
-        "backend": "inductor" if partitioner == "min_cut" else "aot_eager_default_partitioner",
-        "traced": fake.saved,
+        "per_block": per_block,
+        "backend": backend,
+        "traced": traced,
         "traced_layers": list(fake.layers),
-        "real": real,
-        "error": (fake.saved - real) / real,
+        "real": regions,
+        "error": (traced - regions) / regions,
         "graphs": fake.graphs,
         "trace_s": round(traced_s, 1),
         "real_s": round(time.perf_counter() - start, 1),
     }
+    if every is not None:  # the whole step's, eager parts too: every saved tensor, as autograd's hooks see them
+        row |= {"traced_step": fake.saved, "real_step": every, "step_error": (fake.saved - every) / every}
+    return row
 
 
 def cases(models: list[str], budgets: tuple[float, ...]) -> list[tuple[str, str, str, float | None]]:
@@ -140,10 +163,12 @@ def main() -> None:
     p.add_argument("--only", help=f"comma-separated models of {', '.join(MODELS)}")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="memory budgets in (0, 1]")
     p.add_argument("--published", action="store_true", help="GPT-2 and Qwen2.5-0.5B at published width, 2 layers")
+    p.add_argument("--per-block", action="store_true", help="each layer compiled on its own, as torchtitan compiles")
     p.add_argument("-o", "--out", type=Path)
     args = p.parse_args()
     known, wl = (PUBLISHED, PUBLISHED_WL) if args.published else (MODELS, WL)
-    out = args.out or (OUT.with_name("compiled_fidelity_published.json") if args.published else OUT)
+    name = "compiled_fidelity" + ("_published" if args.published else "") + ("_per_block" if args.per_block else "")
+    out = args.out or OUT.with_name(f"{name}.json")
     models = args.only.split(",") if args.only else list(known)
     unknown = [m for m in models if m not in known]
     if unknown:
@@ -154,11 +179,14 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for case in cases(models, budgets):
-        rows.append(check(*case, models=known, wl=wl))
+        rows.append(check(*case, models=known, wl=wl, per_block=args.per_block))
         r = rows[-1]
+        step = ""
+        if args.per_block:
+            step = f"; whole step {r['traced_step']} vs {r['real_step']} ({100 * r['step_error']:+.2f} %)"
         print(
             f"{r['model']} {r['policy']} {r['partitioner']} {r['budget']}: {r['traced']} vs {r['real']} "
-            f"({100 * r['error']:+.2f} %)",
+            f"({100 * r['error']:+.2f} %){step}",
             flush=True,
         )
     table = [

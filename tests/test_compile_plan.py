@@ -22,7 +22,7 @@ import smoke
 from recompute import Policy, Workload
 from recompute.checkpointing import apply
 from recompute.cli import main
-from recompute.compile_plan import with_memory_budget
+from recompute.compile_plan import _bandwidth, with_memory_budget
 from recompute.core.errors import ConfigError
 from recompute.core.export import export
 from recompute.core.plan import plan
@@ -131,6 +131,35 @@ def test_the_plan_weighs_the_budget_knob_beside_its_policies() -> None:
     assert chosen.peak == compiled.chosen.peak <= tight
     assert chosen.memory_budget == (compiled.chosen.budget if compiled.chosen.budget < 1.0 else None)
     assert "use " in compiled.advice
+
+
+def test_the_plan_weighs_the_budget_per_block_as_torchtitan_compiles() -> None:
+    """Per block each option's saved bytes are the per-block trace's, its peak the documented swap, and its
+    recomputed FLOPs are priced against the plan's own step (the eager head is in no block's graph)."""
+    eager, _, wl = _planned(budget=1e12)
+    tight = (eager.uniform["none"].peak + eager.uniform["block"].peak) / 2
+    eager, _, wl = _planned(budget=tight)
+    _, compiled = with_memory_budget(eager, tiny_llama(), wl, budgets=(1.0, 0.3), assignments=2, per_block=True)
+    assert compiled.per_block and compiled.to_dict()["per_block"] and len(compiled.options) == 4
+    for o in compiled.options:
+        pol = Policy(layers=o.layers) if any(x != "none" for x in o.layers) else "none"
+        traced = trace_compiled(tiny_llama(), wl, pol, budget=o.budget, per_block=True)
+        assert (o.saved, o.kept) == (traced.saved, traced.layers)
+        assert o.peak == o.eager_peak - o.eager_saved + o.saved
+        if eager.timed:  # seconds per FLOP of the plan's own step, the bytes at the device's bandwidth
+            rate, bandwidth = eager.model_cost / eager.model_flops, _bandwidth(eager)
+            assert o.seconds == pytest.approx(o.extra_flops * rate + (o.extra_bytes / bandwidth if bandwidth else 0))
+        else:
+            assert o.overhead == o.extra_flops / eager.model_flops
+    nothing = next(o for o in compiled.options if not o.recomputes and o.budget == 1.0)
+    assert (nothing.extra_flops, nothing.overhead) == (0, 0.0)
+    assert any(o.extra_flops > 0 for o in compiled.options if o.budget < 1.0)
+
+
+def test_per_block_needs_a_memory_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "gpt2", "--budget", "70GiB", "--per-block"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "add --memory-budget" in err
 
 
 def test_the_plan_file_carries_the_budget_and_apply_sets_it(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def test_fake_trace_is_the_real_compiled_step_exactly(
     pol = PLAN if policy == "plan" else Policy.parse(policy)
     fake = trace_compiled(source, WL, pol, partitioner=partitioner, budget=budget)
     backend, pairs = capture_backend(partitioner, budget)
-    real = compiled_fidelity.real_saved(source, WL, pol, backend, None)
+    real, _ = compiled_fidelity.real_saved(source, WL, pol, backend, None)
     assert fake.saved == real
     assert fake.graphs == len(pairs) == 1
     assert all(fake.layers)  # every layer's values found by its module path
@@ -84,6 +84,35 @@ def test_a_smaller_budget_saves_less_and_block_keeps_each_layer_input() -> None:
     # and the random-number state its attention kernel (tagged nondeterministic) replays from
     assert block.layers[1] == layer_input + torch.get_rng_state().numel()
     assert block.saved < full
+
+
+@fake_models
+@pytest.mark.parametrize(("model", "policy", "partitioner", "budget"), CASES, ids=lambda v: str(v))
+def test_per_block_trace_is_the_real_per_block_step_exactly(
+    model: str, policy: str, partitioner: str, budget: float | None
+) -> None:
+    """Each layer compiled on its own (torchtitan's way): the layers' bytes are what the real step's compiled
+    regions hold, and the whole step's (the eager embedding and head too) what its autograd saves."""
+    source = {"gpt": GPT, "llama": LLAMA}.get(model) or hf_llama()
+    pol = PLAN if policy == "plan" else Policy.parse(policy)
+    fake = trace_compiled(source, WL, pol, partitioner=partitioner, budget=budget, per_block=True)
+    backend, pairs = capture_backend(partitioner, budget)
+    regions, every = compiled_fidelity.real_saved(source, WL, pol, backend, None, per_block=True)
+    assert (sum(fake.layers), fake.saved) == (regions, every)
+    assert fake.per_block and all(fake.layers) and fake.other > 0  # the eager head saves its input
+    assert fake.graphs == len(pairs) == (1 if policy != "plan" else 2)  # one graph per kind of block
+
+
+@fake_models
+def test_per_block_budget_is_a_fraction_of_each_block() -> None:
+    """The blocks of one kind save alike but for what the layers share (the rotary tables, inputs of every block:
+    the first block saves them, whatever the budget); a budget cuts each block's, and the per-block step differs
+    from the whole model's (the partitioner sees one block, not the model)."""
+    full, half = (trace_compiled(LLAMA, WL, budget=b, per_block=True) for b in (1.0, 0.5))
+    assert full.layers[0] - full.layers[1] == half.layers[0] - half.layers[1] > 0
+    assert half.layers[1] < full.layers[1] and half.other == full.other
+    whole = trace_compiled(LLAMA, WL, budget=0.5)
+    assert whole.layers != half.layers
 
 
 def test_saved_by_compiled_refuses_an_eager_step() -> None:
@@ -125,8 +154,16 @@ def test_torch_2_6_refuses_in_one_line() -> None:
 def test_trace_is_the_real_inductor_step() -> None:
     """One Inductor compile of a tiny Llama under a budget: the partition it runs is the one traced."""
     fake = trace_compiled(LLAMA, WL, PLAN, budget=0.5)
-    real = compiled_fidelity.real_saved(LLAMA, WL, PLAN, "inductor", 0.5)
+    real, _ = compiled_fidelity.real_saved(LLAMA, WL, PLAN, "inductor", 0.5)
     assert abs(fake.saved - real) <= 0.02 * real
+
+
+@pytest.mark.slow
+@fake_models
+def test_per_block_trace_is_the_real_inductor_step() -> None:
+    fake = trace_compiled(LLAMA, WL, PLAN, budget=0.5, per_block=True)
+    regions, every = compiled_fidelity.real_saved(LLAMA, WL, PLAN, "inductor", 0.5, per_block=True)
+    assert abs(sum(fake.layers) - regions) <= 0.02 * regions and abs(fake.saved - every) <= 0.02 * every
 
 
 @fake_models
@@ -141,6 +178,9 @@ def test_trace_compiled_at_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture
     source = ModelSource.from_config(config)
     wl = Workload(seq_len=32, dtype="fp32", device="cpu")
     assert got["saved"] == trace_compiled(source, wl, "block", budget=0.5).saved
+    assert main([*argv, "--compiled", "block", "--memory-budget", "0.5", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["per_block"] and got["saved"] == trace_compiled(source, wl, "block", budget=0.5, per_block=True).saved
 
 
 @pytest.mark.parametrize(

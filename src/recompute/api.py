@@ -100,6 +100,7 @@ def plan(
     host_budget: str | float | None = None,
     trace: bool = False,
     memory_budget: str | Sequence[float] | None = None,
+    per_block: bool = False,
     progress: ProgressArg = "auto",
     **workload: Any,
 ) -> Plan:
@@ -123,6 +124,8 @@ def plan(
         memory_budget: weigh ``torch.compile``'s ``activation_memory_budget`` beside the per-layer policies
             (``recompute.compile_plan``; implies ``compiled``): ``"auto"`` or fractions in (0, 1]. The plan is
             then the cheapest of the knob, the policies and their mix, and ``apply`` sets its budget.
+        per_block: with ``memory_budget``, each layer compiled on its own, the rest eager, as torchtitan compiles
+            (the budget a fraction of each block's); default: the whole model compiled.
         progress: what the minutes of a cold profile (or of pricing a preset's time) show: ``"auto"`` (the
             default) the command line's bar when stderr is a terminal and nothing otherwise, True or False, or a
             callback ``(label, done, total)`` that receives each step.
@@ -134,9 +137,14 @@ def plan(
     require(cost in ("time", "flops"), f"cost must be time or flops, got {cost!r}", fields=("cost",))
     consider = _considered(consider)
     require(gpu is None or isinstance(gpu, str), f"gpu must be a GPU's name, got {gpu!r}", fields=("gpu",))
-    for key, value in (("compiled", compiled), ("trace", trace)):  # compiled="no" was taken as true (issue 38)
+    for key, value in (("compiled", compiled), ("trace", trace), ("per_block", per_block)):
         require(isinstance(value, bool), f"{key} must be True or False, got {value!r}", fields=(key,))
     budgets = _memory_budgets(memory_budget)
+    require(
+        budgets is not None or not per_block,
+        "per_block says how the compiled step weighed by memory_budget is compiled; give memory_budget",
+        fields=("per_block",),
+    )
     compiled = compiled or budgets is not None  # the budget is torch.compile's: no eager host dispatch
     if budget is None and gpu is None:
         raise ConfigError("plan needs a budget: give budget= (e.g. '70GiB') or gpu= (its usable memory)")
@@ -173,7 +181,9 @@ def plan(
         return result
     with shown_progress("plan", progress) as show:
         floor = fixed_floor(found.tables)
-        return with_memory_budget(result, target, wl, floor=floor, budgets=budgets, progress=show)[0]
+        return with_memory_budget(result, target, wl, floor=floor, budgets=budgets, per_block=per_block, progress=show)[
+            0
+        ]
 
 
 def _memory_budgets(value: str | Sequence[float] | None) -> tuple[float, ...] | None:

@@ -110,6 +110,8 @@ class CompiledPlan:
     budget: float
     advice: str
     notes: tuple[str, ...]
+    per_block: bool = False
+    """Each layer compiled on its own, as torchtitan compiles (``with_memory_budget(..., per_block=True)``)."""
 
     def frontier(self) -> tuple[CompiledOption, ...]:
         """Options nothing else beats on both peak and time."""
@@ -128,6 +130,7 @@ class CompiledPlan:
             "frontier": [self.options.index(o) for o in self.frontier()],
             "advice": self.advice,
             "notes": list(self.notes),
+            "per_block": self.per_block,
         }
 
 
@@ -139,6 +142,7 @@ def with_memory_budget(
     floor: float = 0.0,
     budgets: Sequence[float] = BUDGETS,
     assignments: int = 4,
+    per_block: bool = False,
     progress: Progress = no_progress,
 ) -> tuple[Plan, CompiledPlan]:
     """The compiled step's options around ``plan`` (module docstring), and the plan to run: the cheapest option
@@ -151,6 +155,9 @@ def with_memory_budget(
         floor: the peak of the phases no option changes (``CostTable.fixed``).
         budgets: ``activation_memory_budget`` values, each in (0, 1].
         assignments: at most this many layer assignments traced (each one dynamo trace).
+        per_block: each layer compiled on its own, the rest eager, as torchtitan compiles (Note: [compiled per
+            block] in ``recompute.trace._compiled``): the budget is a fraction of each block's saved bytes. The
+            head's FLOPs are then in no graph, so the FLOP rate is the plan's own step's (``Plan.model_flops``).
 
     Raises:
         ConfigError: a workload the compiled trace does not run, or a budget outside (0, 1].
@@ -179,15 +186,16 @@ def with_memory_budget(
     bandwidth = _bandwidth(plan)
     for i, point in enumerate(points):
         progress("the compiled step, traced under each memory budget", i, len(points))
-        traced = trace_budgets(model, step, _policy(point.layers), budgets, eager=True)
+        traced = trace_budgets(model, step, _policy(point.layers), budgets, eager=True, per_block=per_block)
         base = base or traced[0]  # the first assignment recomputes nothing, under budget 1.0
+        step_flops = plan.model_flops if per_block else base.flops  # per block the head is in no graph
         for t in traced:
             assert t.budget is not None and t.eager_saved is not None
             flops, written = t.flops - base.flops, t.recomputed_bytes - base.recomputed_bytes
             seconds = None
             if plan.timed:  # the FLOPs at the step's own rate, the bytes at the device's memory bandwidth
-                seconds = flops * plan.model_cost / base.flops + (written / bandwidth if bandwidth else 0.0)
-            overhead = seconds / plan.model_cost if seconds is not None else flops / base.flops
+                seconds = flops * plan.model_cost / step_flops + (written / bandwidth if bandwidth else 0.0)
+            overhead = seconds / plan.model_cost if seconds is not None else flops / step_flops
             options.append(
                 CompiledOption(
                     layers=point.layers,
@@ -208,16 +216,17 @@ def with_memory_budget(
     progress("the compiled step, traced under each memory budget", len(points), len(points))
     fitting = [o for o in options if o.peak <= plan.budget]
     chosen = min(fitting, key=lambda o: (o.overhead, -o.budget, o.recomputes)) if fitting else None
+    how = "each layer compiled on its own, the rest eager, as torchtitan compiles" if per_block else "the whole model"
     notes = [
-        "compiled options: the eager plan's peak of each assignment with its eager saved bytes replaced by the "
-        "compiled step's (traced on fake tensors, Inductor's min cut); time: the partitioned graphs' FLOPs above "
+        f"compiled options ({how}): the eager plan's peak of each assignment with its eager saved bytes replaced by "
+        "the compiled step's (traced on fake tensors, Inductor's min cut); time: the partitioned graphs' FLOPs above "
         "those of the compiled step that recomputes nothing, at the step's predicted FLOP rate, and the bytes the "
         "backward's recomputed pointwise ops write, unfused, at the device's memory bandwidth (Inductor fuses "
         "them: an upper bound)",
         *skipped,
     ]
     advice = _advice(options, chosen, plan)
-    result = CompiledPlan(tuple(options), chosen, plan.budget, advice, tuple(notes))
+    result = CompiledPlan(tuple(options), chosen, plan.budget, advice, tuple(notes), per_block)
     if chosen is None:  # the eager plan stands, with what was weighed
         return dataclasses.replace(plan, compiled=result.to_dict(), notes=(*plan.notes, advice)), result
     return _as_plan(plan, chosen, result), result
@@ -240,7 +249,14 @@ def render_compiled_plan(r: CompiledPlan) -> str:
         rows.append([mark, o.label(), gib(o.saved), gib(o.peak), cost, fits])
     table = render_table(["", "recompute; memory budget", "saved (compiled)", "peak", "time", "fits"], rows)
     return "\n".join(
-        [f"Under torch.compile (Inductor's min cut), budget {gib(r.budget)}:", "", table, "", r.advice]
+        [
+            f"Under torch.compile ({'each layer on its own, ' if r.per_block else ''}Inductor's min cut), budget "
+            f"{gib(r.budget)}:",
+            "",
+            table,
+            "",
+            r.advice,
+        ]
         + [f"- {n}" for n in r.notes]
     )
 

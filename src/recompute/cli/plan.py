@@ -87,6 +87,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(a minute or so per layer assignment; docs/compiled.md) and plans the cheapest of the knob, the policies "
         "and their mix; the plan file then carries the budget, which apply sets",
     )
+    p.add_argument(
+        "--per-block",
+        action="store_true",
+        help="with --memory-budget: each layer compiled on its own, the rest eager, as torchtitan compiles (the "
+        "budget is then a fraction of each block's; default: the whole model compiled)",
+    )
     p.add_argument("-o", "--output", help="write the plan file here (apply, bench, train and verify take it as is)")
     p.add_argument("--frontier", action="store_true", help="show every plan of the frontier (default: a dozen)")
     p.add_argument("--json", action="store_true", help="print the plan, frontier and prediction as JSON")
@@ -101,6 +107,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _budget(args)  # checked before any work
     budgets = memory_budgets(args.memory_budget) if args.memory_budget is not None else None
+    require(
+        budgets is not None or not args.per_block,
+        "--per-block says how the compiled step weighed by --memory-budget is compiled; add --memory-budget",
+        fields=("per_block",),
+    )
     if budgets is not None:
         require(
             args.profile is None or "model" in getattr(args, "given", set()),
@@ -169,7 +180,13 @@ def run(args: argparse.Namespace) -> int:
         compiled = None
         if budgets is not None:
             result, compiled = with_memory_budget(
-                result, args.model, wl, floor=fixed_floor(found.tables), budgets=budgets, progress=progress
+                result,
+                args.model,
+                wl,
+                floor=fixed_floor(found.tables),
+                budgets=budgets,
+                per_block=args.per_block,
+                progress=progress,
             )
     notes = list(result.notes) + _notes(result, wl, host_budget)
     data = result.to_dict() | {"notes": notes}

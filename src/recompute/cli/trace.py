@@ -35,9 +35,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--compiled",
-        action="store_true",
+        nargs="?",
+        const="model",
+        choices=("model", "block"),
         help="trace the torch.compile'd step instead: what AOTAutograd's partitioner saves for the backward "
-        "(Inductor's min cut by default), on fake tensors, no kernel generated",
+        "(Inductor's min cut by default), on fake tensors, no kernel generated; 'block': each layer compiled on its "
+        "own, the rest eager, as torchtitan compiles (default: the whole model)",
     )
     p.add_argument(
         "--partitioner",
@@ -85,7 +88,14 @@ def _compiled(args: argparse.Namespace, source: ModelSource, wl: Workload, pol: 
         raise ConfigError("--compiled traces every layer (dynamo compiles the whole model); drop --scale-from")
     with progress_bar("trace", enabled=not args.json) as progress:
         progress(f"{args.model}: the compiled step on fake tensors", 0, 1)
-        result = trace_compiled(source, wl, pol, partitioner=args.partitioner or "min_cut", budget=args.memory_budget)
+        result = trace_compiled(
+            source,
+            wl,
+            pol,
+            partitioner=args.partitioner or "min_cut",
+            budget=args.memory_budget,
+            per_block=args.compiled == "block",
+        )
         progress("done", 1, 1)
     emit_json(result.to_dict(), "trace --compiled") if args.json else print(render_compiled(result))
     return 0

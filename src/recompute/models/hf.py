@@ -21,7 +21,6 @@ HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
 """recompute's attention names and the ``attn_implementation`` they map to."""
 
 
-
 def transformers_module() -> ModuleType:
     """``transformers``, or one line naming the extra that installs it (a config.json ended in a raw
     ModuleNotFoundError after the README's install line, issue 36).

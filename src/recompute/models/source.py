@@ -42,7 +42,6 @@ from recompute.models.loss import LossFn, hf_loss, lm_loss
 __all__ = ["BuiltModel", "ModelSource", "build_source", "load_hf_config", "meta_copy", "resolve_source"]
 
 
-
 @dataclass(frozen=True)
 class ModelSource:
     """A model to build: a preset ``spec``, a transformers ``config``, or a ``factory``."""

@@ -44,6 +44,7 @@ __all__ = [
     "Partition",
     "capture",
     "capture_backend",
+    "capture_blocks",
     "graph_flops",
     "layer_paths",
     "saved_by_compiled",
@@ -106,11 +107,12 @@ def capture_backend(partitioner: str = "min_cut", budget: float | None = None) -
 
 
 def _backend(
-    partitioner: str, budgets: Sequence[float | None], *, cuda: bool = False
+    partitioner: str, budgets: Sequence[float | None], *, cuda: bool = False, ran: list[int] | None = None
 ) -> tuple[Callable[..., Any], dict[float | None, Graphs]]:
     """``capture_backend`` partitioning each joint graph once per budget (Note: [one trace, several budgets]);
     the graphs of the first budget are the ones that run. ``cuda``: Inductor's decompositions as on CUDA
-    (``_cuda_layer_norm``)."""
+    (``_cuda_layer_norm``). ``ran``: appended the index of the partition each forward call runs (in the first
+    budget's list)."""
     for b in budgets:
         check_options(partitioner, b)
     aot_autograd, make_boxed_func, partitions = _aot_apis()
@@ -131,8 +133,22 @@ def _backend(
     def as_is(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         return make_boxed_func(gm)
 
+    def forward(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        if ran is None:
+            return make_boxed_func(gm)
+        index = len(found[budgets[0]]) - 1  # the forward compiler runs on the partition just made
+
+        def counted(args: list[Any]) -> Any:
+            ran.append(index)
+            return gm(*args)
+
+        counted._boxed_call = True  # type: ignore[attr-defined]
+        return counted
+
     decompositions = _inductor_decompositions(cuda=cuda) if partitioner == "min_cut" else None
-    backend = aot_autograd(fw_compiler=as_is, bw_compiler=as_is, partition_fn=partition, decompositions=decompositions)
+    backend = aot_autograd(
+        fw_compiler=forward, bw_compiler=as_is, partition_fn=partition, decompositions=decompositions
+    )
     return backend, found
 
 
@@ -235,6 +251,71 @@ def _counted(pairs: Graphs, layers: Sequence[str], *, cuda: bool) -> Captured:
     return Captured(tuple(per_layer), other, len(pairs), values, flops, recomputed)
 
 
+def capture_blocks(
+    model: nn.Module,
+    stack: nn.ModuleList,
+    run: Callable[[Any], Any],
+    *,
+    partitioner: str = "min_cut",
+    budget: float | None = None,
+    cuda: bool = False,
+    exclude: Iterable[Tensor] = (),
+) -> Captured:
+    """What the step saves with each layer of ``stack`` compiled on its own, as torchtitan compiles (Note:
+    [compiled per block]); ``run(model)`` runs its forward, on real or fake tensors alike. ``exclude``: the
+    parameters, buffers and inputs (their storages are not counted). The layers are put back after.
+
+    Note: [compiled per block] torchtitan compiles each transformer block on its own (``torch.compile(block)``,
+    the embedding, final norm, head and loss eager), so AOTAutograd partitions one block's graph, and a memory
+    budget is a fraction of each block's activations, not of the whole model's. The blocks of one kind share one
+    compiled graph (dynamo's cache). The saved bytes are counted as the step runs, by the saved-tensor hooks
+    that see every tensor autograd saves (a compiled region's ``save_for_backward`` included): once per storage,
+    to the layer running when it is first saved (a layer's output is saved by the next layer that reads it,
+    whose compiled graph takes it as an input), or outside the layers. FLOPs are each block's partitioned graphs'
+    once per call (the eager head's are in none of them).
+
+    Raises:
+        ConfigError: as ``capture_backend``, or no layer ran compiled.
+    """
+    ran: list[int] = []
+    backend, found = _backend(partitioner, (budget,), cuda=cuda, ran=ran)
+    layers = list(stack)
+    now: list[int | None] = [None]
+    calls: list[tuple[int, int]] = []
+    handles = []
+    torch._dynamo.reset()
+    try:
+        for i, layer in enumerate(layers):
+            block: nn.Module = torch.compile(layer, backend=backend, dynamic=False)  # type: ignore[assignment]
+            handles.append(block.register_forward_pre_hook(functools.partial(_enter, now, i, ran, calls)))
+            handles.append(block.register_forward_hook(functools.partial(_leave, now, ran, calls)))
+            stack[i] = block
+        by = _saved_by(lambda: run(model), exclude=exclude, cuda=cuda, where=lambda: now[0])
+    finally:
+        for handle in handles:
+            handle.remove()
+        for i, layer in enumerate(layers):
+            stack[i] = layer
+        torch._dynamo.reset()
+    pairs = found[budget]
+    require(bool(calls), "torch.compile partitioned no block: no layer ran compiled with autograd on")
+    flops = sum(graph_flops(pairs[k].fw) + graph_flops(pairs[k].bw) for _, k in calls)
+    recomputed = sum(_written(n) for _, k in calls for n in recomputed_ops(pairs[k]) if _formula(n) is None)
+    per_layer = tuple(by.get(i, 0) for i in range(len(layers)))
+    values = sum(1 for _, k in calls for _ in saved_values(pairs[k]))
+    return Captured(per_layer, by.get(None, 0), len(pairs), values, flops, recomputed)
+
+
+def _enter(now: list[int | None], i: int, ran: list[int], calls: list[tuple[int, int]], *args: Any) -> None:
+    now[0] = i
+    ran.clear()
+
+
+def _leave(now: list[int | None], ran: list[int], calls: list[tuple[int, int]], *args: Any) -> None:
+    calls.extend((now[0], k) for k in ran if now[0] is not None)  # type: ignore[misc]
+    now[0] = None
+
+
 def _in_blocks(nbytes: int, cuda: bool) -> int:
     """``nbytes`` as the CUDA caching allocator holds it (512-byte blocks), or as it is on the CPU."""
     return -(-nbytes // BLOCK) * BLOCK if cuda else nbytes
@@ -324,21 +405,35 @@ def saved_by_eager(run: Callable[[], Any], *, exclude: Iterable[Tensor] = (), cu
     compiled step's: once per storage, ``exclude``'s (parameters, inputs) not at all; on fake tensors or real.
     A checkpointed region's own saves are its checkpoint's (dropped); what the region keeps to replay (its
     inputs) is counted. ``cuda``: each storage in 512-byte blocks."""
+    return sum(_saved_by(run, exclude=exclude, cuda=cuda).values())
+
+
+def _saved_by(
+    run: Callable[[], Any],
+    *,
+    exclude: Iterable[Tensor] = (),
+    cuda: bool = False,
+    where: Callable[[], int | None] = lambda: None,
+) -> dict[int | None, int]:
+    """``saved_by_eager``'s bytes by where each storage was first saved (``where()`` as it is saved: a layer's
+    index, or None)."""
     skip = {_key(t) for t in exclude}
-    seen: dict[StorageWeakRef, int] = {}
+    seen: set[StorageWeakRef] = set()
     held: list[Tensor] = []  # alive to the end, so no storage is freed and its key reused
+    out: dict[int | None, int] = {}
 
     def pack(t: Tensor) -> Tensor:
         key = _key(t)
         if key not in skip and key not in seen:
-            n = _concrete(t.untyped_storage().nbytes())
-            seen[key] = _in_blocks(n, cuda)
+            seen.add(key)
             held.append(t)
+            at = where()
+            out[at] = out.get(at, 0) + _in_blocks(_concrete(t.untyped_storage().nbytes()), cuda)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
-    return sum(seen.values())
+    return out
 
 
 def layer_paths(model: nn.Module, stack: nn.ModuleList) -> list[str]:

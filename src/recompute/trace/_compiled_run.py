@@ -26,7 +26,7 @@ from recompute.core.workload import Workload
 from recompute.models.source import ModelSource, resolve_source
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, forward_autocast, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
-from recompute.trace._compiled import capture, check_options, layer_paths, saved_by_eager
+from recompute.trace._compiled import capture, capture_blocks, check_options, layer_paths, saved_by_eager
 from recompute.trace._cuda import cuda_rules
 
 __all__ = ["CompiledTrace", "render_compiled", "trace_budgets", "trace_compiled"]
@@ -60,6 +60,9 @@ class CompiledTrace:
     """Bytes the backward's recomputed ops without FLOPs write, unfused (``Captured.recomputed_bytes``)."""
     eager_saved: int | None = None
     """Bytes the same step saves run eagerly, counted the same way (``trace_budgets(..., eager=True)``)."""
+    per_block: bool = False
+    """Each transformer layer compiled on its own, as torchtitan compiles (Note: [compiled per block] in
+    ``recompute.trace._compiled``); else the whole model at once."""
 
     @property
     def saved(self) -> int:
@@ -77,6 +80,7 @@ def trace_compiled(
     *,
     partitioner: str = "min_cut",
     budget: float | None = None,
+    per_block: bool = False,
 ) -> CompiledTrace:
     """What the ``torch.compile``d step of ``model`` under ``wl`` and ``policy`` saves for its backward, traced
     on fake tensors (Note: [compiled saved values] in ``recompute.trace._compiled``).
@@ -89,12 +93,14 @@ def trace_compiled(
             regions, which the partitioner recomputes), a name, a ``Policy`` or a plan file.
         partitioner: ``min_cut`` (Inductor's) or ``default`` (``aot_eager``'s, CPU steps only).
         budget: ``torch._functorch.config.activation_memory_budget`` in (0, 1], for ``min_cut``.
+        per_block: compile each transformer layer on its own, the rest eager (torchtitan's way; Note: [compiled
+            per block] in ``recompute.trace._compiled``); the budget is then a fraction of each block's.
 
     Raises:
         ConfigError: an unknown partitioner or a budget outside (0, 1], a workload this trace does not run
             (parallelism), an offload policy, or a model that cannot be built.
     """
-    return trace_budgets(model, wl, policy, (budget,), partitioner=partitioner)[0]
+    return trace_budgets(model, wl, policy, (budget,), partitioner=partitioner, per_block=per_block)[0]
 
 
 def trace_budgets(
@@ -105,10 +111,12 @@ def trace_budgets(
     *,
     partitioner: str = "min_cut",
     eager: bool = False,
+    per_block: bool = False,
 ) -> tuple[CompiledTrace, ...]:
     """``trace_compiled`` under each of ``budgets`` from one trace of the model (Note: [one trace, several
     budgets] in ``recompute.trace._compiled``), in their order. ``eager``: also what the same step saves run
-    eagerly (``saved_by_eager``), first, on the same fake model."""
+    eagerly (``saved_by_eager``), first, on the same fake model. ``per_block``: each layer compiled on its own,
+    one trace per budget (``capture_blocks``: what runs is what is counted)."""
     for b in budgets:
         check_options(partitioner, b)
     source = model if isinstance(model, ModelSource) else _source(model)
@@ -134,18 +142,29 @@ def trace_budgets(
         weights = [*built.model.parameters(), *built.model.buffers(), *batch]
         eager_bytes = saved_by_eager(lambda: run(built.model), exclude=weights, cuda=cuda) if eager else None
 
-        paths = layer_paths(built.model, stack)
-        found = capture(built.model, run, layers=paths, partitioner=partitioner, budgets=budgets, cuda=cuda)
+        if per_block:
+            found = tuple(
+                capture_blocks(built.model, stack, run, partitioner=partitioner, budget=b, cuda=cuda, exclude=weights)
+                for b in budgets
+            )
+        else:
+            paths = layer_paths(built.model, stack)
+            found = capture(built.model, run, layers=paths, partitioner=partitioner, budgets=budgets, cuda=cuda)
     seconds = time.perf_counter() - start
     on = "fake CPU tensors under CUDA's rules (recompute.trace._cuda)" if cuda else "fake CPU tensors"
     results = []
     for b, got in zip(budgets, found, strict=True):
+        how = (
+            "each transformer layer on its own, as torchtitan compiles; the embedding, final norm, head and loss eager"
+            if per_block
+            else "whole model"
+        )
         notes = [
-            f"compiled {built.class_name} built from {source.origin} with torch.compile (whole model, "
+            f"compiled {built.class_name} built from {source.origin} with torch.compile ({how}, "
             f"dynamic=False) on {on}; partitioned by {_described(partitioner, b)}; no kernel generated or run",
             *built.notes,
         ]
-        if got.graphs > 1:
+        if got.graphs > 1 and not per_block:
             notes.append(f"dynamo broke the model into {got.graphs} graphs: what runs eagerly between is not counted")
         if cuda:
             notes.append(
@@ -169,6 +188,7 @@ def trace_budgets(
                 device=wl.device,
                 eager_saved=eager_bytes,
                 recomputed_bytes=got.recomputed_bytes,
+                per_block=per_block,
             )
         )
     return tuple(results)
@@ -188,7 +208,8 @@ def render_compiled(r: CompiledTrace) -> str:
     w = r.workload
     title = (
         f"{r.model}: b={w['micro_batch']} s={w['seq_len']} {w['dtype']}, {w['attention']} attention, {r.device} "
-        f"step, policy {r.policy}, compiled ({_described(r.partitioner, r.budget)}; traced in {r.seconds:.1f} s); "
+        f"step, policy {r.policy}, compiled{' per block' if r.per_block else ''} "
+        f"({_described(r.partitioner, r.budget)}; traced in {r.seconds:.1f} s); "
         f"{r.flops / 1e12:.3f} TFLOPs forward and backward"
     )
     table = render_table(["saved for the backward by", "bytes"], rows)
