@@ -50,6 +50,7 @@ class _Floor:
     trace = staticmethod(_stop)
     profile = staticmethod(_stop)
     cached_profile = staticmethod(_stop)
+    cached_profiles = staticmethod(_stop)
     cached_works = staticmethod(_stop)
 
 
