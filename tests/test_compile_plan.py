@@ -204,6 +204,9 @@ def test_torchtitan_exports_the_memory_budget_mode() -> None:
     none = dataclasses.replace(eager, memory_budget=0.5)  # the plan recomputes nothing: the knob alone
     out = export(none, found.tables, "torchtitan")
     assert out.exact and 'mode = "memory_budget"\nmemory_budget = 0.5\n' in out.text and "enable = true" in out.text
+    assert any("plan with --memory-budget ... --per-block" in n for n in out.notes)  # priced on the whole model
+    per_block = dataclasses.replace(none, compiled={"per_block": True})
+    assert not any("--per-block" in n for n in export(per_block, found.tables, "torchtitan").notes)
     block = ("block",) * 12
     mixed = dataclasses.replace(none, layers=block, chosen=dataclasses.replace(none.chosen, layers=block))
     out = export(mixed, found.tables, "torchtitan")

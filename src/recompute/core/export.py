@@ -153,21 +153,29 @@ def export(plan: Plan, tables: CostTable | Sequence[CostTable], stack: str, *, p
         suffix=kind.suffix,
     )
     if plan.memory_budget is not None:
-        out = _with_memory_budget(out, plan.memory_budget)
+        out = _with_memory_budget(out, plan.memory_budget, per_block=bool((plan.compiled or {}).get("per_block")))
     header = _header(plan, out, kind, plan_file)
     body = _budget_body(plan.memory_budget) if out.setting.values.get("mode") == "memory_budget" else None
     return replace(out, text="\n".join([*header, *(body or kind.body(setting, table))]) + "\n")
 
 
-def _with_memory_budget(out: Export, budget: float) -> Export:
+def _with_memory_budget(out: Export, budget: float, *, per_block: bool = False) -> Export:
     """A plan run under ``torch.compile``'s memory budget (``recompute plan --memory-budget``): torchtitan's
     ``memory_budget`` mode says it where no layer is checkpointed (its modes exclude each other); no other stack
-    has the setting."""
+    has the setting. ``per_block``: the plan weighed each layer compiled on its own, as torchtitan compiles."""
     own = out.plan
     if out.stack == "torchtitan" and set(own.layers) == {"none"} and own.loss == "full":
         values = {"mode": "memory_budget", "memory_budget": budget}
         setting = Setting(f'mode = "memory_budget", memory_budget = {budget:g}', values, own.layers)
-        return replace(out, setting=setting, priced=own, exact=True, why=())
+        notes = out.notes
+        if not per_block:
+            notes = (
+                *notes,
+                "the budget's figures are the whole model compiled at once; torchtitan compiles each block on its "
+                "own, the head and loss eager, where the budget is a fraction of each block's: plan with "
+                "--memory-budget ... --per-block for its figures (docs/compiled.md)",
+            )
+        return replace(out, setting=setting, priced=own, exact=True, why=(), notes=notes)
     if out.stack == "torchtitan":
         why = "its activation-checkpoint modes exclude each other: memory_budget goes with no per-layer checkpointing"
     else:
