@@ -147,6 +147,8 @@ def test_what_the_compiled_trace_does_not_run_is_refused() -> None:
 def test_torch_2_6_refuses_in_one_line() -> None:
     with pytest.raises(ConfigError, match="does not compile a model made of fake tensors"):
         trace_compiled(GPT, WL)
+    with pytest.raises(ConfigError, match="does not compile a model made of fake tensors"):
+        trace_compiled(GPT, WL, per_block=True)
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ class Captured:
     graphs: int
     """Forward/backward graph pairs (more than one: dynamo broke the model into several graphs)."""
     values: int
-    """Saved values counted (one per storage)."""
+    """Saved values counted (one per storage; per block: each call's graph outputs saved beyond its inputs)."""
     flops: int = 0
     """FLOPs of the partitioned forward and backward graphs (matmuls and attention, by PyTorch's own formulas,
     ``torch.utils.flop_counter``): what a partition recomputes in the backward adds to them."""
@@ -218,19 +218,27 @@ def capture(
     backend, found = _backend(partitioner, budgets, cuda=cuda)
     torch._dynamo.reset()
     try:
-        run(torch.compile(model, backend=backend, dynamic=False))
+        with _fake_models_refused():
+            run(torch.compile(model, backend=backend, dynamic=False))
+    finally:
+        torch._dynamo.reset()
+    return tuple(_counted(found[b], layers, cuda=cuda) for b in budgets)
+
+
+@contextlib.contextmanager
+def _fake_models_refused() -> Iterator[None]:
+    """Note: [fake models under dynamo] PyTorch 2.6's dynamo passes a model's fake tensors on as they are, in
+    another fake mode than its own, which AOTAutograd refuses; 2.13's makes its own fakes of them. That error
+    becomes one line here."""
+    try:
+        yield
     except Exception as e:
-        # Note: [fake models under dynamo] PyTorch 2.6's dynamo passes a model's fake tensors on as they are, in
-        # another fake mode than its own, which AOTAutograd refuses; 2.13's makes its own fakes of them.
         if "fake mode" in str(e) and "doesn't match" in str(e):
             raise ConfigError(
                 f"this PyTorch's dynamo ({torch.__version__}) does not compile a model made of fake tensors (its "
                 "fake mode is not the model's); trace the compiled step under PyTorch 2.13, where it is tested"
             ) from e
         raise
-    finally:
-        torch._dynamo.reset()
-    return tuple(_counted(found[b], layers, cuda=cuda) for b in budgets)
 
 
 def _counted(pairs: Graphs, layers: Sequence[str], *, cuda: bool) -> Captured:
@@ -287,10 +295,11 @@ def capture_blocks(
     try:
         for i, layer in enumerate(layers):
             block: nn.Module = torch.compile(layer, backend=backend, dynamic=False)  # type: ignore[assignment]
-            handles.append(block.register_forward_pre_hook(functools.partial(_enter, now, i, ran, calls)))
+            handles.append(block.register_forward_pre_hook(functools.partial(_enter, now, i, ran)))
             handles.append(block.register_forward_hook(functools.partial(_leave, now, ran, calls)))
             stack[i] = block
-        by = _saved_by(lambda: run(model), exclude=exclude, cuda=cuda, where=lambda: now[0])
+        with _fake_models_refused():
+            by = _saved_by(lambda: run(model), exclude=exclude, cuda=cuda, where=lambda: now[0])
     finally:
         for handle in handles:
             handle.remove()
@@ -306,13 +315,17 @@ def capture_blocks(
     return Captured(per_layer, by.get(None, 0), len(pairs), values, flops, recomputed)
 
 
-def _enter(now: list[int | None], i: int, ran: list[int], calls: list[tuple[int, int]], *args: Any) -> None:
+def _enter(now: list[int | None], i: int, ran: list[int], *args: Any) -> None:
+    """A compiled block starts: layer ``i`` runs, no graph of it has yet."""
     now[0] = i
     ran.clear()
 
 
 def _leave(now: list[int | None], ran: list[int], calls: list[tuple[int, int]], *args: Any) -> None:
-    calls.extend((now[0], k) for k in ran if now[0] is not None)  # type: ignore[misc]
+    """A compiled block ends: (layer, partition) for each graph it ran."""
+    layer = now[0]
+    if layer is not None:
+        calls.extend((layer, k) for k in ran)
     now[0] = None
 
 
