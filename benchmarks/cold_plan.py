@@ -11,8 +11,12 @@ their ``seconds``.
 
     python benchmarks/cold_plan.py [--runs 2] [--before 9727924] [--models tiny qwen2.5-1.5b] [--precision bf16]
         [--out cold_plan.json]
+    python benchmarks/cold_plan.py --split [--models tiny]   # where one cold plan of this tree spends its time
 
-Writes benchmarks/results/cold_plan.json (or ``--out``'s name there).
+Writes benchmarks/results/cold_plan.json (or ``--out``'s name there). ``--split`` times one cold plan of this tree
+by part instead: importing the CLI, what comes before the profile's steps (reading the config, building the model,
+the policies each layer takes), the steps (wall time, and each step's CPU seconds by kind, in whichever process
+ran it), and what follows them (planning); it writes cold_plan_split.json.
 """
 
 from __future__ import annotations
@@ -79,24 +83,120 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _child(config: str, log: str) -> None:
+    """``--split``'s child: one cold plan with its parts timed, as one JSON line on stdout."""
+    start = time.perf_counter()
+    import recompute.cli as cli
+    import recompute.trace._profile as profile
+
+    marks = {"imported": time.perf_counter()}
+    for name in ("_chain_step", "_whole_step", "_anchor_step"):
+        step = getattr(profile, name)
+
+        def timed(*a: Any, _step: Any = step, _name: str = name, **k: Any) -> Any:
+            cpu = time.process_time()
+            out = _step(*a, **k)
+            with open(log, "a") as f:  # a forked worker's too: one short line per step
+                f.write(
+                    json.dumps({"kind": _name.strip("_").removesuffix("_step"), "cpu_s": time.process_time() - cpu})
+                    + "\n"
+                )
+            return out
+
+        setattr(profile, name, timed)
+    run_jobs = profile.run_jobs
+
+    def jobs(*a: Any, **k: Any) -> Any:
+        marks["jobs"] = time.perf_counter()
+        out = run_jobs(*a, **k)
+        marks["jobs_done"] = time.perf_counter()
+        return out
+
+    profile.run_jobs = jobs
+    code = cli.main(["plan", "--model", config, *ARGS])
+    end = time.perf_counter()
+    steps = [json.loads(line) for line in Path(log).read_text().splitlines()]
+    print(
+        json.dumps(
+            {
+                "rc": code,
+                "import_s": marks["imported"] - start,
+                "before_steps_s": marks["jobs"] - marks["imported"],
+                "steps_s": marks["jobs_done"] - marks["jobs"],
+                "after_steps_s": end - marks["jobs_done"],
+                "total_s": end - start,
+                "steps": steps,
+                "workers": profile.side_workers(),
+            }
+        )
+    )
+
+
+def split(models: list[str], folder: Path) -> None:
+    """``--split``: one cold plan of each model, in a child process, timed by part."""
+    results = {}
+    for name in models:
+        path = _config(name, folder)
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RECOMPUTE_CACHE": str(folder / f"{name}-split")}
+        log = folder / f"{name}-steps.jsonl"
+        load = os.getloadavg()[0]
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", str(path), str(log)], env=env, capture_output=True, text=True
+        )
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        by_kind: dict[str, list[float]] = {}
+        for step in got["steps"]:
+            by_kind.setdefault(step["kind"], []).append(round(step["cpu_s"], 2))
+        results[name] = got | {"load_before": load, "steps": by_kind}
+        print(
+            f"{name}: {got['total_s']:.1f} s: import {got['import_s']:.1f} s, before the steps "
+            f"{got['before_steps_s']:.1f} s, the steps {got['steps_s']:.1f} s on {1 + got['workers']} processes "
+            f"(CPU s: {by_kind}), after {got['after_steps_s']:.1f} s"
+        )
+    out = Path(__file__).parent / "results" / "cold_plan_split.json"
+    command = "python benchmarks/cold_plan.py --split --models " + " ".join(models)
+    out.write_text(
+        json.dumps(
+            {"command": command, "plan": f"recompute plan --model CONFIG {' '.join(ARGS)}", "models": results}, indent=2
+        )
+        + "\n"
+    )
+    print(f"wrote {out}")
+
+
+def _config(name: str, folder: Path) -> Path:
+    """The config.json of ``MODELS[name]``, written into ``folder``."""
+    file, n_layers = MODELS[name]
+    config = json.loads((CONFIGS / file).read_text())
+    if n_layers is not None:
+        config["num_hidden_layers"] = n_layers
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        _child(*sys.argv[2:4])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--before", default="9727924", help="the revision whose cold plan is timed as before")
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen2.5-1.5b"], choices=list(MODELS))
     parser.add_argument("--out", default="cold_plan.json", help="the results file in benchmarks/results")
     parser.add_argument("--precision", help="plan's --precision (default: its own, amp)")
+    parser.add_argument("--split", action="store_true", help="time one cold plan of this tree by part")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
+    if args.split:
+        split(args.models, folder)
+        return
     before_src, after_src = export(args.before, folder), ROOT / "src"
     results: dict[str, Any] = {}
     for name in args.models:
         file, n_layers = MODELS[name]
-        config = json.loads((CONFIGS / file).read_text())
-        if n_layers is not None:
-            config["num_hidden_layers"] = n_layers
-        path = folder / f"{name}.json"
-        path.write_text(json.dumps(config))
+        path = _config(name, folder)
+        config = json.loads(path.read_text())
         runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
         same = True
         for i in range(args.runs):
