@@ -143,6 +143,8 @@ def split(models: list[str], folder: Path) -> None:
         done = subprocess.run(
             [sys.executable, __file__, "--child", str(path), str(log)], env=env, capture_output=True, text=True
         )
+        if done.returncode != 0 or not done.stdout.strip():
+            sys.exit(f"the timed plan of {name} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
         got = json.loads(done.stdout.strip().splitlines()[-1])
         by_kind: dict[str, list[float]] = {}
         for step in got["steps"]:
@@ -185,7 +187,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen2.5-1.5b"], choices=list(MODELS))
     parser.add_argument("--out", default="cold_plan.json", help="the results file in benchmarks/results")
     parser.add_argument("--precision", help="plan's --precision (default: its own, amp)")
-    parser.add_argument("--split", action="store_true", help="time one cold plan of this tree by part")
+    parser.add_argument(
+        "--split", action="store_true", help="time one cold plan of this tree by part (--models only: one run each)"
+    )
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
     if args.split:

@@ -338,6 +338,8 @@ def test_a_profile_file_is_not_contradicted(tmp_path: Path, monkeypatch: pytest.
     capsys.readouterr()
     given = ["--profile", str(tmp_path / "p.json"), "--no-time"]
     assert main(["estimate", *given]) == 0 and main(["estimate", *given, "--seq-len", "32"]) == 0
+    name = Profile.load(tmp_path / "p.json").model  # the profile's own name, not a path: it agrees
+    assert main(["estimate", *given, "--model", name]) == 0, capsys.readouterr().err
     capsys.readouterr()
     for extra, says in ((["--model", "llama3.1-8b"], "--model llama3.1-8b contradicts --profile"),
                         (["--seq-len", "4096"], "--seq-len 4096 contradicts --profile, measured at 32"),

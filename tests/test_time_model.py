@@ -425,3 +425,34 @@ def test_the_offloaders_copies_are_not_kernels(tiny_profile: Profile) -> None:
         assert composed.kernels() == whole.kernels()
         for phase, ops in composed.phases.items():
             assert sorted(ops) == sorted(whole.phases[phase]), phase
+
+
+def test_an_ops_leaves_are_pytrees_in_its_order() -> None:
+    """The FLOP counter walks an op's arguments and outputs itself (``_flops._leaves``): the same leaves, in the
+    same order, as ``tree_leaves`` on every op of a transformer layer's forward and backward (its tensors' order
+    picks an op's dtype)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from recompute.trace._flops import _leaves
+
+    seen: list[object] = []
+
+    class Both(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            seen.extend([(args, kwargs or {}), out])
+            return out
+
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    with Both():
+        y = layer(x)
+        torch.cat([y, y], dim=1).max(dim=-1).values.sum().backward()
+        torch.split(y.detach(), [3, 5], dim=1)
+    assert len(seen) > 100
+    for tree in seen:
+        assert [id(t) for t in _leaves(tree, []) if isinstance(t, torch.Tensor)] == [
+            id(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
+        ]

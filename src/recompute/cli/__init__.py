@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.given = given_options(_subparser(parser, args.command), argv)
     cmd = COMMANDS[args.command]
     try:
-        if isinstance(getattr(args, "model", None), str):
+        if isinstance(getattr(args, "model", None), str) and getattr(args, "profile", None) is None:
             check_model_text(args.model)  # a mistyped name refused before a command's module imports torch
         return int(getattr(_load(args.command), cmd.run)(args))
     except ConfigError as e:

@@ -85,7 +85,7 @@ def _compiled(args: argparse.Namespace, source: ModelSource, wl: Workload, pol: 
         given = "--partitioner" if args.partitioner is not None else "--memory-budget"
         raise ConfigError(f"{given} is an option of the compiled trace; add --compiled")
     if args.scale_from is not None:
-        raise ConfigError("--compiled traces every layer (dynamo compiles the whole model); drop --scale-from")
+        raise ConfigError("--compiled traces every layer (dynamo compiles each of them); drop --scale-from")
     with progress_bar("trace", enabled=not args.json) as progress:
         progress(f"{args.model}: the compiled step on fake tensors", 0, 1)
         result = trace_compiled(

@@ -75,7 +75,8 @@ class Captured:
     """What the partitioned graphs of one compiled step save for the backward."""
 
     layers: tuple[int, ...]
-    """Bytes saved by each transformer layer's ops (the op's module path names the layer)."""
+    """Bytes saved by each transformer layer's ops (the whole model: the op's module path names the layer; per
+    block: the layer running when the storage is first saved)."""
     other: int
     """Bytes saved by ops outside the layers: embedding, final norm, head and loss."""
     graphs: int
@@ -84,10 +85,14 @@ class Captured:
     """Saved values counted (one per storage; per block: each call's graph outputs saved beyond its inputs)."""
     flops: int = 0
     """FLOPs of the partitioned forward and backward graphs (matmuls and attention, by PyTorch's own formulas,
-    ``torch.utils.flop_counter``): what a partition recomputes in the backward adds to them."""
+    ``torch.utils.flop_counter``): what a partition recomputes in the backward adds to them. Per block, the
+    blocks' graphs only (the eager head's are in none)."""
     recomputed_bytes: int = 0
     """Bytes written by the ops without FLOPs (pointwise, reductions, views' copies) that the backward graph
     recomputes from the forward (``recomputed_ops``), counted unfused: at most what they cost in memory traffic."""
+    eager_layers: tuple[int, ...] = ()
+    """Per block: the layers that ran no compiled graph (dynamo gave up on them, e.g. at its recompile limit);
+    their bytes are what they save eagerly."""
 
     @property
     def saved(self) -> int:
@@ -312,7 +317,8 @@ def capture_blocks(
     recomputed = sum(_written(n) for _, k in calls for n in recomputed_ops(pairs[k]) if _formula(n) is None)
     per_layer = tuple(by.get(i, 0) for i in range(len(layers)))
     values = sum(1 for _, k in calls for _ in saved_values(pairs[k]))
-    return Captured(per_layer, by.get(None, 0), len(pairs), values, flops, recomputed)
+    eager = tuple(sorted(set(range(len(layers))) - {i for i, _ in calls}))
+    return Captured(per_layer, by.get(None, 0), len(pairs), values, flops, recomputed, eager)
 
 
 def _enter(now: list[int | None], i: int, ran: list[int], *args: Any) -> None:

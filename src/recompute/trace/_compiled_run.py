@@ -2,9 +2,9 @@
 
 The model (a preset's reference model, transformers' class for a config.json, or a factory's module) is built
 on the meta device, made fake, the policy applied (torchtitan's order: checkpointing, then compile), and the
-whole model compiled with ``_compiled.capture_backend``: dynamo and AOTAutograd trace the real step's forward
-and backward, the partitioner cuts them, and nothing of Inductor's code generation runs. Llama-3.1-8B at
-s = 8192 traces on a laptop.
+whole model compiled with ``_compiled.capture_backend`` (or, ``per_block``, each layer on its own:
+``_compiled.capture_blocks``): dynamo and AOTAutograd trace the real step's forward and backward, the partitioner
+cuts them, and nothing of Inductor's code generation runs. Llama-3.1-8B at s = 8192 traces on a laptop.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class CompiledTrace:
     other: int
     """Bytes saved outside the layers: embedding, final norm, head and loss."""
     graphs: int
-    """Forward/backward graph pairs dynamo made (one: no graph break)."""
+    """Forward/backward graph pairs dynamo made (the whole model: one where nothing breaks the graph; per block:
+    one per kind of block)."""
     notes: tuple[str, ...]
     seconds: float
     flops: int = 0
@@ -164,6 +165,11 @@ def trace_budgets(
             f"dynamic=False) on {on}; partitioned by {_described(partitioner, b)}; no kernel generated or run",
             *built.notes,
         ]
+        if got.eager_layers:
+            notes.append(
+                f"layers {', '.join(map(str, got.eager_layers))} ran no compiled graph (dynamo gave up on them, as at "
+                "its recompile limit): their bytes are what they save eagerly, and no budget applies to them"
+            )
         if got.graphs > 1 and not per_block:
             notes.append(f"dynamo broke the model into {got.graphs} graphs: what runs eagerly between is not counted")
         if cuda:
@@ -210,7 +216,7 @@ def render_compiled(r: CompiledTrace) -> str:
         f"{r.model}: b={w['micro_batch']} s={w['seq_len']} {w['dtype']}, {w['attention']} attention, {r.device} "
         f"step, policy {r.policy}, compiled{' per block' if r.per_block else ''} "
         f"({_described(r.partitioner, r.budget)}; traced in {r.seconds:.1f} s); "
-        f"{r.flops / 1e12:.3f} TFLOPs forward and backward"
+        f"{r.flops / 1e12:.3f} TFLOPs forward and backward" + (" in the compiled blocks' graphs" if r.per_block else "")
     )
     table = render_table(["saved for the backward by", "bytes"], rows)
     return "\n".join([title, "", table, "", *(f"- {n}" for n in r.notes)])
