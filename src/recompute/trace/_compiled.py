@@ -143,12 +143,11 @@ def _backend(
             return make_boxed_func(gm)
         index = len(found[budgets[0]]) - 1  # the forward compiler runs on the partition just made
 
-        def counted(args: list[Any]) -> Any:
+        def counted(*args: Any) -> Any:
             ran.append(index)
             return gm(*args)
 
-        counted._boxed_call = True  # type: ignore[attr-defined]
-        return counted
+        return make_boxed_func(counted)
 
     decompositions = _inductor_decompositions(cuda=cuda) if partitioner == "min_cut" else None
     backend = aot_autograd(
