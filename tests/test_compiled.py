@@ -18,14 +18,18 @@ import torch
 
 import smoke
 from recompute import Policy, Workload
+from recompute.bench import allocator_peak
+from recompute.bench._allocator import _peak
 from recompute.cli import main
 from recompute.core.errors import ConfigError
 from recompute.models.source import ModelSource
-from recompute.trace import capture_backend, saved_by_compiled, trace_compiled
+from recompute.trace import capture_backend, saved_by_compiled, trace_budgets, trace_compiled
+from recompute.trace._compiled import _fused_away, _in_place, _Live
 from tiny import tiny_gpt, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import compiled_fidelity
+import compiled_peak
 
 WL = Workload(micro_batch=2, seq_len=32, dtype="fp32", device="cpu")
 GPT = ModelSource.preset(tiny_gpt())  # dropout 0.1: its masks are saved values
@@ -185,6 +189,100 @@ def test_torch_2_6_refuses_in_one_line() -> None:
         trace_compiled(GPT, WL, per_block=True)
 
 
+PEAK_CASES = [("gpt", "none", None), ("gpt", "block", 0.5), ("llama", "plan", None), ("hf-llama", "none", 0.5)]
+
+
+@fake_models
+@pytest.mark.parametrize(("model", "policy", "budget"), PEAK_CASES, ids=lambda v: str(v))
+def test_the_compiled_peak_is_the_real_step_of_the_same_graphs(model: str, policy: str, budget: float | None) -> None:
+    """The graphs' own liveness on fake tensors against the CPU allocator's peak over a real step of the same
+    graphs (the capture backend on real tensors): equal, or the real step 12 bytes above (a CPU kernel's own
+    scratch, which no dispatch mode sees)."""
+    source = {"gpt": GPT, "llama": LLAMA}.get(model) or hf_llama()
+    pol = PLAN if policy == "plan" else Policy.parse(policy)
+    traced = trace_budgets(source, WL, pol, (budget,), peak=True, unfused=True)[0].peak
+    real = compiled_peak.real_peak(source, WL, pol, capture_backend("min_cut", budget)[0], budget)["peak"]
+    assert traced is not None and 0 <= real - traced <= 64
+
+
+@fake_models
+def test_inductors_fusion_leaves_out_intermediate_buffers() -> None:
+    """The compiled peak (min cut) leaves out what Inductor fuses away, so it is below the graphs' own; the default
+    partition's is the real ``aot_eager_default_partitioner`` step's, which runs its graphs as they are."""
+    fused = trace_compiled(GPT, WL, budget=0.5, peak=True)
+    unfused = trace_budgets(GPT, WL, "none", (0.5,), peak=True, unfused=True)[0]
+    assert fused.saved == unfused.saved and fused.peak is not None and unfused.peak is not None
+    assert fused.peak < unfused.peak
+    default = trace_compiled(GPT, WL, partitioner="default", peak=True)
+    assert (
+        default.peak == compiled_peak.real_peak(GPT, WL, Policy("none"), "aot_eager_default_partitioner", None)["peak"]
+    )
+    with pytest.raises(ConfigError, match="unfused is the peak's"):
+        trace_budgets(GPT, WL, unfused=True)
+
+
+def test_the_counting_mode_moves_a_buffer_reused_in_place_and_counts_nested_outputs() -> None:
+    live = _Live((), cuda=False, fused=True)
+    with live:
+        a = torch.empty(1000, dtype=torch.uint8)
+        live.skip = True  # b is made over a's buffer (Inductor's in-place reuse)
+        b = torch.empty(1000, dtype=torch.uint8)
+        live.skip = False
+        live.moved(a, b)
+        del a
+        assert (live.now, live.peak) == (1000, 1000)  # a's bytes are b's
+        del b
+        assert live.now == 0
+        x = torch.randn(1000)
+        replay = torch.ops.higher_order.run_and_save_rng_state
+        state, (out, mask) = replay(torch.ops.aten.native_dropout.default, x, 0.5, True)
+        assert live.now == 4000 + state.nbytes + out.nbytes + mask.nbytes  # (state, (output, mask)) all counted
+
+
+def test_what_inductor_fuses_and_reuses_in_place() -> None:
+    """``_fused_away``: a pointwise op read only by pointwise ops has no buffer; one read by a matmul (an
+    external kernel) or returned has. ``_in_place``: a pointwise result takes over the buffer of an input it
+    reads last, of its size, made in the graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a = x * 2  # read by exp only: fused away
+        b = torch.exp(a)  # read by a matmul: a buffer
+        c = b @ w
+        d = c + 1  # read by a matmul, and c's last reader, of c's size: c's buffer
+        return (d @ w).sum()
+
+    gm = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4))
+    fused = _fused_away(gm)
+    assert {n.name for n in fused} == {"mul"}
+    assert {a.name: b.name for a, b in _in_place(gm, fused).items()} == {"add": "mm"}
+
+    def softmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(x - 1)  # read by a sum and a division: on the CPU Inductor computes exp once, in a buffer
+        return (e / e.sum(-1, keepdim=True)) @ w
+
+    gm = make_fx(softmax)(torch.randn(4, 4), torch.randn(4, 4))
+    assert {n.name for n in _fused_away(gm)} == {"sub"}
+    assert {n.name for n in _fused_away(gm, cuda=True)} == {"sub", "exp"}  # on a GPU, computed again in each
+
+
+def test_allocator_peak_is_the_most_allocated_at_once() -> None:
+    def step() -> None:
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        b = torch.empty(2 << 20, dtype=torch.uint8)
+        del a, b
+        c = torch.empty(1 << 20, dtype=torch.uint8)
+        del c
+
+    got = allocator_peak(step)
+    assert (got.peak, got.end) == (3 << 20, 0)
+
+
+def test_an_allocator_trace_without_memory_events_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="no CPU memory event"):
+        _peak({"traceEvents": [{"name": "aten::mm", "ts": 1}]})
+
+
 @pytest.mark.slow
 @fake_models
 def test_trace_is_the_real_inductor_step() -> None:
@@ -211,6 +309,16 @@ def test_trace_compiled_at_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main([*argv, "--compiled", "--memory-budget", "0.5", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert (got["partitioner"], got["budget"], got["policy"]) == ("min_cut", 0.5, "block")
+    assert (
+        got["peak"]
+        == trace_compiled(
+            ModelSource.from_config(config),
+            Workload(seq_len=32, dtype="fp32", device="cpu"),
+            "block",
+            budget=0.5,
+            peak=True,
+        ).peak
+    )
     source = ModelSource.from_config(config)
     wl = Workload(seq_len=32, dtype="fp32", device="cpu")
     assert got["saved"] == trace_compiled(source, wl, "block", budget=0.5).saved

@@ -28,7 +28,9 @@ Note: [private torch pieces] every private torch name recompute reads, and how i
 - FSDP2's own per-parameter records (``FSDPParam``) are never read: a shard's size comes from the shapes
   (``ceil(rows / d)`` rows);
 - FlopCounterMode's attention formulas refuse grouped-query shapes before 2.13: ``recompute.trace._flops``
-  registers its own (``flop_counter`` for a plain ``FlopCounterMode`` with them).
+  registers its own (``flop_counter`` for a plain ``FlopCounterMode`` with them);
+- ``TorchDispatchMode.ignore_compile_internals`` (2.8 and later), which ``recompute.trace._compiled``'s counting
+  mode overrides so that dynamo runs compiled graphs under it: ``step_peak`` gives None without it.
 """
 
 from __future__ import annotations

@@ -95,6 +95,7 @@ def _compiled(args: argparse.Namespace, source: ModelSource, wl: Workload, pol: 
             partitioner=args.partitioner or "min_cut",
             budget=args.memory_budget,
             per_block=args.compiled == "block",
+            peak=True,
         )
         progress("done", 1, 1)
     emit_json(result.to_dict(), "trace --compiled") if args.json else print(render_compiled(result))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from recompute.core.errors import ConfigError, require
 from recompute.trace._cuda import BLOCK
+from recompute.trace._flops import _leaves
 
 __all__ = [
     "PARTITIONERS",
@@ -49,6 +52,7 @@ __all__ = [
     "layer_paths",
     "saved_by_compiled",
     "saved_by_eager",
+    "step_peak",
 ]
 
 PARTITIONERS = ("min_cut", "default")
@@ -93,6 +97,9 @@ class Captured:
     eager_layers: tuple[int, ...] = ()
     """Per block: the layers that ran no compiled graph (dynamo gave up on them, e.g. at its recompile limit);
     their bytes are what they save eagerly."""
+    peak: int | None = None
+    """The most bytes the step's forward and backward allocated at once beyond the parameters, buffers and
+    inputs: saved values, gradients, transients (``step_peak``); None: not traced."""
 
     @property
     def saved(self) -> int:
@@ -120,7 +127,7 @@ def _backend(
     budget's list)."""
     for b in budgets:
         check_options(partitioner, b)
-    aot_autograd, make_boxed_func, partitions = _aot_apis()
+    aot_autograd, partitions = _aot_apis()
     found: dict[float | None, Graphs] = {b: [] for b in budgets}
     cut = partitions[partitioner]
 
@@ -136,18 +143,11 @@ def _backend(
         return first
 
     def as_is(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        return make_boxed_func(gm)
+        return _boxed(gm)
 
     def forward(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        if ran is None:
-            return make_boxed_func(gm)
         index = len(found[budgets[0]]) - 1  # the forward compiler runs on the partition just made
-
-        def counted(*args: Any) -> Any:
-            ran.append(index)
-            return gm(*args)
-
-        return make_boxed_func(counted)
+        return _boxed(gm, None if ran is None else functools.partial(ran.append, index))
 
     decompositions = _inductor_decompositions(cuda=cuda) if partitioner == "min_cut" else None
     backend = aot_autograd(
@@ -202,10 +202,16 @@ def capture(
     partitioner: str = "min_cut",
     budgets: Sequence[float | None] = (None,),
     cuda: bool = False,
+    step: Callable[[Any], Any] | None = None,
+    exclude: Iterable[Tensor] = (),
+    fused: bool | None = None,
 ) -> tuple[Captured, ...]:
     """Compile ``model`` with ``capture_backend`` and call ``run(compiled)`` once (a forward: the partition
     happens when the forward compiles), on real or fake tensors alike; what its graphs save under each of
-    ``budgets`` (Note: [one trace, several budgets]).
+    ``budgets`` (Note: [one trace, several budgets]). ``step``: instead of ``run``, a forward and backward, run
+    twice, the second time under ``step_peak`` (``exclude``: the parameters, buffers and inputs), for
+    ``Captured.peak``; the graphs that run are the first budget's, so one budget only. ``fused``: Inductor's
+    fusion and in-place reuse modelled in the peak (Note: [compiled peak]); None: for the min cut only.
 
     ``layers``: the module path of each transformer layer (``layer_paths``). ``cuda``: a CUDA step traced on CPU
     tensors (``recompute.trace._cuda``): Inductor's CUDA decompositions, each saved storage in the caching
@@ -219,14 +225,38 @@ def capture(
     Raises:
         ConfigError: as ``capture_backend``, or dynamo compiled nothing.
     """
+    require(step is None or len(budgets) == 1, "the compiled step's peak is traced under one budget at a time")
     backend, found = _backend(partitioner, budgets, cuda=cuda)
     torch._dynamo.reset()
+    peak = None
     try:
         with _fake_models_refused():
-            run(torch.compile(model, backend=backend, dynamic=False))
+            compiled = torch.compile(model, backend=backend, dynamic=False)
+            if step is None:
+                run(compiled)
+            else:
+                peak = _peak_of(model, lambda: step(compiled), exclude, cuda, _fuses(partitioner, fused))
     finally:
         torch._dynamo.reset()
-    return tuple(_counted(found[b], layers, cuda=cuda) for b in budgets)
+    return tuple(_counted(found[b], layers, cuda=cuda, peak=peak) for b in budgets)
+
+
+def _fuses(partitioner: str, fused: bool | None) -> bool:
+    """Whether the peak models Inductor's buffers: as asked, else for Inductor's min cut only (the default
+    partition is ``aot_eager``'s, which runs the graphs as they are)."""
+    return partitioner == "min_cut" if fused is None else fused
+
+
+def _peak_of(
+    model: nn.Module, step: Callable[[], Any], exclude: Iterable[Tensor], cuda: bool, fused: bool = True
+) -> int | None:
+    """``step`` once to compile its graphs (forward and backward), then again under ``step_peak``, from no
+    gradients each time (as after ``zero_grad(set_to_none=True)``)."""
+    step()
+    model.zero_grad(set_to_none=True)
+    peak = step_peak(step, exclude=exclude, cuda=cuda, fused=fused)
+    model.zero_grad(set_to_none=True)
+    return peak
 
 
 @contextlib.contextmanager
@@ -245,7 +275,7 @@ def _fake_models_refused() -> Iterator[None]:
         raise
 
 
-def _counted(pairs: Graphs, layers: Sequence[str], *, cuda: bool) -> Captured:
+def _counted(pairs: Graphs, layers: Sequence[str], *, cuda: bool, peak: int | None = None) -> Captured:
     require(bool(pairs), "torch.compile partitioned no graph: nothing of the step ran compiled with autograd on")
     per_layer = [0] * len(layers)
     other = values = flops = recomputed = 0
@@ -260,7 +290,7 @@ def _counted(pairs: Graphs, layers: Sequence[str], *, cuda: bool) -> Captured:
                 other += nbytes
             else:
                 per_layer[i] += nbytes
-    return Captured(tuple(per_layer), other, len(pairs), values, flops, recomputed)
+    return Captured(tuple(per_layer), other, len(pairs), values, flops, recomputed, peak=peak)
 
 
 def capture_blocks(
@@ -272,10 +302,13 @@ def capture_blocks(
     budget: float | None = None,
     cuda: bool = False,
     exclude: Iterable[Tensor] = (),
+    step: Callable[[Any], Any] | None = None,
+    fused: bool | None = None,
 ) -> Captured:
     """What the step saves with each layer of ``stack`` compiled on its own, as torchtitan compiles (Note:
     [compiled per block]); ``run(model)`` runs its forward, on real or fake tensors alike. ``exclude``: the
-    parameters, buffers and inputs (their storages are not counted). The layers are put back after.
+    parameters, buffers and inputs (their storages are not counted). ``step(model)``: a forward and backward,
+    for ``Captured.peak``, and ``fused``, as ``capture``'s. The layers are put back after.
 
     Note: [compiled per block] torchtitan compiles each transformer block on its own (``torch.compile(block)``,
     the embedding, final norm, head and loss eager), so AOTAutograd partitions one block's graph, and a memory
@@ -304,6 +337,10 @@ def capture_blocks(
             stack[i] = block
         with _fake_models_refused():
             by = _saved_by(lambda: run(model), exclude=exclude, cuda=cuda, where=lambda: now[0])
+            counted = len(calls)
+            fuses = _fuses(partitioner, fused)
+            peak = _peak_of(model, lambda: step(model), exclude, cuda, fuses) if step is not None else None
+            del calls[counted:]  # the peak's steps ran the same graphs again
     finally:
         for handle in handles:
             handle.remove()
@@ -317,7 +354,7 @@ def capture_blocks(
     per_layer = tuple(by.get(i, 0) for i in range(len(layers)))
     values = sum(1 for _, k in calls for _ in saved_values(pairs[k]))
     eager = tuple(sorted(set(range(len(layers))) - {i for i, _ in calls}))
-    return Captured(per_layer, by.get(None, 0), len(pairs), values, flops, recomputed, eager)
+    return Captured(per_layer, by.get(None, 0), len(pairs), values, flops, recomputed, eager, peak)
 
 
 def _enter(now: list[int | None], i: int, ran: list[int], *args: Any) -> None:
@@ -454,6 +491,272 @@ def _saved_by(
     return out
 
 
+def step_peak(
+    step: Callable[[], Any], *, exclude: Iterable[Tensor] = (), cuda: bool = False, fused: bool = True
+) -> int | None:
+    """The most bytes the compiled step ``step`` (its forward and backward, compiled already: a second call) has
+    allocated at once, beyond ``exclude``'s storages and what was allocated before it (Note: [compiled peak]);
+    None where this PyTorch's dynamo would not run compiled code under a dispatch mode.
+
+    Note: [compiled peak] The partitioned graphs run on fake tensors, node by node, with the eager code around them
+    (the loss, the gradients' accumulation), and every storage an op makes is counted from the op to its last
+    reference. ``fused=False`` counts every node's output: the graphs' own liveness, which is what the real step of
+    the same graphs run as they are (``aot_eager``'s) allocates (``tests/test_compiled.py``: equal, or the real step
+    12 bytes above, a CPU kernel's own scratch). Inductor allocates less: it computes a chain of pointwise ops in
+    one kernel, with no buffer for the intermediates (a decomposed cross-entropy's logits-sized temporaries), and
+    writes a pointwise result over an input buffer read last there (a tied embedding's two gradients summed).
+    ``fused=True`` leaves out the buffers of the nodes ``_fused_away`` and ``_in_place`` find: an approximation of
+    Inductor's scheduler, not its code, held to real Inductor steps by the CPU allocator
+    (``benchmarks/compiled_peak.py``); what it leaves out: Inductor's scheduler reorders and fuses kernels side by
+    side (several large buffers made by one kernel), reuses a graph input's buffer in place, and realizes what a
+    kernel without FLOPs (a scatter) reads. The backward's inputs (the saved values) are freed at their last read,
+    as Inductor frees them (Note: [boxed graphs]). Either way the step's structure is there, which the substitution
+    in ``recompute.compile_plan`` misses: a compiled backward that returns every gradient at its end, or recomputes
+    a checkpointed layer beside them. Dynamo runs compiled code under a dispatch mode only if the mode ignores
+    compile internals (``ignore_compile_internals``, PyTorch 2.8 on); under any other it would run the frame
+    eagerly, so an older PyTorch gets None.
+    """
+    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
+        return None
+    live = _Live(exclude, cuda=cuda, fused=fused)
+    with live:
+        step()
+    require(
+        live.graphs > 0,
+        "the compiled step ran no compiled graph under the counting mode (dynamo ran it eagerly): its peak would "
+        "be the eager step's",
+    )
+    return live.peak
+
+
+def _boxed(gm: torch.fx.GraphModule, count: Callable[[], None] | None = None) -> Callable[..., Any]:
+    """``gm`` as a compiled graph AOTAutograd calls with the list of its inputs, which the graph clears (the boxed
+    convention) and runs node by node (``torch.fx.Interpreter.boxed_run``): each input, a saved value in the
+    backward, is freed after its last read, as Inductor's code and ``aot_eager``'s do. While ``step_peak`` counts
+    for Inductor, the nodes it fuses away are marked (``_Marked``). ``count``: called at each run.
+
+    Note: [boxed graphs] AOTAutograd passes the list where the function has a true ``_boxed_call`` (the mark
+    ``make_boxed_func`` and ``aot_eager``'s compiler set; ``make_boxed_func`` itself unpacks the list, so the
+    inputs would live to the graph's end). A PyTorch that stopped reading the mark would call ``run(*inputs)``:
+    taken too (a graph's inputs are tensors and sizes, never one list)."""
+
+    def run(*args: Any) -> Any:
+        inputs = args[0] if len(args) == 1 and type(args[0]) is list else list(args)
+        if count is not None:
+            count()
+        live = _Live.active
+        if live is not None:
+            live.graphs += 1
+        return (_Marked(gm, live) if live is not None and live.inductor else torch.fx.Interpreter(gm)).boxed_run(inputs)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+class _Marked(torch.fx.Interpreter):
+    """Runs a graph telling ``live`` which nodes' outputs Inductor makes no buffer for."""
+
+    def __init__(self, gm: torch.fx.GraphModule, live: _Live) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.live = live
+        self.fused, self.reuses = live.plans.get(gm) or live.plans.setdefault(gm, _buffers(gm, cuda=live.cuda))
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        view = n.op == "call_function" and _is_view(n)  # a view makes no buffer
+        self.live.skip = n in self.fused or view or n in self.reuses
+        try:
+            out = super().run_node(n)
+        finally:
+            self.live.skip = False
+        reused = self.reuses.get(n)
+        if reused is not None and isinstance(out, Tensor):
+            self.live.moved(self.env[reused], out)
+        return out
+
+
+_FUSIBLE = {
+    "_to_copy", "copy", "clone", "full", "full_like", "scalar_tensor", "zeros_like", "ones_like", "embedding",
+    "rand", "rand_like", "randn_like", "bernoulli", "native_dropout", "inductor_random", "iota", "index",
+}  # fmt: skip
+"""Ops without PyTorch's pointwise tag that Inductor still lowers to a loop it can inline into its users."""
+
+
+def _buffers(gm: torch.fx.GraphModule, *, cuda: bool) -> tuple[set[torch.fx.Node], dict[torch.fx.Node, torch.fx.Node]]:
+    """``_fused_away`` and ``_in_place`` of ``gm``."""
+    fused = _fused_away(gm, cuda=cuda)
+    return fused, _in_place(gm, fused)
+
+
+def _fused_away(gm: torch.fx.GraphModule, *, cuda: bool = False) -> set[torch.fx.Node]:
+    """The nodes of ``gm`` whose outputs Inductor computes inside their users' kernels, with no buffer of their
+    own: pointwise ops (and ``_FUSIBLE``) that are not the graph's outputs, not read by an op Inductor runs as an
+    external kernel (one with FLOPs: matmuls, attention, convolutions, which read realized inputs), not the base
+    of a view that is either, and not read by several ops where Inductor realizes them on reuse
+    (``_realized_on_reuse``). An approximation of Inductor's scheduler (Note: [compiled peak])."""
+    realized: set[torch.fx.Node] = set(_outputs(gm))
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _formula(node) is not None:
+            realized.update(node.all_input_nodes)
+    for node in reversed(gm.graph.nodes):  # a realized view needs its base realized
+        if node in realized and node.op == "call_function" and _is_view(node):
+            realized.update(node.all_input_nodes[:1])
+    fused: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:  # in order: a producer's buffer is decided before its users'
+        if node.op != "call_function" or node in realized or not _fusible(node):
+            continue
+        if len(node.users) > 1 and _realized_on_reuse(node, fused, cuda):
+            continue
+        fused.add(node)
+    return fused
+
+
+_HEAVY = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
+"""Ops whose pointwise result Inductor realizes on the CPU when several kernels read it (``should_realize_on_reuse``
+in PyTorch 2.13's ``torch/_inductor/ir.py``), rather than compute it again in each."""
+
+
+def _realized_on_reuse(node: torch.fx.Node, fused: set[torch.fx.Node], cuda: bool) -> bool:
+    """Whether Inductor gives a pointwise result read by several ops its own buffer: on the CPU when its computation
+    (with the fused producers it inlines) has a heavy op (``_HEAVY``), or when it is large (over 30 ops) or reads
+    over 4 buffers (``config.realize_opcount_threshold`` and ``realize_reads_threshold``)."""
+    inner, reads, todo = {node}, set(), [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in fused or (a.op == "call_function" and _is_view(a) and a not in inner):
+                if a not in inner:
+                    inner.add(a)
+                    todo.append(a)
+            else:
+                reads.add(a)
+    names = {getattr(getattr(n.target, "overloadpacket", None), "__name__", "") for n in inner}
+    return (not cuda and bool(names & _HEAVY)) or len(inner) > 30 or len(reads) > 4
+
+
+def _in_place(gm: torch.fx.GraphModule, fused: set[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Pointwise nodes whose buffer Inductor takes over from an input's (its in-place reuse), each with that input:
+    a buffer made in the graph (not an input's: it may be held elsewhere; not a view, nor the base of one), of the
+    same size and dtype, not an output, and read last by this node, counting a fused reader's reads as those of the
+    kernel it is fused into (its first reader that has a buffer)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    kernel: dict[torch.fx.Node, int] = {}  # the position of the kernel that computes each node
+    for node in reversed(gm.graph.nodes):
+        users = [kernel[u] for u in node.users] if node in fused else []
+        kernel[node] = min(users) if users else order[node]
+    last: dict[torch.fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        for a in node.all_input_nodes:
+            last[a] = max(last.get(a, -1), kernel[node])
+    views = [n for n in gm.graph.nodes if n.op == "call_function" and _is_view(n)]
+    aliased = {n.all_input_nodes[0] for n in views if n.all_input_nodes} | set(views)
+    outputs = set(_outputs(gm))
+    out: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in fused or not _fusible(node):
+            continue
+        val = node.meta.get("val")
+        for a in node.all_input_nodes:
+            v = a.meta.get("val")
+            if (
+                a.op == "call_function" and a not in fused and a not in out.values() and a not in aliased
+                and a not in outputs and last.get(a) == order[node] and isinstance(v, Tensor)
+                and isinstance(val, Tensor) and v.dtype == val.dtype and _nbytes(v) == _nbytes(val)
+            ):  # fmt: skip
+                out[node] = a
+                break
+    return out
+
+
+def _nbytes(t: Tensor) -> int:
+    return _concrete(t.untyped_storage().nbytes())
+
+
+def _fusible(node: torch.fx.Node) -> bool:
+    target = node.target
+    tags = getattr(target, "tags", ())
+    packet = getattr(target, "overloadpacket", None)
+    return torch.Tag.pointwise in tags or getattr(packet, "__name__", "") in _FUSIBLE
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
+class _Live(TorchDispatchMode):
+    """Bytes of the storages the ops make, alive at once, and the most of them (``step_peak``)."""
+
+    active: _Live | None = None
+    """The one counting now: the captured graphs run node by node for it (``_run_graph``)."""
+    supports_higher_order_operators = True
+    """A checkpointed region's random ops run as ``run_and_save_rng_state`` and ``run_with_rng_state``: run and
+    counted like any op."""
+
+    def __init__(self, exclude: Iterable[Tensor], *, cuda: bool, fused: bool) -> None:
+        super().__init__()
+        self.cuda = cuda
+        self.inductor = fused
+        self.now = self.peak = self.graphs = 0
+        self.skip = False
+        self.outer: _Live | None = None
+        self.plans: dict[torch.fx.GraphModule, tuple[set[torch.fx.Node], dict[torch.fx.Node, torch.fx.Node]]] = {}
+        self.alive: dict[StorageWeakRef, Any] = {_key(t): None for t in exclude}
+
+    def __enter__(self) -> _Live:
+        super().__enter__()
+        self.outer, _Live.active = _Live.active, self
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        _Live.active = self.outer
+        for done in self.alive.values():
+            if isinstance(done, weakref.finalize):
+                done.detach()  # what the step leaves (its gradients) no longer keeps this mode alive
+        super().__exit__(*args)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # run the compiled graphs under this mode, not the frame eagerly (Note: [compiled peak])
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in _leaves(out, []):  # a random op's replay returns (state, (output, mask))
+            if isinstance(t, Tensor):
+                self._made(t)
+        return out
+
+    def _made(self, t: Tensor) -> None:
+        storage = t.untyped_storage()
+        key = StorageWeakRef(storage)
+        if key in self.alive or self.skip:
+            return
+        nbytes = _in_blocks(_concrete(storage.nbytes()), self.cuda)
+        self.alive[key] = weakref.finalize(storage, self._freed, key, nbytes)
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def moved(self, old: Tensor, new: Tensor) -> None:
+        """``new`` (not counted as it was made) takes over ``old``'s buffer in place (``_in_place``): ``old``'s
+        bytes are freed with ``new``'s storage, not with its own. Counted as made where ``old`` is not counted."""
+        was, now = StorageWeakRef(old.untyped_storage()), StorageWeakRef(new.untyped_storage())
+        gone = self.alive.get(was)
+        counted = gone.peek() if isinstance(gone, weakref.finalize) and now not in self.alive else None
+        if counted is None or counted[1] != self._freed:  # old was not counted (or was taken over already)
+            self._made(new)
+            return
+        assert isinstance(gone, weakref.finalize)
+        gone.detach()
+        nbytes = counted[2][1]
+        self.alive[was] = weakref.finalize(old.untyped_storage(), self._forget, was)
+        self.alive[now] = weakref.finalize(new.untyped_storage(), self._freed, now, nbytes)
+
+    def _forget(self, key: StorageWeakRef) -> None:
+        self.alive.pop(key, None)
+
+    def _freed(self, key: StorageWeakRef, nbytes: int) -> None:
+        self.now -= nbytes
+        self.alive.pop(key, None)
+
+
 def layer_paths(model: nn.Module, stack: nn.ModuleList) -> list[str]:
     """The module path of each layer of ``stack`` in ``model`` (``layers.0``, ``model.layers.0``, ...)."""
     name = next((n for n, m in model.named_modules() if m is stack), None)
@@ -545,18 +848,17 @@ def _budget(budget: float | None) -> Any:
     return _functorch_config().patch(activation_memory_budget=float(budget))
 
 
-def _aot_apis() -> tuple[Callable[..., Any], Callable[..., Any], dict[str, Callable[..., Any]]]:
-    """``aot_autograd``, ``make_boxed_func`` and the partitioners, or one line naming what this PyTorch lacks."""
+def _aot_apis() -> tuple[Callable[..., Any], dict[str, Callable[..., Any]]]:
+    """``aot_autograd`` and the partitioners, or one line naming what this PyTorch lacks."""
     try:
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
         from torch._functorch.partitioners import default_partition
     except ImportError as e:
         raise ConfigError(
             f"tracing a compiled step needs AOTAutograd's backend API, which this PyTorch ({torch.__version__}) "
             f"lacks ({e}); use PyTorch 2.6 to 2.13"
         ) from e
-    return aot_autograd, make_boxed_func, {"default": default_partition, "min_cut": _inductor_partition()}
+    return aot_autograd, {"default": default_partition, "min_cut": _inductor_partition()}
 
 
 def _inductor_partition() -> Callable[..., Any]:

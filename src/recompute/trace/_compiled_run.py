@@ -64,6 +64,13 @@ class CompiledTrace:
     per_block: bool = False
     """Each transformer layer compiled on its own, as torchtitan compiles (Note: [compiled per block] in
     ``recompute.trace._compiled``); else the whole model at once."""
+    peak: int | None = None
+    """The most bytes the step's forward and backward allocate at once beyond the parameters, buffers and batch
+    (saved values, gradients, transients), the partitioned graphs run on fake tensors with the buffers Inductor
+    fuses away or reuses left out (the min cut; the default partition's graphs run as they are): an
+    approximation of the real step's, measured against it (Note: [compiled peak] in
+    ``recompute.trace._compiled``). None: not traced, or a PyTorch whose dynamo runs no compiled code under a
+    dispatch mode."""
 
     @property
     def saved(self) -> int:
@@ -82,6 +89,7 @@ def trace_compiled(
     partitioner: str = "min_cut",
     budget: float | None = None,
     per_block: bool = False,
+    peak: bool = False,
 ) -> CompiledTrace:
     """What the ``torch.compile``d step of ``model`` under ``wl`` and ``policy`` saves for its backward, traced
     on fake tensors (Note: [compiled saved values] in ``recompute.trace._compiled``).
@@ -96,12 +104,13 @@ def trace_compiled(
         budget: ``torch._functorch.config.activation_memory_budget`` in (0, 1], for ``min_cut``.
         per_block: compile each transformer layer on its own, the rest eager (torchtitan's way; Note: [compiled
             per block] in ``recompute.trace._compiled``); the budget is then a fraction of each block's.
+        peak: also trace the step's forward and backward, twice, for its peak (``CompiledTrace.peak``).
 
     Raises:
         ConfigError: an unknown partitioner or a budget outside (0, 1], a workload this trace does not run
             (parallelism), an offload policy, or a model that cannot be built.
     """
-    return trace_budgets(model, wl, policy, (budget,), partitioner=partitioner, per_block=per_block)[0]
+    return trace_budgets(model, wl, policy, (budget,), partitioner=partitioner, per_block=per_block, peak=peak)[0]
 
 
 def trace_budgets(
@@ -113,13 +122,18 @@ def trace_budgets(
     partitioner: str = "min_cut",
     eager: bool = False,
     per_block: bool = False,
+    peak: bool = False,
+    unfused: bool = False,
 ) -> tuple[CompiledTrace, ...]:
     """``trace_compiled`` under each of ``budgets`` from one trace of the model (Note: [one trace, several
     budgets] in ``recompute.trace._compiled``), in their order. ``eager``: also what the same step saves run
     eagerly (``saved_by_eager``), first, on the same fake model. ``per_block``: each layer compiled on its own,
-    one trace per budget (``capture_blocks``: what runs is what is counted)."""
+    one trace per budget (``capture_blocks``: what runs is what is counted). ``peak``: also the step's peak
+    (``CompiledTrace.peak``), its forward and backward run twice per budget, one trace each; ``unfused``: that
+    peak without Inductor's fusion modelled, the partitioned graphs' own liveness (whole model only)."""
     for b in budgets:
         check_options(partitioner, b)
+    require(peak or not unfused, "unfused is the peak's; ask for the peak too (peak=True)")
     source = model if isinstance(model, ModelSource) else _source(model)
     pol = Policy.parse(policy)
     _check(wl, pol, partitioner)
@@ -127,7 +141,8 @@ def trace_budgets(
     start = time.perf_counter()
     with fake_kernels(), cuda_rules() if cuda else contextlib.nullcontext():
         built = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype])
-        mode = torch._subclasses.fake_tensor.FakeTensorMode()
+        # a checkpointed region's random ops replay in the backward from the real generator's state
+        mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=peak)
         fakeify(built.model, mode, "cpu")
         built.model.train()
         stack = find_layers(built.model)
@@ -140,12 +155,48 @@ def trace_budgets(
             with mode, forward_autocast(autocast_dtype(wl), "cpu"):
                 built.loss_fn(compiled, *batch)
 
+        def step(compiled: torch.nn.Module) -> None:
+            """A training step's forward and backward, the outputs held through the backward (as the eager
+            trace's step holds them)."""
+            with mode:
+                with forward_autocast(autocast_dtype(wl), "cpu"):
+                    kept, loss = built.loss_fn(compiled, *batch)
+                loss.backward()
+                del kept, loss
+
         weights = [*built.model.parameters(), *built.model.buffers(), *batch]
         eager_bytes = saved_by_eager(lambda: run(built.model), exclude=weights, cuda=cuda) if eager else None
 
+        each = step if peak else None
         if per_block:
             found = tuple(
-                capture_blocks(built.model, stack, run, partitioner=partitioner, budget=b, cuda=cuda, exclude=weights)
+                capture_blocks(
+                    built.model,
+                    stack,
+                    run,
+                    partitioner=partitioner,
+                    budget=b,
+                    cuda=cuda,
+                    exclude=weights,
+                    step=each,
+                    fused=False if unfused else None,
+                )
+                for b in budgets
+            )
+        elif peak:
+            paths = layer_paths(built.model, stack)
+            found = tuple(
+                capture(
+                    built.model,
+                    run,
+                    layers=paths,
+                    partitioner=partitioner,
+                    budgets=(b,),
+                    cuda=cuda,
+                    step=step,
+                    exclude=weights,
+                    fused=False if unfused else None,
+                )[0]
                 for b in budgets
             )
         else:
@@ -195,6 +246,7 @@ def trace_budgets(
                 eager_saved=eager_bytes,
                 recomputed_bytes=got.recomputed_bytes,
                 per_block=per_block,
+                peak=got.peak,
             )
         )
     return tuple(results)
@@ -211,6 +263,8 @@ def render_compiled(r: CompiledTrace) -> str:
         rows.append([f"layer {i}" if i == j else f"layers {i}-{j}", size(r.layers[i])])
         i = j + 1
     rows += [["outside the layers", size(r.other)], ["total", size(r.saved)]]
+    if r.peak is not None:
+        rows.append(["peak of the forward and backward", size(r.peak)])
     w = r.workload
     title = (
         f"{r.model}: b={w['micro_batch']} s={w['seq_len']} {w['dtype']}, {w['attention']} attention, {r.device} "
@@ -219,7 +273,19 @@ def render_compiled(r: CompiledTrace) -> str:
         f"{r.flops / 1e12:.3f} TFLOPs forward and backward" + (" in the compiled blocks' graphs" if r.per_block else "")
     )
     table = render_table(["saved for the backward by", "bytes"], rows)
-    return "\n".join([title, "", table, "", *(f"- {n}" for n in r.notes)])
+    notes = list(r.notes)
+    if r.peak is not None:
+        notes.append(
+            "peak of the forward and backward: the most allocated at once beyond the parameters, optimizer state, "
+            "buffers and batch (saved values, gradients, transients), the partitioned graphs run on fake tensors"
+            + (
+                " with the buffers Inductor fuses away or reuses left out: an approximation of Inductor's scheduler, "
+                "measured against real Inductor CPU steps in benchmarks/compiled_peak.py"
+                if r.partitioner == "min_cut"
+                else ", as aot_eager runs them"
+            )
+        )
+    return "\n".join([title, "", table, "", *(f"- {n}" for n in notes)])
 
 
 def _described(partitioner: str, budget: float | None) -> str:
