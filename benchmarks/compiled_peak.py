@@ -18,8 +18,8 @@ buffers and batch exist before it, the gradients are made in it), beside what re
   saves, plus what the compiled step saves).
 
 Two workloads: b = 1, s = 256 (the largest tensors are the model's gradients and the vocabulary's: the peak is in
-the embedding's backward) and b = 2, s = 1024 (activations set the peak). Writes
-benchmarks/results/compiled_peak.json.
+the embedding's backward) and b = 2, s = 1024 (activations set the peak), the second for GPT-2 only by default
+(``WORKLOADS``). Writes benchmarks/results/compiled_peak.json after every case.
 
     python benchmarks/compiled_peak.py [--only gpt2] [--workloads 1x256,2x1024] [--budgets 1.0,0.5] [--per-block]
 """
@@ -47,7 +47,9 @@ from recompute.runtime import random_batch
 from recompute.trace import capture_backend, saved_by_eager, trace, trace_budgets, trace_compiled
 
 OUT = Path(__file__).parent / "results" / "compiled_peak.json"
-WORKLOADS = ("1x256", "2x1024")
+WORKLOADS = {"gpt2": ("1x256", "2x1024"), "hf-qwen2": ("1x256",)}
+"""Each model's default workloads: Qwen2.5-0.5B's vocabulary at b = 2, s = 1024 (1.2 GB of fp32 logits per
+tensor) took this 24 GiB machine out of memory across its eager, graphs and Inductor steps."""
 BUDGETS = (1.0, 0.5)
 
 
@@ -146,7 +148,7 @@ def case(name: str, wl: Workload, policy: str, budget: float, per_block: bool = 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help=f"comma-separated models of {', '.join(PUBLISHED)}")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="BxS, comma-separated")
+    p.add_argument("--workloads", help="BxS, comma-separated (default: 1x256,2x1024 for gpt2, 1x256 for hf-qwen2)")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="memory budgets in (0, 1]")
     p.add_argument("--per-block", action="store_true", help="each layer compiled on its own, as torchtitan compiles")
     p.add_argument("-o", "--out", type=Path)
@@ -157,29 +159,32 @@ def main() -> None:
     if unknown:
         p.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(PUBLISHED)}")
     try:
-        shapes = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
+        given = [w for w in (args.workloads or "").split(",") if w]
+        shapes = {m: [_shape(w) for w in (given or WORKLOADS[m])] for m in models}
         budgets = tuple(float(b) for b in args.budgets.split(","))
     except ValueError:
         p.error(f"--workloads are BxS (e.g. 2x1024) and --budgets fractions, got {args.workloads!r}, {args.budgets!r}")
     if not all(0 < b <= 1 for b in budgets):
         p.error(f"--budgets are fractions in (0, 1], got {args.budgets}")
     torch.set_num_threads(2)
-    rows = []
-    for b, s in shapes:
+    rows: list[dict[str, Any]] = []
+    meta = {"torch": torch.__version__, "machine": platform.platform(), "threads": torch.get_num_threads()}
+    order = sorted({(b, s, name) for name in models for b, s in shapes[name]}, key=lambda c: (c[0] * c[1], c[2]))
+    for b, s, name in order:
         wl = Workload(micro_batch=b, seq_len=s, dtype="fp32", device="cpu")
-        for name in models:
-            for policy in POLICIES:
-                for budget in budgets:
-                    r = case(name, wl, policy, budget, args.per_block)
-                    rows.append(r)
-                    print(
-                        f"{name} {r['workload']} {policy} {budget}: eager {r['eager_traced']} vs {r['eager_real']} "
-                        f"({r['eager_error']:+.2%}); graphs {r['graphs_traced']} vs {r['graphs_real']} "
-                        f"({r['graphs_error']:+.2%}); Inductor {r['inductor_real']}: traced {r['compiled_traced']} "
-                        f"({r['traced_vs_inductor']:+.1%}), "
-                        f"substituted {r['substituted_vs_inductor']:+.1%} ({r['seconds']} s)",
-                        flush=True,
-                    )
+        for policy in POLICIES:
+            for budget in budgets:
+                r = case(name, wl, policy, budget, args.per_block)
+                rows.append(r)
+                _write(out, meta, rows)  # after every case: an interrupted run keeps what it measured
+                print(
+                    f"{name} {r['workload']} {policy} {budget}: eager {r['eager_traced']} vs {r['eager_real']} "
+                    f"({r['eager_error']:+.2%}); graphs {r['graphs_traced']} vs {r['graphs_real']} "
+                    f"({r['graphs_error']:+.2%}); Inductor {r['inductor_real']}: traced {r['compiled_traced']} "
+                    f"({r['traced_vs_inductor']:+.1%}), "
+                    f"substituted {r['substituted_vs_inductor']:+.1%} ({r['seconds']} s)",
+                    flush=True,
+                )
     mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
     table = [
         [r["model"], r["workload"], r["policy"], f"{r['budget']:g}", mib(r["eager_real"]), f"{r['eager_error']:+.2%}",
@@ -195,10 +200,18 @@ def main() -> None:
             table,
         )
     )  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "machine": platform.platform(), "threads": torch.get_num_threads()}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    _write(out, meta, rows)
     print(f"\nwrote {out}")
+
+
+def _shape(w: str) -> tuple[int, int]:
+    b, s = (int(x) for x in w.split("x"))
+    return b, s
+
+
+def _write(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
