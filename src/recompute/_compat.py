@@ -30,7 +30,10 @@ Note: [private torch pieces] every private torch name recompute reads, and how i
 - FlopCounterMode's attention formulas refuse grouped-query shapes before 2.13: ``recompute.trace._flops``
   registers its own (``flop_counter`` for a plain ``FlopCounterMode`` with them);
 - ``TorchDispatchMode.ignore_compile_internals`` (2.8 and later), which ``recompute.trace._compiled``'s counting
-  mode overrides so that dynamo runs compiled graphs under it: ``step_peak`` gives None without it.
+  mode overrides so that dynamo runs compiled graphs under it: ``step_peak`` gives None without it;
+- AOTAutograd's ``_boxed_call`` mark, set (not read) on recompute's own captured graphs so that they get the list
+  of their inputs (Note: [boxed graphs] in ``recompute.trace._compiled``); a torch that stopped reading it would
+  call them with the inputs unpacked, which they take too.
 """
 
 from __future__ import annotations
