@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from recompute import ModelSpec, Policy, Workload
 from recompute.checkpointing import apply, find_layers
 from recompute.core.table import render_table
-from recompute.models.source import ModelSource, build_source
+from recompute.models.source import BuiltModel, ModelSource, build_source
 from recompute.runtime import random_batch
 from recompute.trace import saved_by_compiled, saved_by_eager, trace_compiled
 
@@ -79,25 +80,15 @@ def real_saved(
     compiled with ``backend`` under ``budget``: the whole model, or each layer on its own) holds for its backward:
     the compiled regions' saved tensors read from its autograd graph, and (``per_block``) every tensor autograd
     saves, eager ones too, as its saved-tensor hooks see them (None for the whole model)."""
-    torch.manual_seed(0)
-    built = build_source(source, attention=wl.attention, dtype=torch.float32, device="cpu")
-    model = built.model.train()
-    apply(model, policy, loss=wl.loss, loss_chunk=wl.loss_chunk)
-    idx, targets = random_batch(built.vocab, wl.micro_batch, wl.seq_len, seed=0)
+    built, idx, targets = real_model(source, wl, policy)
+    model = built.model
     weights = [*model.parameters(), *model.buffers(), idx, targets]
     torch._dynamo.reset()
-    patch = (
-        torch._functorch.config.patch(activation_memory_budget=budget)
-        if budget is not None
-        else contextlib.nullcontext()
-    )
     losses = []
     try:
-        with patch:
+        with budget_patch(budget):
             if per_block:
-                stack = find_layers(model)
-                for i, layer in enumerate(list(stack)):
-                    stack[i] = torch.compile(layer, backend=backend, dynamic=False)
+                compile_blocks(model, backend)
                 forward = lambda: losses.append(built.loss_fn(model, idx, targets)[1])  # noqa: E731
                 every: int | None = saved_by_eager(forward, exclude=weights)
             else:
@@ -108,6 +99,31 @@ def real_saved(
     finally:
         torch._dynamo.reset()
     return saved, every
+
+
+def real_model(source: ModelSource, wl: Workload, policy: Policy) -> tuple[BuiltModel, Tensor, Tensor]:
+    """``source`` built on the CPU in fp32 from seed 0 (random weights), in training mode, ``policy`` applied,
+    and its batch."""
+    torch.manual_seed(0)
+    built = build_source(source, attention=wl.attention, dtype=torch.float32, device="cpu")
+    built.model.train()
+    apply(built.model, policy, loss=wl.loss, loss_chunk=wl.loss_chunk)
+    idx, targets = random_batch(built.vocab, wl.micro_batch, wl.seq_len, seed=0)
+    return built, idx, targets
+
+
+def compile_blocks(model: torch.nn.Module, backend: str | Callable[..., Any]) -> None:
+    """Each transformer layer of ``model`` compiled on its own with ``backend``, as torchtitan compiles."""
+    stack = find_layers(model)
+    for i, layer in enumerate(list(stack)):
+        stack[i] = torch.compile(layer, backend=backend, dynamic=False)
+
+
+def budget_patch(budget: float | None) -> contextlib.AbstractContextManager[Any]:
+    """``activation_memory_budget`` set to ``budget`` (PyTorch's own where None)."""
+    if budget is None:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(activation_memory_budget=budget)
 
 
 def check(

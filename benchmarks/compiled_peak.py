@@ -27,7 +27,6 @@ the embedding's backward) and b = 2, s = 1024 (activations set the peak), the se
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import time
@@ -36,14 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compiled_fidelity import POLICIES, PUBLISHED
+from compiled_fidelity import POLICIES, PUBLISHED, budget_patch, compile_blocks, real_model
 
 from recompute import Policy, Workload
 from recompute.bench import allocator_peak
-from recompute.checkpointing import apply, find_layers
 from recompute.core.table import render_table
-from recompute.models.source import ModelSource, build_source
-from recompute.runtime import random_batch
+from recompute.models.source import ModelSource
 from recompute.trace import capture_backend, saved_by_eager, trace, trace_budgets, trace_compiled
 
 OUT = Path(__file__).parent / "results" / "compiled_peak.json"
@@ -65,16 +62,10 @@ def real_peak(
     ``budget``: the whole model, or each layer on its own; or eager) after a first that compiles it: the
     allocator's peak over its forward and backward, the outputs held through the backward (as the trace's step
     holds them); for the eager step also what it saves."""
-    torch.manual_seed(0)
-    built = build_source(source, attention=wl.attention, dtype=torch.float32, device="cpu")
-    model = built.model.train()
-    apply(model, policy, loss=wl.loss, loss_chunk=wl.loss_chunk)
-    idx, targets = random_batch(built.vocab, wl.micro_batch, wl.seq_len, seed=0)
-    run = model
+    built, idx, targets = real_model(source, wl, policy)
+    model = run = built.model
     if backend is not None and per_block:
-        stack = find_layers(model)
-        for i, layer in enumerate(list(stack)):
-            stack[i] = torch.compile(layer, backend=backend, dynamic=False)
+        compile_blocks(model, backend)
     elif backend is not None:
         run = torch.compile(model, backend=backend, dynamic=False)
 
@@ -84,14 +75,9 @@ def real_peak(
         del kept, loss
 
     torch._dynamo.reset()
-    patch = (
-        torch._functorch.config.patch(activation_memory_budget=budget)
-        if budget is not None
-        else contextlib.nullcontext()
-    )
     out: dict[str, int] = {}
     try:
-        with patch:
+        with budget_patch(budget):
             step()
             model.zero_grad(set_to_none=True)
             out["peak"] = allocator_peak(step).peak

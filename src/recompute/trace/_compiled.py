@@ -248,7 +248,7 @@ def _fuses(partitioner: str, fused: bool | None) -> bool:
 
 
 def _peak_of(
-    model: nn.Module, step: Callable[[], Any], exclude: Iterable[Tensor], cuda: bool, fused: bool = True
+    model: nn.Module, step: Callable[[], Any], exclude: Iterable[Tensor], cuda: bool, fused: bool
 ) -> int | None:
     """``step`` once to compile its graphs (forward and backward), then again under ``step_peak``, from no
     gradients each time (as after ``zero_grad(set_to_none=True)``)."""
@@ -686,7 +686,7 @@ class _Live(TorchDispatchMode):
     """Bytes of the storages the ops make, alive at once, and the most of them (``step_peak``)."""
 
     active: _Live | None = None
-    """The one counting now: the captured graphs run node by node for it (``_run_graph``)."""
+    """The one counting now: the captured graphs see it as they run (``_boxed``)."""
     supports_higher_order_operators = True
     """A checkpointed region's random ops run as ``run_and_save_rng_state`` and ``run_with_rng_state``: run and
     counted like any op."""

@@ -130,7 +130,7 @@ def trace_budgets(
     eagerly (``saved_by_eager``), first, on the same fake model. ``per_block``: each layer compiled on its own,
     one trace per budget (``capture_blocks``: what runs is what is counted). ``peak``: also the step's peak
     (``CompiledTrace.peak``), its forward and backward run twice per budget, one trace each; ``unfused``: that
-    peak without Inductor's fusion modelled, the partitioned graphs' own liveness (whole model only)."""
+    peak without Inductor's fusion modelled, the partitioned graphs' own liveness."""
     for b in budgets:
         check_options(partitioner, b)
     require(peak or not unfused, "unfused is the peak's; ask for the peak too (peak=True)")
@@ -168,6 +168,7 @@ def trace_budgets(
         eager_bytes = saved_by_eager(lambda: run(built.model), exclude=weights, cuda=cuda) if eager else None
 
         each = step if peak else None
+        fused = False if unfused else None
         if per_block:
             found = tuple(
                 capture_blocks(
@@ -179,29 +180,28 @@ def trace_budgets(
                     cuda=cuda,
                     exclude=weights,
                     step=each,
-                    fused=False if unfused else None,
+                    fused=fused,
                 )
                 for b in budgets
             )
-        elif peak:
+        else:  # one trace for every budget's saved bytes; the peak runs one budget's graphs, so one trace each
             paths = layer_paths(built.model, stack)
+            groups = [(b,) for b in budgets] if peak else [tuple(budgets)]
             found = tuple(
-                capture(
+                got
+                for group in groups
+                for got in capture(
                     built.model,
                     run,
                     layers=paths,
                     partitioner=partitioner,
-                    budgets=(b,),
+                    budgets=group,
                     cuda=cuda,
-                    step=step,
+                    step=each,
                     exclude=weights,
-                    fused=False if unfused else None,
-                )[0]
-                for b in budgets
+                    fused=fused,
+                )
             )
-        else:
-            paths = layer_paths(built.model, stack)
-            found = capture(built.model, run, layers=paths, partitioner=partitioner, budgets=budgets, cuda=cuda)
     seconds = time.perf_counter() - start
     on = "fake CPU tensors under CUDA's rules (recompute.trace._cuda)" if cuda else "fake CPU tensors"
     results = []
