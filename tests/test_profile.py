@@ -17,20 +17,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from recompute.checkpointing import apply
+from recompute.checkpointing import apply, find_layers
 from recompute.cli import main
 from recompute.core import store
 from recompute.core.plan import plan
 from recompute.core.policy import Policy
 from recompute.core.profile import Profile
 from recompute.core.search import search, smallest_peak
+from recompute.core.workload import Workload
 from recompute.models.identity import config_identity, model_identity
 from recompute.models.source import build_source, resolve_source
 from recompute.trace import cached_profile, cached_profiles, profile, profiles, trace, with_loss
 from recompute.trace._build import fake_kernels
 from recompute.trace._chain import leads
-from recompute.trace._kinds import short_model as _short_model
-from recompute.trace._profile import _Shape
+from recompute.trace._kinds import short_model
+from recompute.trace._profile import _Shape, _whole_step
 from recompute.trace._run import step_built
 from recompute.trace._tracker import Phase
 
@@ -154,7 +155,7 @@ def _short_step(shape: _Shape, a: int, b: int, p: str, q: str) -> tuple[int, int
     n, x = len(shape.layers), len(shape.reps)
     picks = [*shape.reps, shape.reps[a], shape.reps[b], n - 1]
     with fake_kernels():
-        built = _short_model(shape.whole, shape.layers, picks)
+        built = short_model(shape.whole, shape.layers, picks)
         policy = Policy(layers=(*leads(p, shape.ok), p, q, "none"))
         rec = step_built(built, WL, policy, device="cpu", step=False)[0]
     start = rec.layer_starts[x]
@@ -183,6 +184,38 @@ def test_steps_in_worker_processes_measure_what_one_process_does(kind: str) -> N
     for workers in (0, 3):
         found = profiles(source, WL, (WL.loss,), workers=workers)[WL.loss]
         assert _figures(found) == _figures(prof), workers
+
+
+@pytest.mark.parametrize(
+    ("kind", "wl"),
+    [
+        ("llama", WL),
+        ("llama", dataclasses.replace(WL, device="cuda", dtype="bf16", precision="amp")),  # foreach AdamW, autocast
+        ("gpt2", dataclasses.replace(WL, device="cuda")),  # tied embedding, dropout
+    ],
+    ids=["llama-cpu", "llama-cuda-amp", "gpt2-cuda"],
+)
+def test_the_whole_step_scaled_from_three_and_four_layers_is_the_whole_step(kind: str, wl: Workload, tmp_path) -> None:
+    """Note: [every layer's phase]: a profile's whole step of nine alike layers, from steps of three and four
+    (``_Shape.whole_models``), equals the nine-layer step in every figure a profile reads of it."""
+    body = {"model_type": kind, **ZOO[kind]}
+    body.update({key: 9 for key in FOUR_LAYERS if key in body})
+    path = tmp_path / f"{kind}.json"
+    path.write_text(json.dumps(body))
+    source = resolve_source(str(path))
+    with fake_kernels():
+        shape = _Shape.of(source, wl, wl.dtype if wl.mixed_policy else None)
+        cut = shape.whole_models(fsdp=False)
+        assert [len(find_layers(m.model)) for m in cut] == [3, 4]
+        scaled, scaled_params = _whole_step(source, cut, wl, "cpu", 9)
+        whole = short_model(shape.whole, shape.layers, range(9))
+        full, full_params = _whole_step(source, (whole,), wl, "cpu", 9)
+    assert scaled_params == full_params
+    for field in ("phase_peaks", "states", "flops", "work", "layer_deltas", "n_layers"):
+        assert getattr(scaled, field) == getattr(full, field), field
+    by_layer = functools.partial(sorted, key=lambda r: (r.layer, r.nbytes, r.component, r.op))
+    assert by_layer(scaled.saved) == by_layer(full.saved)  # the profile sums them by layer
+    assert list(scaled.phase_peaks) == list(full.phase_peaks)  # in the step's order: the profile's JSON is too
 
 
 AMP = dataclasses.replace(WL, dtype="bf16", precision="amp", micro_batch=32, seq_len=64)

@@ -60,6 +60,7 @@ __all__ = [
     "Op",
     "StepWork",
     "Timing",
+    "affine_ops",
     "by_class",
     "check_device_dict",
     "kernels",
@@ -667,7 +668,7 @@ def scale_work(small: StepWork, big: StepWork, k: int, n: int) -> StepWork:
     for name, ops in big.phases.items():
         m = re.fullmatch(r"(forward|backward) of layer (\d+)", name)
         if m is None:
-            phases[name] = _affine_ops(small.phases.get(name, ()), ops, k, n)
+            phases[name] = affine_ops(small.phases.get(name, ()), ops, k, n)
         elif int(m.group(2)) < k:
             phases[name] = ops
     for stage in ("forward", "backward"):
@@ -686,7 +687,10 @@ def _phase_order(name: str, n: int) -> tuple[int, int]:
     return ({"forward (embedding)": 0, "forward (head and loss)": 2, "backward (head and loss)": 2}.get(name, 4), 0)
 
 
-def _affine_ops(small: Sequence[Op], big: Sequence[Op], k: int, n: int) -> tuple[Op, ...]:
+def affine_ops(small: Sequence[Op], big: Sequence[Op], k: int, n: int) -> tuple[Op, ...]:
+    """The kernels of a phase outside the layers of an ``n``-layer step from those of steps of ``k`` (``small``)
+    and ``k + 1`` (``big``) identical layers: each signature's count affine in the layer count, and a multi-tensor
+    op's bytes."""
     if tuple(small) == tuple(big):
         return tuple(big)
     groups: dict[tuple[str, str, int], tuple[list[Op], list[Op]]] = {}
@@ -695,8 +699,11 @@ def _affine_ops(small: Sequence[Op], big: Sequence[Op], k: int, n: int) -> tuple
             groups.setdefault(op[:3], ([], []))[side].append(op)
     out: list[Op] = []
     for (name, dtype, flops), (a, b) in groups.items():
-        if len(a) == len(b) == 1 and a[0][4] == b[0][4]:  # one multi-tensor op: its bytes grow
-            out.append((name, dtype, flops, max(0, a[0][3] + (n - k) * (b[0][3] - a[0][3])), b[0][4]))
+        if {op[3] for op in a} != {op[3] for op in b} and [op[4] for op in a] == [op[4] for op in b]:
+            # multi-tensor ops (AdamW's foreach ones, one per state): as many, each over more bytes, paired in
+            # the order of their bytes
+            for x, y in zip(a, b):
+                out.append((name, dtype, flops, max(0, x[3] + (n - k) * (y[3] - x[3])), y[4]))
             continue
         counts_a = {op[3]: op[4] for op in a}
         for _, _, _, nbytes, count in b:

@@ -84,11 +84,16 @@ from recompute.trace._cuda import fake_device_note, trace_device
 from recompute.trace._kinds import layer_kinds, ranges, short_model
 from recompute.trace._mesh import fake_group
 from recompute.trace._run import _check_traceable, _source_of, step_built
+from recompute.trace._scale import scale_whole
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase
 from recompute.trace._workers import run_jobs, side_workers
 
 __all__ = ["cached_profile", "cached_profiles", "profile", "profile_key", "profiles", "with_loss"]
+
+WHOLE_K = 3
+"""The whole step of a model of more than ``2 * WHOLE_K + 1`` alike layers is traced at ``WHOLE_K`` and
+``WHOLE_K + 1`` layers and scaled (``_Shape.whole_models``); 3 is the least that gives every layer's phase."""
 
 
 def profiled_policies() -> tuple[str, ...]:
@@ -208,14 +213,15 @@ def profiles(
         # Every model built on meta before a step makes one of them fake: the chained ones and the anchors once
         # (Note: [anchors once for every loss mode]).
         first = next(iter(workloads))
-        whole = {loss: shape.whole_copy() for loss in workloads}
+        whole = {loss: shape.whole_models(wl.fsdp) for loss in workloads}
         anchors, chained = shape.models(parts)
         stand_in = _one_rank_stand_in(workloads[first])
         jobs: list[Callable[[], Any]] = [
             partial(_chain_step, shape, part, where | ref, built, stand_in, device)
             for part, where, ref, built in zip(parts, positions, refs, chained)
         ]
-        jobs += [partial(_whole_step, source, whole[loss], w, device) for loss, w in workloads.items()]
+        n = len(shape.layers)
+        jobs += [partial(_whole_step, source, whole[loss], w, device, n) for loss, w in workloads.items()]
         for (_, p, x), short in zip(shape.anchors, anchors):
             per_layer = Policy(layers=(*leads(p, shape.ok)[:x], p))
             jobs.append(partial(_anchor_step, short, stand_in, per_layer, device, shape.only_last))
@@ -246,11 +252,18 @@ def _one_rank_stand_in(wl: Workload) -> Workload:
     return dataclasses.replace(wl, fsdp=False, dp=1) if wl.fsdp else wl
 
 
-def _whole_step(source: ModelSource, whole: BuiltModel, wl: Workload, device: str) -> tuple[StepRecord, int]:
+def _whole_step(
+    source: ModelSource, whole: Sequence[BuiltModel], wl: Workload, device: str, n: int
+) -> tuple[StepRecord, int]:
     """The whole model's step under ``none`` and its parameter count: one FSDP rank's under ``wl.fsdp`` (the
-    model built again in its parameters' dtype, sharded on a fake process group), else ``whole``'s."""
+    model built again in its parameters' dtype, sharded on a fake process group), else ``whole``'s: the model's
+    own step, or scaled to ``n`` layers from the steps of the model cut to ``WHOLE_K`` and ``WHOLE_K + 1``
+    (``_Shape.whole_models``)."""
     if not wl.fsdp:
-        record, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
+        (record, _, n_params), *big = (step_built(m, wl, Policy("none"), device=device, flops=True) for m in whole)
+        if big:  # Note: [every layer's phase] in _scale
+            (record_big, _, params_big) = big[0]
+            return scale_whole(record, record_big, n, WHOLE_K), n_params + (n - WHOLE_K) * (params_big - n_params)
         return record, n_params
     with fake_group(wl):
         sharded = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype])
@@ -388,9 +401,15 @@ class _Shape:
         """Whether a kind is only the model's last layer (its own figures come from the anchors)."""
         return any(k not in {a for a, _ in self.pairs} for k in range(len(self.reps)))
 
-    def whole_copy(self) -> BuiltModel:
-        """A meta copy of the whole model."""
-        return _copy(self.whole)
+    def whole_models(self, fsdp: bool) -> tuple[BuiltModel, ...]:
+        """Meta copies of what the whole step runs (``_whole_step``): where the layers are all alike and more than
+        ``2 * WHOLE_K + 1``, the model cut to ``WHOLE_K`` and ``WHOLE_K + 1`` layers, whose steps scale to the
+        whole one exactly (Note: [every layer's phase] in ``_scale``); else the whole model (an FSDP2 rank's is
+        built sharded in the step)."""
+        n = len(self.layers)
+        if fsdp or len(self.reps) > 1 or n <= 2 * WHOLE_K + 1:
+            return (_copy(self.whole),)
+        return tuple(short_model(self.whole, self.layers, range(c)) for c in (WHOLE_K, WHOLE_K + 1))
 
     def models(self, parts: Sequence[tuple[Node, ...]]) -> tuple[list[BuiltModel], list[BuiltModel]]:
         """Meta copies of each anchor's short model and of the chained model of each part of the chain."""

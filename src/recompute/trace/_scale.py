@@ -27,6 +27,15 @@ all-gather, which layer 0 has none of; the forward of layer 0 still holds the ro
 between are affine in j, so the largest is at layer 1 or at the next to last: both are categories of their own
 (``second``, ``penult``), which needs K >= 3 (``trace`` asks for it under fsdp). tests/test_fsdp.py holds scaled
 traces to full ones.
+
+Note: [every layer's phase] A trace needs only the phases that can hold the peak (each run's first, second and last
+layer); a profile's whole step (``recompute.trace._profile``) needs every layer's, its base for any plan. A middle
+layer's figure is affine in its place j and in the run's length L together (the layers below hold their
+activations, those above their gradients, and every layer its states): f(j, L) = f(1, L) + (j - 1) * s, with f(1, L)
+scaled as the second layer is and the slope s read from the trace of K + 1 layers, whose layers 1 and 2 are both
+middle ones for K >= 3 (``scale_whole``). Its FLOPs and kernels follow as ``recompute.core.timing.scale_work``'s:
+every layer's copied from the trace of K + 1 layers, those outside the layers affine in L.
+tests/test_profile.py holds a profile from a scaled whole step to one from the full step, field by field.
 """
 
 from __future__ import annotations
@@ -34,11 +43,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from recompute.core.timing import affine_ops, work_list
 from recompute.trace._kinds import Run
 from recompute.trace._step import StepRecord
 from recompute.trace._tracker import Phase, SavedRecord
 
-__all__ = ["cut_counts", "grown", "scale_runs", "scaled_runs"]
+__all__ = ["cut_counts", "grown", "scale_runs", "scale_whole", "scaled_runs"]
 
 _Key = tuple[str, str, int, str, int]
 """(stage, part, run, category, offset): a phase of the step, its layer's run and place in that run."""
@@ -167,3 +177,43 @@ def _scaled_deltas(base: StepRecord, bigs: Mapping[int, StepRecord], runs: Seque
         deltas = record.layer_deltas[first : first + count]
         out += [deltas[min(offset, count - 1)] for offset in range(run.length)]
     return tuple(out)
+
+
+def scale_whole(small: StepRecord, big: StepRecord, n: int, k: int) -> StepRecord:
+    """The record of a step of ``n`` alike layers from steps of ``k`` (``small``) and ``k + 1`` (``big``) of
+    them, with every layer's phase, FLOPs and kernels (Note: [every layer's phase]; ``k`` >= 3, not FSDP2)."""
+    if k < 3 or n <= k + 1:
+        raise ValueError(f"every layer's phase scales from traces of 3 or more layers to more, got {k} -> {n}")
+    record = scale_runs(small, {0: big}, (Run(0, 0, n),), k)
+    peaks = dict(record.phase_peaks)
+    for stage in ("forward", "backward"):
+        (one, at_one), (two, at_two) = (big.phase_peaks[Phase(stage, "layer", j)] for j in (1, 2))
+        value, snap = peaks[Phase(stage, "layer", 1)]
+        keys = dict.fromkeys([*snap, *at_one, *at_two])
+        for j in range(2, n - 1):
+            peaks[Phase(stage, "layer", j)] = (
+                value + (j - 1) * (two - one),
+                {key: snap.get(key, 0) + (j - 1) * (at_two.get(key, 0) - at_one.get(key, 0)) for key in keys},
+            )
+    flops: dict[Phase, dict[str, int]] = {}
+    work: dict[Phase, dict[tuple[str, str, int, int], int]] = {}
+    for phase in sorted({*big.flops, *big.work}, key=Phase.order):
+        if phase.part != "layer":
+            if phase in big.flops:
+                flops[phase] = grown_dict(small.flops.get(phase, {}), {0: big.flops[phase]}, (Run(0, 0, n),), k)
+            if phase in big.work:
+                ops = affine_ops(work_list(small.work.get(phase, {})), work_list(big.work[phase]), k, n)
+                work[phase] = {op[:4]: op[4] for op in ops}
+            continue
+        for j in range(phase.layer, phase.layer + 1 if phase.layer < k else n):  # layer k's kernels: every layer on
+            at = Phase(phase.stage, "layer", j)
+            if phase in big.flops:
+                flops[at] = dict(big.flops[phase])
+            if phase in big.work:
+                work[at] = dict(big.work[phase])
+    return dataclasses.replace(
+        record,
+        phase_peaks=dict(sorted(peaks.items(), key=lambda kv: kv[0].order())),
+        flops=dict(sorted(flops.items(), key=lambda kv: kv[0].order())),
+        work=dict(sorted(work.items(), key=lambda kv: kv[0].order())),
+    )
