@@ -192,8 +192,9 @@ def test_steps_in_worker_processes_measure_what_one_process_does(kind: str) -> N
         ("llama", WL),
         ("llama", dataclasses.replace(WL, device="cuda", dtype="bf16", precision="amp")),  # foreach AdamW, autocast
         ("gpt2", dataclasses.replace(WL, device="cuda")),  # tied embedding, dropout
+        ("qwen3_moe", WL),  # every layer a mixture of experts
     ],
-    ids=["llama-cpu", "llama-cuda-amp", "gpt2-cuda"],
+    ids=["llama-cpu", "llama-cuda-amp", "gpt2-cuda", "qwen3_moe-cpu"],
 )
 def test_the_whole_step_scaled_from_three_and_four_layers_is_the_whole_step(kind: str, wl: Workload, tmp_path) -> None:
     """Note: [every layer's phase]: a profile's whole step of nine alike layers, from steps of three and four
@@ -216,6 +217,20 @@ def test_the_whole_step_scaled_from_three_and_four_layers_is_the_whole_step(kind
     by_layer = functools.partial(sorted, key=lambda r: (r.layer, r.nbytes, r.component, r.op))
     assert by_layer(scaled.saved) == by_layer(full.saved)  # the profile sums them by layer
     assert list(scaled.phase_peaks) == list(full.phase_peaks)  # in the step's order: the profile's JSON is too
+
+
+def test_the_whole_step_runs_whole_where_it_does_not_scale(tmp_path: Path) -> None:
+    """Scaling the whole step takes alike layers (Gemma 2's alternate sliding and global attention) and one
+    device's step (an FSDP2 rank's first and last layers differ)."""
+    counts = {}
+    for kind in ("gemma2", "llama"):
+        path = tmp_path / f"{kind}.json"
+        path.write_text(json.dumps({"model_type": kind, **ZOO[kind], "num_hidden_layers": 9}))
+        with fake_kernels():
+            shape = _Shape.of(resolve_source(str(path)), WL)
+            for fsdp in (False, True):
+                counts[kind, fsdp] = [len(find_layers(m.model)) for m in shape.whole_models(fsdp)]
+    assert counts == {("gemma2", False): [9], ("gemma2", True): [9], ("llama", False): [3, 4], ("llama", True): [9]}
 
 
 AMP = dataclasses.replace(WL, dtype="bf16", precision="amp", micro_batch=32, seq_len=64)
