@@ -352,6 +352,15 @@ def test_cli_plan_bad_input(capsys: pytest.CaptureFixture[str], argv: list[str])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
 
 
+def test_compiled_bench_results_price_no_eager_plan(tmp_path) -> None:
+    times = {"none": 1.0, "core_attn": 1.02, "attn": 1.08, "mlp": 1.2, "attn+mlp": 1.3, "block": 1.31}
+    spec, wl = ModelSpec.from_name("gpt2"), Workload(seq_len=1024, micro_batch=8)
+    path = write_bench(tmp_path / "bench.json", spec, wl, times)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "compiled": "model"}))
+    with pytest.raises(ConfigError, match=r"ran torch.compile'd \(model\), which prices no eager plan"):
+        measured_costs(path, spec.name, spec.n_layers)
+
+
 def test_measured_costs_from_bench_results(tmp_path) -> None:
     times = {"none": 1.0, "core_attn": 1.02, "attn": 1.08, "mlp": 1.2, "attn+mlp": 1.3, "block": 1.31}
     spec, wl = ModelSpec.from_name("gpt2"), Workload(seq_len=1024, micro_batch=8)

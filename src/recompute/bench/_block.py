@@ -6,26 +6,37 @@ draws the same batch, warms up, runs its timed steps back to back, then measures
 step, so that AdamW's state exists, as the trace has it) and, where asked, counts one step's FLOPs. On CUDA the
 caching allocator's cache is emptied once the model is built, so the block's ``max_memory_reserved`` is what its
 steps reserve beside the model (as ``recompute trace`` replays it).
+
+Note: [compiled blocks] With ``compiled`` the block's model is ``torch.compile``d after its policy is applied (the
+whole model, or each layer on its own as torchtitan compiles), dynamo's caches emptied first so that no block
+inherits another's graphs or hits its recompile limit, and ``activation_memory_budget`` set for the block's
+duration (it is read as the graphs are partitioned, in the first warm-up step). A compiled step's buffers are
+Inductor's, allocated by generated code that calls no op, so no dispatch mode (MemTracker) sees them: on the CPU
+its memory step is measured by c10's allocator itself (``recompute.bench.allocator_peak``) on top of what the
+block holds between steps (parameters, buffers, AdamW's state, the batch), and its saved bytes are read from the
+compiled regions' autograd nodes (``saved_by_compiled``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from recompute.bench._allocator import allocator_peak
 from recompute.checkpointing import apply, find_layers
 from recompute.core.policy import Policy
 from recompute.core.workload import Workload
 from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, forward_autocast, random_batch, sync
-from recompute.trace import flop_counter, trace_module
+from recompute.trace import flop_counter, saved_by_compiled, trace_module
 
 __all__ = ["Measured", "run_block"]
 
@@ -63,6 +74,9 @@ class _Run:
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn
     batch: tuple[Tensor, Tensor]
+    call: nn.Module
+    """What the steps call: ``model``, or its ``torch.compile``d wrapper."""
+    compiled: str | None = None
 
 
 def run_block(
@@ -78,13 +92,35 @@ def run_block(
     measure: bool = True,
     count: bool = False,
     name: str = "",
+    compiled: str | None = None,
+    budget: float | None = None,
 ) -> Measured:
     """Build ``source`` under ``policy`` from ``seed`` on ``device``, run ``warmup`` steps, ``steps`` timed steps,
     one memory step (``measure``) and one FLOP-counted forward and backward (``count``), and release it.
 
-    ``tick`` is called with a label before each step; ``name`` labels them (default: the policy).
+    ``tick`` is called with a label before each step; ``name`` labels them (default: the policy). ``compiled``:
+    ``model`` or ``block``, the model ``torch.compile``d (Note: [compiled blocks]) under ``budget``
+    (``activation_memory_budget``; None: PyTorch's own).
     """
-    run, built = _build(source, wl, policy, seed, device)
+    with _memory_budget(budget):
+        return _run_block(source, wl, policy, seed, device, warmup, steps, tick, measure, count, name, compiled)
+
+
+def _run_block(
+    source: ModelSource,
+    wl: Workload,
+    policy: Policy,
+    seed: int,
+    device: str,
+    warmup: int,
+    steps: int,
+    tick: Callable[[str], None],
+    measure: bool,
+    count: bool,
+    name: str,
+    compiled: str | None,
+) -> Measured:
+    run, built = _build(source, wl, policy, seed, device, compiled)
     label = name or policy.describe()
     for i in range(warmup):
         tick(f"{label}: warm-up {i + 1}/{warmup}")
@@ -107,9 +143,26 @@ def run_block(
     return Measured(policy, wl.loss, tuple(times), built.class_name, built.notes, about, memory, flops, reserved)
 
 
-def _build(source: ModelSource, wl: Workload, policy: Policy, seed: int, device: str) -> tuple[_Run, BuiltModel]:
-    """The block's model (the same weights for every block with this seed), optimizer and batch; the previous
-    block's objects collected first, and on CUDA the cache emptied after the build."""
+@contextlib.contextmanager
+def _memory_budget(budget: float | None) -> Iterator[None]:
+    """``torch._functorch.config.activation_memory_budget`` at ``budget`` inside (untouched for None)."""
+    if budget is None:
+        yield
+        return
+    import torch._functorch.config as config
+
+    with config.patch(activation_memory_budget=float(budget)):
+        yield
+
+
+def _build(
+    source: ModelSource, wl: Workload, policy: Policy, seed: int, device: str, compiled: str | None = None
+) -> tuple[_Run, BuiltModel]:
+    """The block's model (the same weights for every block with this seed), optimizer and batch, compiled where
+    asked (Note: [compiled blocks]); the previous block's objects collected first, and on CUDA the cache emptied
+    after the build."""
+    if compiled is not None:
+        torch._dynamo.reset()
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -122,7 +175,14 @@ def _build(source: ModelSource, wl: Workload, policy: Policy, seed: int, device:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     loss_fn = _autocast_loss(built.loss_fn, autocast_dtype(wl), device)
-    return _Run(model, torch.optim.AdamW(model.parameters()), loss_fn, batch), built
+    call = model
+    if compiled == "block":  # each layer on its own, the rest eager, as torchtitan compiles
+        stack = find_layers(model)
+        for i, layer in enumerate(list(stack)):
+            stack[i] = cast(nn.Module, torch.compile(layer))
+    elif compiled is not None:
+        call = cast(nn.Module, torch.compile(model))
+    return _Run(model, torch.optim.AdamW(model.parameters()), loss_fn, batch, call, compiled), built
 
 
 def _autocast_loss(loss_fn: LossFn, dtype: torch.dtype | None, device: str) -> LossFn:
@@ -146,7 +206,7 @@ def _timed_step(run: _Run, device: str) -> Step:
     """(forward, backward, optimizer) seconds of one training step."""
     sync(device)
     t0 = time.perf_counter()
-    _, loss = run.loss_fn(run.model, *run.batch)
+    _, loss = run.loss_fn(run.call, *run.batch)
     sync(device)
     t1 = time.perf_counter()
     loss.backward()
@@ -164,14 +224,17 @@ def _count_flops(run: _Run) -> int:
     A step of its own: under ``FlopCounterMode`` the memory step's peak grew (module hooks keep tensors alive).
     """
     with flop_counter() as counter:  # FlopCounterMode that takes grouped-query attention on every torch
-        _, loss = run.loss_fn(run.model, *run.batch)
+        _, loss = run.loss_fn(run.call, *run.batch)
         loss.backward()
     run.model.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
 
 
 def _memory(run: _Run, device: str, keep_grads: bool = False) -> tuple[int, int, int]:
-    """(device peak, traced peak, saved activation bytes) of one step of ``run``."""
+    """(device peak, traced peak, saved activation bytes) of one step of ``run``; a compiled one's traced peak is
+    0 (no dispatch mode sees its buffers: Note: [compiled blocks])."""
+    if run.compiled is not None:
+        return _compiled_memory(run, device)
     traced = trace_module(run.model, run.batch, optimizer=run.optimizer, loss_fn=run.loss_fn, keep_grads=keep_grads)
     if device != "cuda":
         return traced.peak, traced.peak, traced.activations
@@ -184,12 +247,35 @@ def _memory(run: _Run, device: str, keep_grads: bool = False) -> tuple[int, int,
     return peak, traced.peak, traced.activations
 
 
-def _resident_bytes(run: _Run) -> int:
-    """Bytes of ``run``'s parameters and optimizer state (what it holds between steps)."""
+def _compiled_memory(run: _Run, device: str) -> tuple[int, int, int]:
+    """(device peak, 0, saved bytes) of one compiled step of ``run`` (Note: [compiled blocks]): the bytes its
+    compiled regions save, read from a forward's autograd graph (then run through its backward, the gradients
+    dropped), and the peak of the next whole step over what the block holds between steps."""
+    weights = [*run.model.parameters(), *run.model.buffers(), *run.batch]
+    _, loss = run.loss_fn(run.call, *run.batch)
+    saved = saved_by_compiled(loss, exclude=weights)
+    loss.backward()
+    del loss
+    run.optimizer.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _timed_step(run, device)
+        return _resident_bytes(run) + torch.cuda.max_memory_allocated() - base, 0, saved
+    held = _resident_bytes(run, cuda=False)
+    return held + allocator_peak(lambda: _timed_step(run, device)).peak, 0, saved
+
+
+def _resident_bytes(run: _Run, cuda: bool = True) -> int:
+    """Bytes of ``run``'s parameters and optimizer state (what it holds between steps) on CUDA; off it
+    (``cuda=False``), its buffers and batch too, on the CPU."""
     tensors = list(run.model.parameters()) + [
         v for state in run.optimizer.state.values() for v in state.values() if isinstance(v, Tensor)
     ]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    if not cuda:
+        tensors += [*run.model.buffers(), *run.batch]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda == cuda}
     return sum(storages.values())
 
 

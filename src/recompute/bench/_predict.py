@@ -29,13 +29,14 @@ from recompute.core.states import traced_precision
 from recompute.core.workload import AMP, Workload
 from recompute.models.source import ModelSource
 from recompute.runtime import HEADROOM, TORCH_DTYPES, available_memory, require_memory, sync
-from recompute.trace import TraceResult, trace
+from recompute.trace import CompiledTrace, TraceResult, trace, trace_compiled
 
 __all__ = [
     "MAX_MINUTES",
     "SIZE_FIELDS",
     "Predicted",
     "as_run",
+    "compiled_peak",
     "matmul_rate",
     "precision_note",
     "predict",
@@ -94,14 +95,25 @@ class Predicted:
     """A preset's analytic estimate of each run's step (its overhead and peak); ``None`` for another source."""
     why: str = "the analytic model describes recompute's reference GPT-2 and Llama, not this class"
     """Why there is no analytic estimate, when there is none."""
+    compiled: tuple[CompiledTrace, ...] | None = None
+    """The compiled step's trace of each run (``bench --compiled``), its peak traced too."""
 
     @property
     def peaks(self) -> tuple[float, ...]:
-        return tuple(float(t.peak) for t in self.traces)
+        if self.compiled is None:
+            return tuple(float(t.peak) for t in self.traces)
+        return tuple(float(compiled_peak(t, c)) for t, c in zip(self.traces, self.compiled))
 
     @property
     def note(self) -> str:
         """Where the predicted columns come from."""
+        if self.compiled is not None:
+            return (
+                "predicted peak: the compiled step traced on fake tensors (recompute trace --compiled, Inductor's "
+                "buffers modelled) above what the step holds between steps, or the eager trace's optimizer step if "
+                "higher; predicted overhead: the FLOPs of the partitioned graphs over the first run's; measured "
+                "peak: c10's CPU allocator (or CUDA's), saved bytes: the compiled regions' autograd nodes"
+            )
         peak = "predicted peak: the fake-tensor trace of the same step (recompute trace)"
         if self.analytic is not None:
             return f"{peak}; predicted overhead and analytic peak: the preset's analytic model (recompute estimate)"
@@ -111,15 +123,36 @@ class Predicted:
         )
 
 
-def predict(source: ModelSource, runs: Runs, device: str, *, steps: Sequence[int], max_minutes: float) -> Predicted:
+def compiled_peak(eager: TraceResult, compiled: CompiledTrace) -> int:
+    """The compiled step's predicted peak: its forward and backward's (``CompiledTrace.peak``) above what the step
+    holds between steps (parameters, AdamW's state, buffers and the batch, as the eager trace has them), or the
+    optimizer step's, which runs eagerly, where that is higher."""
+    assert compiled.peak is not None
+    held = eager.parameters + eager.optimizer + eager.other
+    return max(held + compiled.peak, eager.phases.get("optimizer step", 0))
+
+
+def predict(
+    source: ModelSource,
+    runs: Runs,
+    device: str,
+    *,
+    steps: Sequence[int],
+    max_minutes: float,
+    compiled: str | None = None,
+    budget: float | None = None,
+) -> Predicted:
     """Refuse runs this machine cannot take, before building anything; then each run's predicted figures.
 
     A preset is checked on its analytic figures first (instant, before tracing a large model), then every
     source on the traces of its runs' steps. ``steps``: the steps each run takes (the CPU's time check).
+    ``compiled`` (``model`` or ``block``) and ``budget``: the runs are compiled steps, each also traced compiled
+    (``trace_compiled``, its peak too), which the predicted peaks and overheads are then of.
 
     Raises:
         ConfigError: the largest run's step needs more memory than ``device`` has free (on CUDA what the caching
-            allocator is predicted to reserve), or, on the CPU, the runs would take over ``max_minutes``.
+            allocator is predicted to reserve), or, on the CPU, the runs would take over ``max_minutes``; a
+            compiled run whose peak this PyTorch cannot trace (before 2.8).
     """
     spec = source.spec if all(wl.precision != AMP for wl, _ in runs) else None  # the formulas take one dtype
     analytic = tuple(estimate(spec, as_run(wl), pol) for wl, pol in runs) if spec is not None else None
@@ -130,12 +163,38 @@ def predict(source: ModelSource, runs: Runs, device: str, *, steps: Sequence[int
     traces = tuple(trace(source, as_run(wl), pol) for wl, pol in runs)
     fix = "use a shorter seq_len, a smaller micro_batch or a smaller model"
     require_memory(traced_need(traces), device, what="bench", fix=fix, fields=("seq_len", "micro_batch"))
+    if compiled is not None:
+        return _compiled(source, runs, device, traces, compiled, budget, fix)
     if spec is None:  # Kaplan et al.'s 6 N T, and a forward's 2 N T more for a policy that replays
         per_token = [(6 + 2 * (pol.name not in ("none", "offload"))) * traces[0].parameter_count for _, pol in runs]
         _require_time_of(runs, [f * wl.tokens for f, (wl, _) in zip(per_token, runs)], device, steps, max_minutes)
     if source.spec is not None and spec is None:
         return Predicted(traces, None, "the analytic model describes one-dtype steps, not autocast's (amp)")
     return Predicted(traces, analytic)
+
+
+def _compiled(
+    source: ModelSource,
+    runs: Runs,
+    device: str,
+    traces: tuple[TraceResult, ...],
+    compiled: str,
+    budget: float | None,
+    fix: str,
+) -> Predicted:
+    """``predict``'s compiled runs: each step traced compiled, the memory checked on the larger prediction."""
+    found = tuple(
+        trace_compiled(source, as_run(wl), pol, budget=budget, per_block=compiled == "block", peak=True)
+        for wl, pol in runs
+    )
+    if any(c.peak is None for c in found):
+        raise ConfigError(
+            f"bench --compiled predicts the compiled step's peak by running its graphs under a dispatch mode, which "
+            f"this PyTorch ({torch.__version__}) does not do (2.8 and newer do); upgrade, or bench without --compiled"
+        )
+    need = max(compiled_peak(t, c) for t, c in zip(traces, found))
+    require_memory(need, device, what="bench", fix=fix, fields=("seq_len", "micro_batch"))
+    return Predicted(traces, None, "the analytic model describes eager steps, not compiled ones", found)
 
 
 def _require_time_of(runs: Runs, flops: Sequence[float], device: str, steps: Sequence[int], minutes: float) -> None:

@@ -99,6 +99,8 @@ def bench(
     losses: Sequence[str] = (),
     max_minutes: float = MAX_MINUTES,
     rounds: int = 1,
+    compiled: str | None = None,
+    memory_budget: float | None = None,
 ) -> BenchResult:
     """Time and measure real training steps of ``spec`` under each policy, one policy at a time (see the module
     docstring).
@@ -120,32 +122,75 @@ def bench(
     same step. The step runs in ``wl.dtype`` throughout (``recompute.bench._predict.run_precision``); a workload
     asking for ``mixed`` or ``distributed`` precision is run and priced as that step, and a note says so.
 
+    ``compiled``: ``model`` or ``block``, each run's model ``torch.compile``d after its policy (the whole model, or
+    each layer on its own as torchtitan compiles; Note: [compiled blocks] in ``recompute.bench._block``), under
+    ``memory_budget`` (``activation_memory_budget``; None: PyTorch's own); each row is then held to the compiled
+    step's trace (``trace_compiled``): its peak and, from its graphs' FLOPs, its overhead. No step time is
+    predicted for it (the time model prices eager kernels).
+
     Raises:
         ConfigError: no policies, a bad policy, a sequence beyond the model's positions, CUDA asked for without
             CUDA, a step predicted not to fit the free memory, or on the CPU runs predicted to take over
-            ``max_minutes``.
+            ``max_minutes``; ``compiled`` not ``model`` or ``block``, a memory budget without it, no warm-up step
+            for it to compile in, a device profile beside it, or a policy the compiled trace refuses (offload).
     """
     source = spec if isinstance(spec, ModelSource) else ModelSource.preset(spec, hf=hf)
+    _check_compiled(compiled, memory_budget, warmup, device_profile)
     runs, device = _runs(source, wl, policies, losses, steps=steps, warmup=warmup, rounds=rounds)
-    # a preset's overheads are the analytic model's (one dtype); another's, or any under amp, are counted
-    count = source.spec is None or any(w.precision == AMP for w, _ in runs)
+    # a preset's overheads are the analytic model's (one dtype); another's, or any under amp, are counted; a
+    # compiled step's are its graphs' FLOPs (predict)
+    count = compiled is None and (source.spec is None or any(w.precision == AMP for w, _ in runs))
     per_run = rounds * warmup + 1 + count + steps
     again = (warmup + steps) * (len(runs) > 1 and rounds == 1)  # Note: [drift]
     taken = [per_run + again] + [per_run] * (len(runs) - 1)
     if isinstance(device_profile, Device):
         gpu = torch.cuda.get_device_name() if device == "cuda" else None
         device_profile.check_runs_on(device, gpu, threads=torch.get_num_threads())
-    predicted = predict(source, runs, device, steps=taken, max_minutes=max_minutes)
+    predicted = predict(
+        source, runs, device, steps=taken, max_minutes=max_minutes, compiled=compiled, budget=memory_budget
+    )
     if callable(device_profile):
         device_profile = device_profile()  # measured only for a run that fits
     timings = _predicted_times(source, runs, device_profile) if device_profile else None
     block = functools.partial(
-        run_block, source, seed=seed, device=device, warmup=warmup, tick=_ticker(progress, sum(taken))
-    )
+        run_block, source, seed=seed, device=device, warmup=warmup, tick=_ticker(progress, sum(taken)),
+        compiled=compiled, budget=memory_budget,
+    )  # fmt: skip
     measured, drift = _measure(block, runs, steps=steps, rounds=rounds, count=count)
     progress("done", sum(taken), sum(taken))
-    return _result(source, wl, measured, predicted, timings, drift=drift, seed=seed, rounds=rounds, device=device,
-                   steps=steps, warmup=warmup, device_profile=device_profile)  # fmt: skip
+    result = _result(source, wl, measured, predicted, timings, drift=drift, seed=seed, rounds=rounds, device=device,
+                     steps=steps, warmup=warmup, device_profile=device_profile)  # fmt: skip
+    if compiled is None:
+        return result
+    how = "the whole model" if compiled == "model" else "each layer on its own, the rest eager (torchtitan's way)"
+    budget = f"activation_memory_budget {memory_budget:g}" if memory_budget is not None else "PyTorch's own budget"
+    line = f"compiled: torch.compile (Inductor) of {how}, after the policy, under {budget}; compiled in the warm-up"
+    return dataclasses.replace(
+        result, compiled=compiled, memory_budget=memory_budget, notes=(result.notes[0], line, *result.notes[1:])
+    )
+
+
+def _check_compiled(
+    compiled: str | None, budget: float | None, warmup: int, device_profile: Device | Callable[[], Device] | None
+) -> None:
+    """``bench``'s compiled options, checked before anything is traced or built."""
+    if compiled is None:
+        require(budget is None, "a memory budget is torch.compile's; bench with compiled 'model' or 'block' too",
+                fields=("memory_budget",))  # fmt: skip
+        return
+    one_of("compiled", compiled, ("model", "block"))
+    require(
+        budget is None or 0 < budget <= 1,
+        f"the memory budget is a fraction of the saved bytes in (0, 1], got {budget}",
+        fields=("memory_budget",),
+    )
+    require(warmup >= 1, "a compiled bench compiles in its warm-up: give at least one warm-up step", fields=("warmup",))
+    require(
+        device_profile is None,
+        "a compiled bench predicts no step time (the time model prices eager kernels, not Inductor's); drop the "
+        "device profile (--no-time at the CLI)",
+        fields=("device_profile",),
+    )
 
 
 def _measure(
@@ -235,11 +280,12 @@ def _result(
     device_profile: Device | None,
 ) -> BenchResult:
     """The rows, each beside its prediction, and the notes that say what ran and where the figures come from."""
-    overheads = (
-        tuple(e.overhead for e in predicted.analytic)
-        if predicted.analytic is not None
-        else tuple(m.flops / measured[0].flops - 1 for m in measured)
-    )
+    if predicted.compiled is not None:
+        overheads = tuple(c.flops / predicted.compiled[0].flops - 1 for c in predicted.compiled)
+    elif predicted.analytic is not None:
+        overheads = tuple(e.overhead for e in predicted.analytic)
+    else:
+        overheads = tuple(m.flops / measured[0].flops - 1 for m in measured)
     rows = tuple(_row(wl, m, predicted, i, overheads[i]) for i, m in enumerate(measured))
     if timings is not None:
         rows = tuple(
@@ -302,7 +348,7 @@ def _row(wl: Workload, m: Measured, predicted: Predicted, i: int, overhead: floa
     fwd, bwd, opt = (statistics.median(t[k] for t in m.times) for k in range(3))
     steps = tuple(sum(t) for t in m.times)
     step = statistics.median(steps)
-    reserved = predicted.traces[i].reserved
+    reserved = predicted.traces[i].reserved if predicted.compiled is None else None  # the eager step's replay
     return BenchRow(
         policy=m.policy.describe(),
         loss=m.loss,

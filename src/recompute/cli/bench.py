@@ -89,6 +89,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "of this device, cached)",
     )
     p.add_argument("--no-time", action="store_true", help="no predicted step times (no calibration, no trace)")
+    p.add_argument(
+        "--compiled",
+        nargs="?",
+        const="model",
+        choices=("model", "block"),
+        help="run each policy's steps torch.compile'd (Inductor), compiled in the warm-up, and hold each to the "
+        "compiled step's trace (recompute trace --compiled): its peak and its graphs' FLOPs; 'block': each layer "
+        "compiled on its own, the rest eager, as torchtitan compiles (default: the whole model); no predicted step "
+        "time",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        metavar="X",
+        help="with --compiled: torch._functorch.config.activation_memory_budget in (0, 1] (default: PyTorch's, 1.0)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -100,6 +116,19 @@ def run(args: argparse.Namespace) -> int:
         read_plan(name) if name.endswith(".json") or os.path.isfile(name) else Policy.parse(name)
     distinct_policies("--policies", policies)
     wl = workload_from(args, source)
+    require(
+        args.memory_budget is None or args.compiled is not None,
+        "--memory-budget is torch.compile's; add --compiled",
+        fields=("memory_budget",),
+    )
+    if args.compiled is not None:
+        sizes, fields = parallel_sizes(wl, ("tp", "dp"))
+        require(not fields, f"--compiled benches one process; drop {sizes}", fields=fields)
+        require(
+            not args.device_profile,
+            "--compiled predicts no step time (the time model prices eager kernels); drop --device-profile",
+            fields=("device_profile",),
+        )
     if wl.fsdp:
         return _run_fsdp(args, source, wl, policies)
     if wl.tp > 1 or wl.dp > 1:
@@ -108,18 +137,18 @@ def run(args: argparse.Namespace) -> int:
     require(not (args.no_time and args.device_profile), "--no-time and --device-profile exclude each other")
     require(args.max_minutes > 0, f"--max-minutes must be a number above 0, got {args.max_minutes:g}")
     device = None
-    if not args.no_time:
+    if not args.no_time and args.compiled is None:
         device = choose_device(device_profile=args.device_profile) if args.device_profile else None
         if device is not None:
             device.check_runs_on(wl.device, threads=torch.get_num_threads())
     losses = csv(args.loss_modes) if args.loss_modes else []
     with progress_bar("bench") as progress:
         timed: Device | Callable[[], Device] | None = device
-        if not args.no_time and device is None:
+        if not args.no_time and device is None and args.compiled is None:
             timed = functools.partial(cached_calibration, wl.device, progress=progress)  # after the memory check
         result = bench(
             source, wl, policies, **runs, progress=progress, device_profile=timed, losses=losses,
-            max_minutes=args.max_minutes,
+            max_minutes=args.max_minutes, compiled=args.compiled, memory_budget=args.memory_budget,
         )  # fmt: skip
     emit_json(result.to_dict(), "bench") if args.json else print(render_bench(result))
     return 0

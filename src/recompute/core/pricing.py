@@ -536,7 +536,13 @@ def measured_costs(path: str | Path, model: str, n_layers: int) -> tuple[dict[st
     Raises:
         ConfigError: unreadable, of another model, or without every policy.
     """
-    times = read_bench(path, model=model).step_times()
+    result = read_bench(path, model=model)
+    require(
+        result.compiled is None,
+        f"{path}: its steps ran torch.compile'd ({result.compiled}), which prices no eager plan; bench the policies "
+        "without --compiled",
+    )
+    times = result.step_times()
     missing = [p for p in POLICIES if p not in times]
     require(not missing, f"{path}: no measured step time for {', '.join(missing)}; bench every policy")
     base = times["none"]

@@ -119,6 +119,10 @@ class BenchResult:
     drift: float | None = None
     """The reference's median step when it ran again after every other run, over its first run's, minus one: how
     far the machine's speed drifted over the benchmark (``None``: one run, or a result from before it was kept)."""
+    compiled: str | None = None
+    """``model`` or ``block``: the steps ran ``torch.compile``d (``bench --compiled``); None: eager."""
+    memory_budget: float | None = None
+    """The compiled steps' ``activation_memory_budget`` (None: PyTorch's own)."""
 
     @property
     def reference(self) -> BenchRow:
@@ -154,7 +158,13 @@ class BenchResult:
         drift = data.get("drift")
         if drift is not None:
             _figure("drift", drift, low=-1.0)
-        return cls(**given, rows=rows, notes=tuple(data.get("notes", ())), drift=drift)
+        compiled, budget = data.get("compiled"), data.get("memory_budget")
+        require(compiled in (None, "model", "block"), f"compiled must be null, 'model' or 'block', got {compiled!r}")
+        if budget is not None:
+            _figure("memory_budget", budget)
+        return cls(
+            **given, rows=rows, notes=tuple(data.get("notes", ())), drift=drift, compiled=compiled, memory_budget=budget
+        )
 
 
 @dataclass(frozen=True)
