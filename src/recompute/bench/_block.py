@@ -14,7 +14,9 @@ duration (it is read as the graphs are partitioned, in the first warm-up step). 
 Inductor's, allocated by generated code that calls no op, so no dispatch mode (MemTracker) sees them: on the CPU
 its memory step is measured by c10's allocator itself (``recompute.bench.allocator_peak``) on top of what the
 block holds between steps (parameters, buffers, AdamW's state, the batch), and its saved bytes are read from the
-compiled regions' autograd nodes (``saved_by_compiled``).
+compiled regions' autograd nodes (``saved_by_compiled``: under ``block`` the layers', not the eager head's and
+embedding's). On CUDA the peak is ``max_memory_allocated`` over the step above what the block holds between steps,
+counted the same way.
 """
 
 from __future__ import annotations
@@ -102,8 +104,14 @@ def run_block(
     ``model`` or ``block``, the model ``torch.compile``d (Note: [compiled blocks]) under ``budget``
     (``activation_memory_budget``; None: PyTorch's own).
     """
-    with _memory_budget(budget):
-        return _run_block(source, wl, policy, seed, device, warmup, steps, tick, measure, count, name, compiled)
+    if compiled is not None and count:
+        raise ValueError("a compiled block's FLOPs are its trace's (FlopCounterMode misses Inductor's kernels)")
+    try:
+        with _memory_budget(budget):  # restored after, whatever a plan's apply set (set_memory_budget)
+            return _run_block(source, wl, policy, seed, device, warmup, steps, tick, measure, count, name, compiled)
+    finally:
+        if compiled is not None:
+            torch.compiler.reset()  # no compiled entry outlives its block
 
 
 def _run_block(
@@ -145,13 +153,15 @@ def _run_block(
 
 @contextlib.contextmanager
 def _memory_budget(budget: float | None) -> Iterator[None]:
-    """``torch._functorch.config.activation_memory_budget`` at ``budget`` inside (untouched for None)."""
-    if budget is None:
-        yield
-        return
+    """``torch._functorch.config.activation_memory_budget`` at ``budget`` inside (None: as it is), and as it was
+    after, whatever set it inside (a plan's ``apply``). A PyTorch without the setting is left alone (``bench``
+    refuses a budget there)."""
     import torch._functorch.config as config
 
-    with config.patch(activation_memory_budget=float(budget)):
+    if not hasattr(config, "activation_memory_budget"):
+        yield
+        return
+    with config.patch(activation_memory_budget=config.activation_memory_budget if budget is None else budget):
         yield
 
 
@@ -162,7 +172,7 @@ def _build(
     asked (Note: [compiled blocks]); the previous block's objects collected first, and on CUDA the cache emptied
     after the build."""
     if compiled is not None:
-        torch._dynamo.reset()
+        torch.compiler.reset()  # Note: [compiled blocks]
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -252,30 +262,33 @@ def _compiled_memory(run: _Run, device: str) -> tuple[int, int, int]:
     compiled regions save, read from a forward's autograd graph (then run through its backward, the gradients
     dropped), and the peak of the next whole step over what the block holds between steps."""
     weights = [*run.model.parameters(), *run.model.buffers(), *run.batch]
-    _, loss = run.loss_fn(run.call, *run.batch)
+    out, loss = run.loss_fn(run.call, *run.batch)
     saved = saved_by_compiled(loss, exclude=weights)
     loss.backward()
-    del loss
+    del out, loss
     run.optimizer.zero_grad(set_to_none=True)
+    held = _resident_bytes(run, everything=True)  # what the trace's prediction counts as held (compiled_peak)
     if device == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         _timed_step(run, device)
-        return _resident_bytes(run) + torch.cuda.max_memory_allocated() - base, 0, saved
-    held = _resident_bytes(run, cuda=False)
+        return held + torch.cuda.max_memory_allocated() - base, 0, saved
     return held + allocator_peak(lambda: _timed_step(run, device)).peak, 0, saved
 
 
-def _resident_bytes(run: _Run, cuda: bool = True) -> int:
-    """Bytes of ``run``'s parameters and optimizer state (what it holds between steps) on CUDA; off it
-    (``cuda=False``), its buffers and batch too, on the CPU."""
+def _resident_bytes(run: _Run, *, everything: bool = False) -> int:
+    """Bytes of ``run``'s parameters and optimizer state (what it holds between steps) on CUDA; ``everything``:
+    with its buffers and batch too, on whichever device it runs."""
     tensors = list(run.model.parameters()) + [
         v for state in run.optimizer.state.values() for v in state.values() if isinstance(v, Tensor)
     ]
-    if not cuda:
+    if everything:
         tensors += [*run.model.buffers(), *run.batch]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda == cuda}
+    device = run.batch[0].device.type if everything else "cuda"
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type == device
+    }
     return sum(storages.values())
 
 

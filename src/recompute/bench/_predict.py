@@ -111,8 +111,9 @@ class Predicted:
             return (
                 "predicted peak: the compiled step traced on fake tensors (recompute trace --compiled, Inductor's "
                 "buffers modelled) above what the step holds between steps, or the eager trace's optimizer step if "
-                "higher; predicted overhead: the FLOPs of the partitioned graphs over the first run's; measured "
-                "peak: c10's CPU allocator (or CUDA's), saved bytes: the compiled regions' autograd nodes"
+                "higher; predicted overhead: the FLOPs of the partitioned graphs over the first run's (per block: the "
+                "layers' graphs alone); measured peak: c10's CPU allocator (or CUDA's), saved bytes: the compiled "
+                "regions' autograd nodes (per block: the layers', not the eager head's)"
             )
         peak = "predicted peak: the fake-tensor trace of the same step (recompute trace)"
         if self.analytic is not None:
@@ -163,11 +164,11 @@ def predict(
     traces = tuple(trace(source, as_run(wl), pol) for wl, pol in runs)
     fix = "use a shorter seq_len, a smaller micro_batch or a smaller model"
     require_memory(traced_need(traces), device, what="bench", fix=fix, fields=("seq_len", "micro_batch"))
-    if compiled is not None:
-        return _compiled(source, runs, device, traces, compiled, budget, fix)
     if spec is None:  # Kaplan et al.'s 6 N T, and a forward's 2 N T more for a policy that replays
         per_token = [(6 + 2 * (pol.name not in ("none", "offload"))) * traces[0].parameter_count for _, pol in runs]
         _require_time_of(runs, [f * wl.tokens for f, (wl, _) in zip(per_token, runs)], device, steps, max_minutes)
+    if compiled is not None:
+        return _compiled(source, runs, device, traces, compiled, budget, fix)
     if source.spec is not None and spec is None:
         return Predicted(traces, None, "the analytic model describes one-dtype steps, not autocast's (amp)")
     return Predicted(traces, analytic)

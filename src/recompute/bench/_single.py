@@ -2,8 +2,9 @@
 
 Policies run one after another, with one model and optimizer alive at a time (``recompute.bench._block``): each
 is built from the same seed (the same weights), steps the same batch, warms up, runs its timed steps in one block
-and measures one more step's memory (on the CPU under MemTracker via ``recompute.trace.trace_module``; on a GPU
-``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` too), and is released before the next is built. So
+and measures one more step's memory (on the CPU under MemTracker via ``recompute.trace.trace_module``, or c10's
+allocator for a compiled step; on a GPU ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` too), and
+is released before the next is built. So
 anything whose largest step fits alone can be benched, every policy in one command.
 
 Note: [drift] Timed steps in blocks are fair to a machine whose speed holds; one that drifts (a shared CPU, a
@@ -37,8 +38,8 @@ import torch
 from recompute.bench._block import Measured, run_block
 from recompute.bench._predict import MAX_MINUTES, Predicted, as_run, precision_note, predict
 from recompute.check_gradients import named_spec
-from recompute.core.errors import one_of, require
-from recompute.core.policy import Policy
+from recompute.core.errors import ConfigError, one_of, require
+from recompute.core.policy import OFFLOAD_POLICIES, Policy
 from recompute.core.progress import Progress, no_progress
 from recompute.core.results import BenchResult, BenchRow
 from recompute.core.spec import ModelSpec
@@ -131,11 +132,12 @@ def bench(
     Raises:
         ConfigError: no policies, a bad policy, a sequence beyond the model's positions, CUDA asked for without
             CUDA, a step predicted not to fit the free memory, or on the CPU runs predicted to take over
-            ``max_minutes``; ``compiled`` not ``model`` or ``block``, a memory budget without it, no warm-up step
-            for it to compile in, a device profile beside it, or a policy the compiled trace refuses (offload).
+            ``max_minutes``; ``compiled`` not ``model`` or ``block``, a memory budget without it (or a plan's other
+            than it), no warm-up step for it to compile in, a device profile or ``keep_grads`` beside it, an
+            offloading policy, or a PyTorch before 2.8.
     """
     source = spec if isinstance(spec, ModelSource) else ModelSource.preset(spec, hf=hf)
-    _check_compiled(compiled, memory_budget, warmup, device_profile)
+    _check_compiled(compiled, memory_budget, warmup, device_profile, wl, policies)
     runs, device = _runs(source, wl, policies, losses, steps=steps, warmup=warmup, rounds=rounds)
     # a preset's overheads are the analytic model's (one dtype); another's, or any under amp, are counted; a
     # compiled step's are its graphs' FLOPs (predict)
@@ -171,26 +173,54 @@ def bench(
 
 
 def _check_compiled(
-    compiled: str | None, budget: float | None, warmup: int, device_profile: Device | Callable[[], Device] | None
+    compiled: str | None,
+    budget: float | None,
+    warmup: int,
+    device_profile: Device | Callable[[], Device] | None,
+    wl: Workload,
+    policies: Sequence[str | Policy],
 ) -> None:
     """``bench``'s compiled options, checked before anything is traced or built."""
     if compiled is None:
-        require(budget is None, "a memory budget is torch.compile's; bench with compiled 'model' or 'block' too",
+        require(budget is None, "memory_budget is torch.compile's; bench with compiled 'model' or 'block' too",
                 fields=("memory_budget",))  # fmt: skip
         return
     one_of("compiled", compiled, ("model", "block"))
     require(
-        budget is None or 0 < budget <= 1,
-        f"the memory budget is a fraction of the saved bytes in (0, 1], got {budget}",
-        fields=("memory_budget",),
+        budget is None or 0 < budget <= 1, f"memory_budget must be in (0, 1], got {budget}", fields=("memory_budget",)
     )
-    require(warmup >= 1, "a compiled bench compiles in its warm-up: give at least one warm-up step", fields=("warmup",))
+    require(warmup >= 1, "warmup must be 1 or more under compile: the first step compiles", fields=("warmup",))
     require(
         device_profile is None,
         "a compiled bench predicts no step time (the time model prices eager kernels, not Inductor's); drop the "
-        "device profile (--no-time at the CLI)",
+        "device profile",
         fields=("device_profile",),
     )
+    require(
+        not wl.keep_grads,
+        "keep_grads is not run under compile (its steps set the gradients to None); drop it",
+        fields=("keep_grads",),
+    )
+    require(
+        tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8),
+        f"bench under compile predicts the compiled step's peak by running its graphs under a dispatch mode, which "
+        f"this PyTorch ({torch.__version__}) does not do (2.8 and newer do); upgrade, or bench without compile",
+    )
+    for given in policies:
+        pol = Policy.parse(given)
+        names = {pol.name, *(pol.layers or ())}
+        require(
+            not pol.offload and not names & set(OFFLOAD_POLICIES),
+            f"the policy {pol.describe()} moves saved tensors to host memory, which runs eagerly under "
+            "torch.compile; bench it without compile",
+            fields=("policies",),
+        )
+        if pol.memory_budget is not None and pol.memory_budget != budget:
+            raise ConfigError(
+                f"the plan {pol.describe()} runs under memory_budget {pol.memory_budget:g}; bench it with that "
+                "memory_budget",
+                fields=("memory_budget",),
+            )
 
 
 def _measure(

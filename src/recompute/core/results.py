@@ -29,12 +29,13 @@ class BenchRow:
 
     policy: str
     peak: int
-    """Peak bytes of the step: MemTracker on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU (with the model
-    and its optimizer state held between steps)."""
+    """Peak bytes of the step: MemTracker on the CPU (c10's allocator for a compiled step),
+    ``torch.cuda.max_memory_allocated`` on a GPU (with the model and its optimizer state held between steps)."""
     traced_peak: int
-    """Peak bytes MemTracker saw (equal to ``peak`` on the CPU)."""
+    """Peak bytes MemTracker saw (equal to ``peak`` on the CPU; 0 for a compiled step, whose buffers it does not
+    see)."""
     activations: int
-    """Bytes saved for the backward (layers, embedding, head and loss)."""
+    """Bytes saved for the backward (layers, embedding, head and loss; a compiled step's: its compiled regions')."""
     step_s: float
     """Median step time (forward + backward + optimizer step), seconds."""
     forward_s: float
@@ -42,9 +43,11 @@ class BenchRow:
     optimizer_s: float
     tokens_per_s: float
     predicted_overhead: float
-    """Analytic recompute overhead: recomputed FLOPs / model FLOPs of the step."""
+    """Analytic recompute overhead: recomputed FLOPs / model FLOPs of the step (a compiled step's: its partitioned
+    graphs' FLOPs over the first row's)."""
     predicted_peak: float
-    """The peak of the same step's fake-tensor trace (``recompute trace``): the step bench runs, in its precision."""
+    """The peak of the same step's fake-tensor trace (``recompute trace``): the step bench runs, in its precision
+    (a compiled step's: ``recompute trace --compiled``'s, above what the step holds between steps)."""
     step_times: tuple[float, ...] = ()
     """Every timed step's seconds, in order (their spread is the machine's noise)."""
     predicted_step_s: float | None = None
@@ -161,7 +164,8 @@ class BenchResult:
         compiled, budget = data.get("compiled"), data.get("memory_budget")
         require(compiled in (None, "model", "block"), f"compiled must be null, 'model' or 'block', got {compiled!r}")
         if budget is not None:
-            _figure("memory_budget", budget)
+            _figure("memory_budget", budget, strict=True)
+            require(budget <= 1 and compiled is not None, f"memory_budget {budget} needs compiled steps and <= 1")
         return cls(
             **given, rows=rows, notes=tuple(data.get("notes", ())), drift=drift, compiled=compiled, memory_budget=budget
         )

@@ -699,9 +699,10 @@ def affine_ops(small: Sequence[Op], big: Sequence[Op], k: int, n: int) -> tuple[
             groups.setdefault(op[:3], ([], []))[side].append(op)
     out: list[Op] = []
     for (name, dtype, flops), (a, b) in groups.items():
-        if {op[3] for op in a} != {op[3] for op in b} and [op[4] for op in a] == [op[4] for op in b]:
+        paired = len(a) == len(b) and all(x[4] == y[4] and x[3] <= y[3] for x, y in zip(a, b))
+        if paired and {op[3] for op in a} != {op[3] for op in b}:
             # multi-tensor ops (AdamW's foreach ones, one per state): as many, each over more bytes, paired in
-            # the order of their bytes
+            # the order of their bytes (none fewer)
             for x, y in zip(a, b):
                 out.append((name, dtype, flops, max(0, x[3] + (n - k) * (y[3] - x[3])), y[4]))
             continue

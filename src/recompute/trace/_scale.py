@@ -181,7 +181,9 @@ def _scaled_deltas(base: StepRecord, bigs: Mapping[int, StepRecord], runs: Seque
 
 def scale_whole(small: StepRecord, big: StepRecord, n: int, k: int) -> StepRecord:
     """The record of a step of ``n`` alike layers from steps of ``k`` (``small``) and ``k + 1`` (``big``) of
-    them, with every layer's phase, FLOPs and kernels (Note: [every layer's phase]; ``k`` >= 3, not FSDP2)."""
+    them, with every layer's phase, FLOPs and kernels (Note: [every layer's phase]; ``k`` >= 3, not FSDP2): its
+    ``phase_peaks``, ``saved``, ``states``, ``layer_deltas``, ``host_peak``, ``flops`` and ``work``, what a
+    profile reads; the other fields (``layer_starts``, ``layer_grads``, ...) are left empty."""
     if k < 3 or n <= k + 1:
         raise ValueError(f"every layer's phase scales from traces of 3 or more layers to more, got {k} -> {n}")
     record = scale_runs(small, {0: big}, (Run(0, 0, n),), k)
@@ -198,19 +200,23 @@ def scale_whole(small: StepRecord, big: StepRecord, n: int, k: int) -> StepRecor
     flops: dict[Phase, dict[str, int]] = {}
     work: dict[Phase, dict[tuple[str, str, int, int], int]] = {}
     for phase in sorted({*big.flops, *big.work}, key=Phase.order):
-        if phase.part != "layer":
-            if phase in big.flops:
-                flops[phase] = grown_dict(small.flops.get(phase, {}), {0: big.flops[phase]}, (Run(0, 0, n),), k)
-            if phase in big.work:
-                ops = affine_ops(work_list(small.work.get(phase, {})), work_list(big.work[phase]), k, n)
-                work[phase] = {op[:4]: op[4] for op in ops}
+        if phase.part == "layer":
             continue
-        for j in range(phase.layer, phase.layer + 1 if phase.layer < k else n):  # layer k's kernels: every layer on
-            at = Phase(phase.stage, "layer", j)
-            if phase in big.flops:
-                flops[at] = dict(big.flops[phase])
-            if phase in big.work:
-                work[at] = dict(big.work[phase])
+        if phase in big.flops:
+            flops[phase] = grown_dict(small.flops.get(phase, {}), {0: big.flops[phase]}, (Run(0, 0, n),), k)
+        if phase in big.work:
+            ops = affine_ops(work_list(small.work.get(phase, {})), work_list(big.work[phase]), k, n)
+            work[phase] = {}
+            for op in ops:
+                work[phase][op[:4]] = work[phase].get(op[:4], 0) + op[4]
+    for stage in ("forward", "backward"):  # layers 0 to k - 1 as traced, the middle ones as k - 1, the last as k
+        for j in range(n):
+            source = Phase(stage, "layer", j if j < k else k - 1 if j < n - 1 else k)
+            at = Phase(stage, "layer", j)
+            if source in big.flops:
+                flops[at] = dict(big.flops[source])
+            if source in big.work:
+                work[at] = dict(big.work[source])
     return dataclasses.replace(
         record,
         phase_peaks=dict(sorted(peaks.items(), key=lambda kv: kv[0].order())),
