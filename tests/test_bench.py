@@ -19,6 +19,7 @@ from recompute.core.analytic import estimate
 from recompute.core.analytic.params import bytes_per_param
 from recompute.core.errors import ConfigError
 from recompute.core.policy import POLICIES
+from recompute.core.torch_range import torch_release
 from recompute.models import GPT
 from recompute.models.source import ModelSource
 from recompute.runtime import HEADROOM
@@ -285,7 +286,7 @@ def test_amp_runs_autocast_and_is_predicted_exactly(model: str, tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 8),
+    (torch_release(torch.__version__) or (0, 0)) < (2, 8),
     reason="the compiled step's peak runs its graphs under a dispatch mode, which dynamo allows from 2.8",
 )
 def test_compiled_steps_are_held_to_the_compiled_trace() -> None:

@@ -106,63 +106,46 @@ def run_block(
     """
     if compiled is not None and count:
         raise ValueError("a compiled block's FLOPs are its trace's (FlopCounterMode misses Inductor's kernels)")
-    try:
-        with _memory_budget(budget):  # restored after, whatever a plan's apply set (set_memory_budget)
-            return _run_block(source, wl, policy, seed, device, warmup, steps, tick, measure, count, name, compiled)
-    finally:
-        if compiled is not None:
-            torch.compiler.reset()  # no compiled entry outlives its block
-
-
-def _run_block(
-    source: ModelSource,
-    wl: Workload,
-    policy: Policy,
-    seed: int,
-    device: str,
-    warmup: int,
-    steps: int,
-    tick: Callable[[str], None],
-    measure: bool,
-    count: bool,
-    name: str,
-    compiled: str | None,
-) -> Measured:
-    run, built = _build(source, wl, policy, seed, device, compiled)
-    label = name or policy.describe()
-    for i in range(warmup):
-        tick(f"{label}: warm-up {i + 1}/{warmup}")
-        _timed_step(run, device)
-    times = []
-    for i in range(steps):
-        tick(f"{label}: step {i + 1}/{steps}")
-        times.append(_timed_step(run, device))
-    reserved = _reserved(device)
-    memory, flops = (0, 0, 0), 0
-    if measure:  # after a step: AdamW's state exists, as in every step but the first (and in the trace)
-        tick(f"{label}: memory step")
-        memory = _memory(run, device, wl.keep_grads)
-    if count:
-        tick(f"{label}: FLOP count")
-        flops = _count_flops(run)
-    if reserved is not None:
-        reserved = max(reserved, _reserved(device) or 0)  # the memory step reset the peak: the larger of both
-    about = _described(run.model, built)
-    return Measured(policy, wl.loss, tuple(times), built.class_name, built.notes, about, memory, flops, reserved)
+    with _compile_scope(compiled, budget):
+        run, built = _build(source, wl, policy, seed, device, compiled)
+        label = name or policy.describe()
+        for i in range(warmup):
+            tick(f"{label}: warm-up {i + 1}/{warmup}")
+            _timed_step(run, device)
+        times = []
+        for i in range(steps):
+            tick(f"{label}: step {i + 1}/{steps}")
+            times.append(_timed_step(run, device))
+        reserved = _reserved(device)
+        memory, flops = (0, 0, 0), 0
+        if measure:  # after a step: AdamW's state exists, as in every step but the first (and in the trace)
+            tick(f"{label}: memory step")
+            memory = _memory(run, device, wl.keep_grads)
+        if count:
+            tick(f"{label}: FLOP count")
+            flops = _count_flops(run)
+        if reserved is not None:
+            reserved = max(reserved, _reserved(device) or 0)  # the memory step reset the peak: the larger of both
+        about = _described(run.model, built)
+        return Measured(policy, wl.loss, tuple(times), built.class_name, built.notes, about, memory, flops, reserved)
 
 
 @contextlib.contextmanager
-def _memory_budget(budget: float | None) -> Iterator[None]:
+def _compile_scope(compiled: str | None, budget: float | None) -> Iterator[None]:
     """``torch._functorch.config.activation_memory_budget`` at ``budget`` inside (None: as it is), and as it was
-    after, whatever set it inside (a plan's ``apply``). A PyTorch without the setting is left alone (``bench``
-    refuses a budget there)."""
+    after, whatever set it inside (a plan's ``apply``); with ``compiled``, dynamo's caches emptied after (Note:
+    [compiled blocks]). A PyTorch without the setting is left alone (``bench`` refuses a budget there)."""
     import torch._functorch.config as config
 
-    if not hasattr(config, "activation_memory_budget"):
-        yield
-        return
-    with config.patch(activation_memory_budget=config.activation_memory_budget if budget is None else budget):
-        yield
+    try:
+        if not hasattr(config, "activation_memory_budget"):
+            yield
+            return
+        with config.patch(activation_memory_budget=config.activation_memory_budget if budget is None else budget):
+            yield
+    finally:
+        if compiled is not None:
+            torch.compiler.reset()  # no compiled entry outlives its block
 
 
 def _build(

@@ -45,6 +45,7 @@ from recompute.core.results import BenchResult, BenchRow
 from recompute.core.spec import ModelSpec
 from recompute.core.table import gib, render_table
 from recompute.core.timing import Device, Timing, timing
+from recompute.core.torch_range import torch_release
 from recompute.core.workload import AMP, LOSSES, Workload, parallel_sizes
 from recompute.models.source import ModelSource, resolve_source
 from recompute.runtime import device_name, resolve_device
@@ -201,11 +202,6 @@ def _check_compiled(
         "keep_grads is not run under compile (its steps set the gradients to None); drop it",
         fields=("keep_grads",),
     )
-    require(
-        tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8),
-        f"bench under compile predicts the compiled step's peak by running its graphs under a dispatch mode, which "
-        f"this PyTorch ({torch.__version__}) does not do (2.8 and newer do); upgrade, or bench without compile",
-    )
     for given in policies:
         pol = Policy.parse(given)
         names = {pol.name, *(pol.layers or ())}
@@ -221,6 +217,11 @@ def _check_compiled(
                 "memory_budget",
                 fields=("memory_budget",),
             )
+    require(
+        (torch_release(torch.__version__) or (0, 0)) >= (2, 8),
+        f"bench under compile predicts the compiled step's peak by running its graphs under a dispatch mode, which "
+        f"this PyTorch ({torch.__version__}) does not do (2.8 and newer do); upgrade, or bench without compile",
+    )
 
 
 def _measure(
