@@ -33,12 +33,13 @@ from torch import Tensor, nn
 
 from recompute.bench._allocator import allocator_peak
 from recompute.checkpointing import apply, find_layers
+from recompute.core.errors import require
 from recompute.core.policy import Policy
 from recompute.core.workload import Workload
 from recompute.models.loss import LossFn
 from recompute.models.source import BuiltModel, ModelSource, build_source
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, forward_autocast, random_batch, sync
-from recompute.trace import flop_counter, saved_by_compiled, trace_module
+from recompute.trace import compiled_regions, flop_counter, saved_by_compiled, trace_module
 
 __all__ = ["Measured", "run_block"]
 
@@ -246,6 +247,14 @@ def _compiled_memory(run: _Run, device: str) -> tuple[int, int, int]:
     dropped), and the peak of the next whole step over what the block holds between steps."""
     weights = [*run.model.parameters(), *run.model.buffers(), *run.batch]
     out, loss = run.loss_fn(run.call, *run.batch)
+    want = len(find_layers(run.model)) if run.compiled == "block" else 1
+    found = compiled_regions(loss)
+    require(
+        found >= want,
+        f"{found} of the step's {want} compiled regions ran compiled: dynamo ran the rest eagerly (a graph break, "
+        "or its recompile limit), and the figures would mix eager and compiled code; bench the whole model "
+        "(compiled 'model') or raise dynamo's recompile limit (torch._dynamo.config.recompile_limit)",
+    )
     saved = saved_by_compiled(loss, exclude=weights)
     loss.backward()
     del out, loss

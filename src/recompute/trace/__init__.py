@@ -13,7 +13,14 @@ Example:
 """
 
 from recompute.models.source import ModelSource, resolve_source
-from recompute.trace._compiled import PARTITIONERS, capture_backend, graph_flops, saved_by_compiled, saved_by_eager
+from recompute.trace._compiled import (
+    PARTITIONERS,
+    capture_backend,
+    compiled_regions,
+    graph_flops,
+    saved_by_compiled,
+    saved_by_eager,
+)
 from recompute.trace._compiled_run import CompiledTrace, render_compiled, trace_budgets, trace_compiled
 from recompute.trace._flops import flop_counter
 from recompute.trace._profile import cached_profile, cached_profiles, profile, profile_key, profiles, with_loss
@@ -34,6 +41,7 @@ __all__ = [
     "cached_profiles",
     "cached_works",
     "capture_backend",
+    "compiled_regions",
     "flop_counter",
     "graph_flops",
     "profile",

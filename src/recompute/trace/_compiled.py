@@ -455,6 +455,11 @@ def saved_by_compiled(output: Tensor, *, exclude: Iterable[Tensor] = ()) -> int:
     return total
 
 
+def compiled_regions(output: Tensor) -> int:
+    """How many compiled regions (AOTAutograd's ``CompiledFunction`` nodes) ``output``'s autograd graph holds."""
+    return sum("CompiledFunction" in type(node).__name__ for node in _autograd_nodes(output))
+
+
 def saved_by_eager(run: Callable[[], Any], *, exclude: Iterable[Tensor] = (), cuda: bool = False) -> int:
     """Bytes the eager step ``run`` (a forward) saves for its backward, counted as ``saved_by_compiled`` counts the
     compiled step's: once per storage, ``exclude``'s (parameters, inputs) not at all; on fake tensors or real.
