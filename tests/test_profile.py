@@ -31,7 +31,7 @@ from recompute.trace import cached_profile, cached_profiles, profile, profiles, 
 from recompute.trace._build import fake_kernels
 from recompute.trace._chain import leads
 from recompute.trace._kinds import short_model
-from recompute.trace._profile import _Shape, _whole_step
+from recompute.trace._profile import _Shape, _whole_of, _whole_step
 from recompute.trace._run import step_built
 from recompute.trace._tracker import Phase
 
@@ -208,9 +208,9 @@ def test_the_whole_step_scaled_from_three_and_four_layers_is_the_whole_step(kind
         shape = _Shape.of(source, wl, wl.dtype if wl.mixed_policy else None)
         cut = shape.whole_models(fsdp=False)
         assert [len(find_layers(m.model)) for m in cut] == [3, 4]
-        scaled, scaled_params = _whole_step(source, cut, wl, "cpu", 9)
+        scaled, scaled_params = _whole_of([_whole_step(source, m, wl, "cpu") for m in cut], 9)
         whole = short_model(shape.whole, shape.layers, range(9))
-        full, full_params = _whole_step(source, (whole,), wl, "cpu", 9)
+        full, full_params = _whole_step(source, whole, wl, "cpu")
     assert scaled_params == full_params
     for field in ("phase_peaks", "states", "flops", "work", "layer_deltas", "n_layers"):
         assert getattr(scaled, field) == getattr(full, field), field

@@ -220,15 +220,14 @@ def profiles(
             partial(_chain_step, shape, part, where | ref, built, stand_in, device)
             for part, where, ref, built in zip(parts, positions, refs, chained)
         ]
-        n = len(shape.layers)
-        jobs += [partial(_whole_step, source, whole[loss], w, device, n) for loss, w in workloads.items()]
+        jobs += [partial(_whole_step, source, m, w, device) for loss, w in workloads.items() for m in whole[loss]]
         for (_, p, x), short in zip(shape.anchors, anchors):
             per_layer = Policy(layers=(*leads(p, shape.ok)[:x], p))
             jobs.append(partial(_anchor_step, short, stand_in, per_layer, device, shape.only_last))
         progress("profile", 0, len(jobs))
         done = run_jobs(jobs, workers=workers, done=lambda n: progress("profile", n, len(jobs)))
     chain_recs = [done.pop(0) for _ in parts]
-    wholes = {loss: done.pop(0) for loss in workloads}
+    wholes = {loss: _whole_of([done.pop(0) for _ in whole[loss]], len(shape.layers)) for loss in workloads}
     records, shared = {}, {}
     for tag, p, x in shape.anchors:
         rec = done.pop(0)
@@ -252,23 +251,27 @@ def _one_rank_stand_in(wl: Workload) -> Workload:
     return dataclasses.replace(wl, fsdp=False, dp=1) if wl.fsdp else wl
 
 
-def _whole_step(
-    source: ModelSource, whole: Sequence[BuiltModel], wl: Workload, device: str, n: int
-) -> tuple[StepRecord, int]:
-    """The whole model's step under ``none`` and its parameter count: one FSDP rank's under ``wl.fsdp`` (the
-    model built again in its parameters' dtype, sharded on a fake process group), else ``whole``'s: the model's
-    own step, or scaled to ``n`` layers from the steps of the model cut to ``WHOLE_K`` and ``WHOLE_K + 1``
-    (``_Shape.whole_models``)."""
+def _whole_step(source: ModelSource, whole: BuiltModel, wl: Workload, device: str) -> tuple[StepRecord, int]:
+    """The step under ``none`` of ``whole`` (the whole model, or a cut of it: ``_Shape.whole_models``) and its
+    parameter count: one FSDP rank's under ``wl.fsdp`` (the whole model built again in its parameters' dtype,
+    sharded on a fake process group)."""
     if not wl.fsdp:
-        (record, _, n_params), *big = (step_built(m, wl, Policy("none"), device=device, flops=True) for m in whole)
-        if big:  # Note: [every layer's phase] in _scale
-            (record_big, _, params_big) = big[0]
-            return scale_whole(record, record_big, n, WHOLE_K), n_params + (n - WHOLE_K) * (params_big - n_params)
+        record, _, n_params = step_built(whole, wl, Policy("none"), device=device, flops=True)
         return record, n_params
     with fake_group(wl):
         sharded = build_meta(source, attention=wl.attention, dtype=TORCH_DTYPES[wl.param_dtype])
         record, _, n_params = step_built(sharded, wl, Policy("none"), device=device, flops=True)
     return record, n_params
+
+
+def _whole_of(steps: Sequence[tuple[StepRecord, int]], n: int) -> tuple[StepRecord, int]:
+    """The whole step's record and parameter count from ``_whole_step``'s steps of what ``_Shape.whole_models``
+    gave: the whole model's own, or scaled to ``n`` layers from those of ``WHOLE_K`` and ``WHOLE_K + 1`` (Note:
+    [every layer's phase] in ``_scale``), run as two jobs."""
+    if len(steps) == 1:
+        return steps[0]
+    (small, params), (big, params_big) = steps
+    return scale_whole(small, big, n, WHOLE_K), params + (n - WHOLE_K) * (params_big - params)
 
 
 def with_loss(wl: Workload, loss: str) -> Workload:
