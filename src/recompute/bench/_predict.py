@@ -152,8 +152,8 @@ def predict(
 
     Raises:
         ConfigError: the largest run's step needs more memory than ``device`` has free (on CUDA what the caching
-            allocator is predicted to reserve), or, on the CPU, the runs would take over ``max_minutes``; a
-            compiled run whose peak this PyTorch cannot trace (before 2.8).
+            allocator is predicted to reserve), or, on the CPU, the runs would take over ``max_minutes``. (A
+            PyTorch that cannot trace a compiled step's peak, before 2.8, is refused by ``bench`` first.)
     """
     spec = source.spec if all(wl.precision != AMP for wl, _ in runs) else None  # the formulas take one dtype
     analytic = tuple(estimate(spec, as_run(wl), pol) for wl, pol in runs) if spec is not None else None
@@ -188,11 +188,6 @@ def _compiled(
         trace_compiled(source, as_run(wl), pol, budget=budget, per_block=compiled == "block", peak=True)
         for wl, pol in runs
     )
-    if any(c.peak is None for c in found):
-        raise ConfigError(
-            f"bench --compiled predicts the compiled step's peak by running its graphs under a dispatch mode, which "
-            f"this PyTorch ({torch.__version__}) does not do (2.8 and newer do); upgrade, or bench without --compiled"
-        )
     need = max(compiled_peak(t, c) for t, c in zip(traces, found))
     require_memory(need, device, what="bench", fix=fix, fields=("seq_len", "micro_batch"))
     return Predicted(traces, None, "the analytic model describes eager steps, not compiled ones", found)

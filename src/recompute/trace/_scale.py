@@ -35,7 +35,7 @@ activations, those above their gradients, and every layer its states): f(j, L) =
 scaled as the second layer is and the slope s read from the trace of K + 1 layers, whose layers 1 and 2 are both
 middle ones for K >= 3 (``scale_whole``). Its FLOPs and kernels follow as ``recompute.core.timing.scale_work``'s:
 every layer's copied from the trace of K + 1 layers, those outside the layers affine in L.
-tests/test_profile.py holds a profile from a scaled whole step to one from the full step, field by field.
+tests/test_profile.py holds the scaled record to the full step's in every field a profile reads.
 """
 
 from __future__ import annotations
