@@ -25,7 +25,8 @@ from recompute.cli import main
 from recompute.compile_plan import _bandwidth, with_memory_budget
 from recompute.core.errors import ConfigError
 from recompute.core.export import export
-from recompute.core.plan import plan
+from recompute.core.plan import loss_frontier, plan
+from recompute.core.pricing import choose_device
 from recompute.models.source import ModelSource, build_source
 from recompute.planning import cost_tables
 from recompute.runtime import random_batch
@@ -146,14 +147,54 @@ def test_the_plan_weighs_the_budget_per_block_as_torchtitan_compiles() -> None:
         traced = trace_compiled(tiny_llama(), wl, pol, budget=o.budget, per_block=True)
         assert (o.saved, o.kept) == (traced.saved, traced.layers)
         assert o.peak == o.eager_peak - o.eager_saved + o.saved
-        if eager.timed:  # seconds per FLOP of the plan's own step, the bytes at the device's bandwidth
+        # Note: [pricing a compiled option]: the eager plan's price of the assignment, and what the budget
+        # recomputes beyond it under budget 1.0 (per FLOP of the plan's own step, the bytes at the bandwidth)
+        own = next(x for x in compiled.options if x.layers == o.layers and x.loss == o.loss and x.budget == 1.0)
+        point = next(p for p in (*eager.frontier, *eager.uniform.values()) if p.layers == o.layers)
+        flops, written = o.extra_flops - own.extra_flops, o.extra_bytes - own.extra_bytes
+        if eager.timed:
             rate, bandwidth = eager.model_cost / eager.model_flops, _bandwidth(eager)
-            assert o.seconds == pytest.approx(o.extra_flops * rate + (o.extra_bytes / bandwidth if bandwidth else 0))
+            assert own.seconds == point.cost
+            assert o.seconds == pytest.approx(point.cost + flops * rate + (written / bandwidth if bandwidth else 0))
         else:
-            assert o.overhead == o.extra_flops / eager.model_flops
+            assert o.overhead == pytest.approx(point.overhead + flops / eager.model_flops)
     nothing = next(o for o in compiled.options if not o.recomputes and o.budget == 1.0)
     assert (nothing.extra_flops, nothing.overhead) == (0, 0.0)
     assert any(o.extra_flops > 0 for o in compiled.options if o.budget < 1.0)
+
+
+def test_per_block_weighs_the_chunked_loss_beside_the_compiled_blocks() -> None:
+    """Per block the loss is eager, so the chunked loss runs beside the compiled blocks: its options come from the
+    chunked loss's own table (its eager peak, floor and step time), their saved bytes from the per-block trace of
+    the chunked step; the whole model's compile weighs the full loss alone."""
+    wl = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu")
+    found = cost_tables(tiny_llama(), wl, device=choose_device(gpu="h100-80gb", compiled=True), losses=("chunked",))
+    full, chunked = found.tables
+    assert (full.workload["loss"], chunked.workload["loss"]) == ("full", "chunked")
+    eager = plan(found.tables, 1e12)
+    assert eager.timed
+    _, compiled = with_memory_budget(
+        eager, tiny_llama(), wl, tables=found.tables, budgets=(1.0, 0.3), assignments=2, per_block=True
+    )
+    losses = {o.loss for o in compiled.options}
+    assert losses == {"full", "chunked"}
+    step = dataclasses.replace(wl, loss="chunked", loss_chunk=chunked.workload["loss_chunk"])
+    for o in (o for o in compiled.options if o.loss == "chunked"):
+        pol = Policy(layers=o.layers) if any(x != "none" for x in o.layers) else "none"
+        traced = trace_budgets(tiny_llama(), step, pol, (o.budget,), eager=True, per_block=True)[0]
+        assert (o.saved, o.eager_saved, o.kept) == (traced.saved, traced.eager_saved, traced.layers)
+        assert o.eager_peak == chunked.compose(o.layers).peak  # the chunked step's own eager peak
+        floor = max(chunked.fixed.values(), default=0.0)
+        assert o.peak == max(floor, o.eager_peak - o.eager_saved + o.saved)
+        assert o.recomputes and "chunked loss" in o.label()
+        if o.budget == 1.0:  # the eager plan's price of the chunked step (its loss mode's own step time)
+            point = next(p for p in loss_frontier(found.tables, "chunked") if p.layers == o.layers)
+            assert o.seconds == point.cost
+    nothing = {o.loss: o for o in compiled.options if not any(x != "none" for x in o.layers) and o.budget == 1.0}
+    assert nothing["chunked"].peak < nothing["full"].peak  # the eager head no longer keeps the logits
+    assert nothing["chunked"].kept == nothing["full"].kept  # the blocks save what they save either way
+    _, whole = with_memory_budget(eager, tiny_llama(), wl, tables=found.tables, budgets=(1.0,), assignments=2)
+    assert {o.loss for o in whole.options} == {"full"}
 
 
 def test_per_block_needs_a_memory_budget(capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,6 +254,10 @@ def test_torchtitan_exports_the_memory_budget_mode() -> None:
     assert not out.exact and any("modes exclude each other" in w for w in out.why)
     out = export(none, found.tables, "megatron")
     assert not out.exact and any("activation_memory_budget 0.5" in w for w in out.why)
+    chunked = dataclasses.replace(none, chosen=dataclasses.replace(none.chosen, loss="chunked"))  # the budget's mix
+    out = export(chunked, found.tables, "torchtitan")
+    assert not out.exact and out.why and all("chunked loss" in w for w in out.why)
+    assert 'recompute.apply(model, "plan.json", loss="chunked"), then torch.compile' in out.text
 
 
 @pytest.mark.parametrize("bad", [[2], "0.5", [], [True]])

@@ -8,6 +8,7 @@ all: docs/compiled.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from recompute.bench._allocator import _peak
 from recompute.cli import main
 from recompute.core.errors import ConfigError
 from recompute.models.source import ModelSource
-from recompute.trace import capture_backend, saved_by_compiled, trace_budgets, trace_compiled
+from recompute.trace import capture_backend, saved_by_compiled, saved_by_eager, trace_budgets, trace_compiled
 from recompute.trace._compiled import _fused_away, _in_place, _Live
 from tiny import tiny_gpt, tiny_llama
 
@@ -106,6 +107,43 @@ def test_per_block_trace_is_the_real_per_block_step_exactly(
     assert (sum(fake.layers), fake.saved) == (regions, every)
     assert fake.per_block and all(fake.layers) and fake.other > 0  # the eager head saves its input
     assert fake.graphs == len(pairs) == (1 if policy != "plan" else 2)  # one graph per kind of block
+
+
+@fake_models
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_per_block_beside_the_chunked_loss_is_the_real_step_exactly(model: str) -> None:
+    """Compiled per block, the head and loss run eagerly, so the chunked loss runs beside the blocks: its chunks'
+    logits are saved and freed inside the forward (their backward is taken there), and only what the step still
+    holds counts (Note: [saved and still held]); the blocks save what they save under the full loss."""
+    source = {"gpt": GPT, "llama": LLAMA}[model]
+    chunked = dataclasses.replace(WL, loss="chunked", loss_chunk=16)
+    fake, full = (trace_compiled(source, w, PLAN, budget=0.5, per_block=True) for w in (chunked, WL))
+    backend, _ = capture_backend("min_cut", 0.5)
+    regions, every = compiled_fidelity.real_saved(source, chunked, PLAN, backend, None, per_block=True)
+    assert (sum(fake.layers), fake.saved) == (regions, every)
+    assert fake.layers == full.layers and 0 < fake.other < full.other
+    assert source.spec is not None
+    logits = WL.micro_batch * WL.seq_len * source.spec.vocab * 4  # fp32: the full loss keeps at least these
+    assert full.other - fake.other >= logits
+
+
+@fake_models
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per-block"])
+def test_a_transformers_model_without_a_cache_takes_the_real_steps_path(per_block: bool) -> None:
+    """Note: [the eager part's path]: with use_cache=False transformers reads the position ids to choose its
+    attention path. Compiled whole, the real step's dynamo cannot read them and takes the general path (a mask to
+    every layer); per block the mask is made eagerly from real position ids, so there is none. Either way the trace
+    saves what the real step saves, and the eager step it is weighed against is the eager trace's."""
+    pytest.importorskip("transformers")
+    source = ModelSource.from_config({**smoke.LLAMA, "use_cache": False}, name="hf-llama")
+    backend, _ = capture_backend("min_cut", None)
+    got = trace_budgets(source, WL, PLAN, (None,), eager=True, per_block=per_block)[0]
+    regions, every = compiled_fidelity.real_saved(source, WL, PLAN, backend, None, per_block=per_block)
+    assert (sum(got.layers) if per_block else got.saved) == regions
+    assert every is None or got.saved == every
+    built, idx, targets = compiled_fidelity.real_model(source, WL, PLAN)  # real tensors: real position ids
+    weights = [*built.model.parameters(), *built.model.buffers(), idx, targets]
+    assert got.eager_saved == saved_by_eager(lambda: built.loss_fn(built.model, idx, targets), exclude=weights)
 
 
 @fake_models
@@ -340,8 +378,9 @@ def test_trace_compiled_at_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture
         (["--memory-budget", "0.5"], "--memory-budget is an option of the compiled trace; add --compiled"),
         (["--compiled", "--scale-from", "1"], "drop --scale-from"),
         (["--compiled", "--partitioner", "default", "--memory-budget", "0.5"], "min-cut partitioner's knob"),
+        (["--compiled", "--loss", "chunked"], "compile per block (--compiled block) or use the full --loss"),
     ],
-    ids=["budget-2", "budget-without-compiled", "scale-from", "budget-default-partitioner"],
+    ids=["budget-2", "budget-without-compiled", "scale-from", "budget-default-partitioner", "chunked-whole"],
 )
 def test_bad_compiled_options_exit_2_in_one_line(
     flags: list[str], says: str, capsys: pytest.CaptureFixture[str]

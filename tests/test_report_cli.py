@@ -170,6 +170,29 @@ def test_bench_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         assert row["measured_overhead"] == pytest.approx(est.overhead, rel=1e-12)
 
 
+def test_bench_section_says_the_steps_ran_compiled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_bench(tmp_path / "b.json")
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data | {"compiled": "block", "memory_budget": 0.5}))
+    out = tmp_path / "r.html"
+    code, _, err = run(capsys, "report", "--model", "gpt2", "--bench", str(path), "-o", str(out))
+    assert code == 0, err
+    page = out.read_text()
+    bench = page_data(page)["sections"]["bench"]
+    assert (bench["compiled"], bench["memory_budget"]) == ("block", 0.5)
+    assert (
+        "the compiled step&#x27;s trace (steps run torch.compile&#x27;d: each block, activation_memory_budget 0.5)"
+        in page
+    )
+    code, _, err = run(
+        capsys, "report", "--model", "gpt2", "--bench", str(write_bench(tmp_path / "e.json")), "-o", str(out)
+    )
+    assert code == 0, err
+    assert (
+        page_data(out.read_text())["sections"]["bench"]["compiled"] is None and "compiled step" not in out.read_text()
+    )
+
+
 def test_bench_section_reads_real_bench_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench_json = tmp_path / "bench.json"
     shape = "--layers 2 --hidden 32 --heads 2 --vocab 64 --seq-len 32 --micro-batch 2 --device cpu".split()

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recompute.compile_plan import BUDGETS, fixed_floor, with_memory_budget
+from recompute.compile_plan import BUDGETS, with_memory_budget
 from recompute.core.analytic import Estimate
 from recompute.core.analytic import estimate as analytic_estimate
 from recompute.core.errors import ConfigError, require
@@ -180,10 +180,9 @@ def plan(
     if budgets is None:
         return result
     with shown_progress("plan", progress) as show:
-        floor = fixed_floor(found.tables)
-        return with_memory_budget(result, target, wl, floor=floor, budgets=budgets, per_block=per_block, progress=show)[
-            0
-        ]
+        return with_memory_budget(
+            result, target, wl, tables=found.tables, budgets=budgets, per_block=per_block, progress=show
+        )[0]
 
 
 def _memory_budgets(value: str | Sequence[float] | None) -> tuple[float, ...] | None:

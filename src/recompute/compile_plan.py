@@ -15,18 +15,30 @@ points between) and prices each (assignment, budget):
   That is exact where the eager peak holds every saved byte (at the start of the backward, where an
   activation-bound step peaks); where the compiled step's graphs free earlier, it is an upper bound. The
   compiled step's own transient (its fused kernels' intermediates) is taken as the eager step's.
-- **time**: the FLOPs of the partitioned forward and backward graphs (``graph_flops``: matmuls and attention)
-  above those of the compiled step that recomputes nothing (budget 1.0), at the step's predicted FLOP rate, and
-  the bytes the backward's recomputed ops without FLOPs write (pointwise), unfused, at the device's memory
-  bandwidth: an upper bound, as Inductor fuses them into the backward's kernels (PyTorch's own knapsack prices
-  them at zero).
+- **time** (Note: [pricing a compiled option]): the eager plan's price of the assignment (its checkpointed
+  layers' replay, its loss mode's step), plus what the budget recomputes beyond the same assignment under budget
+  1.0: the partitioned graphs' FLOPs above that step's (``graph_flops``: matmuls and attention) at the step's
+  predicted FLOP rate, and the bytes the recomputed ops without FLOPs (pointwise) write, unfused, at the device's
+  memory bandwidth: an upper bound, as Inductor fuses them into the backward's kernels (PyTorch's own knapsack
+  prices them at zero).
+
+Note: [pricing a compiled option] A checkpointed layer's replay is the same computation compiled or eager: its
+forward's matmuls and attention again, and its pointwise ops, which Inductor fuses. The eager plan prices it by
+its kernels' predicted times; pricing it instead by the graphs' FLOPs at the step's average rate plus its
+pointwise bytes unfused counted its memory-bound work twice, and made the same assignment dearer compiled than
+eager (the quickstart's plan: +57.6 % against +27.8 %). So one price for one replay: the eager plan's, and the
+budget's own recomputation on top, which the eager plan has no price for. Inductor's fused replay is likely
+cheaper than either: on a GPU neither is measured yet.
 
 The option chosen is the cheapest that fits; the advice names the best of each knob alone beside it.
 
 Note: [what the compiled options leave out] The chunked loss takes each chunk's gradients inside the forward
-(``torch.autograd.grad`` in ``recompute.chunked_loss``), which dynamo does not put in a graph: its FLOPs and
-saved bytes would be missed, so the compiled options run the full loss (the eager plan's chunked points are not
-traced). Offload runs eagerly too (saved-tensor hooks), and is left out likewise.
+(``torch.autograd.grad`` in ``recompute.chunked_loss``), which dynamo does not put in a graph: compiling the whole
+model would break it there, so the whole model's compiled options run the full loss (the eager plan's chunked
+points are not traced). Compiled per block (torchtitan's way) the head and loss run eagerly anyway, and the
+chunked loss runs beside the compiled blocks: those options are weighed in both loss modes, each chunked one
+priced by its own loss mode's eager peak and step time (the chunked loss replays nothing; its step's time over
+the full loss's is the eager plan's). Offload runs eagerly too (saved-tensor hooks), and is left out likewise.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from typing import Any
 
 from recompute.core.costs import CostTable
 from recompute.core.errors import require
+from recompute.core.plan import loss_frontier
 from recompute.core.plan_file import Plan, PlanPoint
 from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
@@ -84,17 +97,21 @@ class CompiledOption:
     kept: tuple[int, ...]
     """Bytes each layer's ops save in the compiled step."""
     overhead: float
-    """The time the option adds over the step's (``seconds`` over it); unpriced in time, ``extra_flops`` over the
-    FLOPs of the compiled step that recomputes nothing."""
+    """The time the option adds over the step's (``seconds`` over it); unpriced in time, the eager plan's FLOP
+    overhead of ``layers`` and what the budget recomputes beyond them over the step's FLOPs (Note: [pricing a
+    compiled option])."""
     seconds: float | None
     """``overhead`` in seconds of the predicted step, when the plan is priced in time."""
 
     @property
     def recomputes(self) -> bool:
-        return any(o != "none" for o in self.layers)
+        """recompute's policies act: a layer checkpointed, or the loss chunked."""
+        return any(o != "none" for o in self.layers) or self.loss == "chunked"
 
     def label(self) -> str:
-        return f"{runs(self.layers) if self.recomputes else 'nothing'}; budget {self.budget:g}"
+        layers = runs(self.layers) if any(o != "none" for o in self.layers) else ""
+        what = ", ".join(x for x in (layers, "chunked loss" if self.loss == "chunked" else "") if x)
+        return f"{what or 'nothing'}; budget {self.budget:g}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "layers": list(self.layers)}
@@ -139,6 +156,7 @@ def with_memory_budget(
     model: Any,
     wl: Workload,
     *,
+    tables: Sequence[CostTable] = (),
     floor: float = 0.0,
     budgets: Sequence[float] = BUDGETS,
     assignments: int = 4,
@@ -152,9 +170,12 @@ def with_memory_budget(
     Args:
         model: what ``plan`` was made for (a preset's name, a ``ModelSource``).
         wl: the workload planned (no tp or pp; under FSDP the unsharded model's step is traced).
-        floor: the peak of the phases no option changes (``CostTable.fixed``).
+        tables: the cost tables ``plan`` was made from: each loss mode's floor (the peak of the phases no option
+            changes, ``CostTable.fixed``) and step time; per block, the chunked loss's options come from its table
+            (Note: [what the compiled options leave out]).
+        floor: the full loss's floor where no ``tables`` are given.
         budgets: ``activation_memory_budget`` values, each in (0, 1].
-        assignments: at most this many layer assignments traced (each one dynamo trace).
+        assignments: at most this many layer assignments traced per loss mode (each one dynamo trace).
         per_block: each layer compiled on its own, the rest eager, as torchtitan compiles (Note: [compiled per
             block] in ``recompute.trace._compiled``): the budget is a fraction of each block's saved bytes. The
             head's FLOPs are then in no graph, so the FLOP rate is the plan's own step's (``Plan.model_flops``).
@@ -172,7 +193,7 @@ def with_memory_budget(
         "the memory budget is weighed on the compiled step of one whole model; drop tp and pp (fsdp is taken)",
         fields=("memory_budget",),
     )
-    points, skipped = _assignments(plan, assignments)
+    points, skipped = _assignments(plan, assignments, tables if per_block else ())
     if wl.fsdp:  # an FSDP rank saves what the unsharded model's step saves: its weights are graph inputs either way
         skipped.append(
             "FSDP: the compiled step traced is the unsharded model's on one rank, whose saved activations are an "
@@ -180,22 +201,26 @@ def with_memory_budget(
             "eager plan's"
         )
         wl = dataclasses.replace(wl, fsdp=False, dp=1)
-    step = dataclasses.replace(wl, loss="full", loss_chunk=None)  # Note: [what the compiled options leave out]
+    floors = {str(t.workload["loss"]): fixed_floor(tables, str(t.workload["loss"])) for t in tables} or {"full": floor}
     options: list[CompiledOption] = []
+    eager_layers: dict[str, None] = {}
     base: Any = None
     bandwidth = _bandwidth(plan)
     for i, point in enumerate(points):
         progress("the compiled step, traced under each memory budget", i, len(points))
+        step = _step(wl, point.loss, tables)
         traced = trace_budgets(model, step, _policy(point.layers), budgets, eager=True, per_block=per_block)
-        base = base or traced[0]  # the first assignment recomputes nothing, under budget 1.0
+        base = base or traced[0]  # the first assignment recomputes nothing, under budget 1.0, on the full loss
+        own = traced[0]  # this assignment under budget 1.0: what the budget recomputes is counted from it
         step_flops = plan.model_flops if per_block else base.flops  # per block the head is in no graph
+        eager_layers.update(dict.fromkeys(n for n in own.notes if "ran no compiled graph" in n))
         for t in traced:
             assert t.budget is not None and t.eager_saved is not None
-            flops, written = t.flops - base.flops, t.recomputed_bytes - base.recomputed_bytes
+            flops, written = t.flops - own.flops, t.recomputed_bytes - own.recomputed_bytes
             seconds = None
-            if plan.timed:  # the FLOPs at the step's own rate, the bytes at the device's memory bandwidth
-                seconds = flops * plan.model_cost / step_flops + (written / bandwidth if bandwidth else 0.0)
-            overhead = seconds / plan.model_cost if seconds is not None else flops / step_flops
+            if plan.timed:  # Note: [pricing a compiled option]
+                seconds = point.cost + flops * plan.model_cost / step_flops + (written / bandwidth if bandwidth else 0)
+            overhead = seconds / plan.model_cost if seconds is not None else point.overhead + flops / step_flops
             options.append(
                 CompiledOption(
                     layers=point.layers,
@@ -204,10 +229,10 @@ def with_memory_budget(
                     saved=t.saved,
                     eager_saved=t.eager_saved,
                     eager_peak=point.peak,
-                    peak=max(floor, point.peak - t.eager_saved + t.saved),
+                    peak=max(floors.get(point.loss, floor), point.peak - t.eager_saved + t.saved),
                     flops=t.flops,
-                    extra_flops=flops,
-                    extra_bytes=written,
+                    extra_flops=t.flops - base.flops,
+                    extra_bytes=t.recomputed_bytes - base.recomputed_bytes,
                     kept=t.layers,
                     overhead=overhead,
                     seconds=seconds,
@@ -219,23 +244,33 @@ def with_memory_budget(
     how = "each layer compiled on its own, the rest eager, as torchtitan compiles" if per_block else "the whole model"
     notes = [
         f"compiled options ({how}): the eager plan's peak of each assignment with its eager saved bytes replaced by "
-        "the compiled step's (traced on fake tensors, Inductor's min cut); time: the partitioned graphs' FLOPs above "
-        "those of the compiled step that recomputes nothing, at the step's predicted FLOP rate, and the bytes the "
-        "backward's recomputed pointwise ops write, unfused, at the device's memory bandwidth (Inductor fuses "
-        "them: an upper bound)",
+        "the compiled step's (traced on fake tensors, Inductor's min cut); time: the eager plan's price of the "
+        "assignment (its checkpointed layers' replay and its loss mode), plus what the memory budget recomputes "
+        "beyond the same assignment under budget 1.0: the partitioned graphs' FLOPs at the step's predicted FLOP "
+        "rate, and the bytes its recomputed pointwise ops write, unfused, at the device's memory bandwidth "
+        "(Inductor fuses them: an upper bound)",
         *skipped,
+        *eager_layers,
     ]
     advice = _advice(options, chosen, plan)
     result = CompiledPlan(tuple(options), chosen, plan.budget, advice, tuple(notes), per_block)
     if chosen is None:  # the eager plan stands, with what was weighed
         return dataclasses.replace(plan, compiled=result.to_dict(), notes=(*plan.notes, advice)), result
-    return _as_plan(plan, chosen, result), result
+    return _as_plan(plan, chosen, result, _step(wl, chosen.loss, tables)), result
 
 
-def fixed_floor(tables: Sequence[CostTable]) -> float:
-    """The peak of the phases no option changes (the optimizer step, the embedding's backward) of the full loss's
-    step, the one the compiled options run (Note: [what the compiled options leave out])."""
-    return max((v for t in tables if t.workload["loss"] == "full" for v in t.fixed.values()), default=0.0)
+def fixed_floor(tables: Sequence[CostTable], loss: str = "full") -> float:
+    """The peak of the phases no option changes (the optimizer step, the embedding's backward) of ``loss``'s
+    step (the whole model's compiled options run the full loss: Note: [what the compiled options leave out])."""
+    return max((v for t in tables if t.workload["loss"] == loss for v in t.fixed.values()), default=0.0)
+
+
+def _step(wl: Workload, loss: str, tables: Sequence[CostTable]) -> Workload:
+    """The step a compiled option of ``loss`` runs: the chunked loss at its table's chunk, else the full loss."""
+    if loss != "chunked":
+        return dataclasses.replace(wl, loss="full", loss_chunk=None)  # Note: [what the compiled options leave out]
+    chunk = next((t.workload.get("loss_chunk") for t in tables if t.workload["loss"] == "chunked"), None)
+    return dataclasses.replace(wl, loss="chunked", loss_chunk=chunk)
 
 
 def render_compiled_plan(r: CompiledPlan) -> str:
@@ -261,33 +296,48 @@ def render_compiled_plan(r: CompiledPlan) -> str:
     )
 
 
-def _assignments(plan: Plan, most: int) -> tuple[list[PlanPoint], list[str]]:
-    """Recompute nothing, the plan, and frontier points spread from the plan's to nothing; the full loss and no
-    offload only (Note: [what the compiled options leave out])."""
+def _assignments(plan: Plan, most: int, tables: Sequence[CostTable] = ()) -> tuple[list[PlanPoint], list[str]]:
+    """Recompute nothing, the plan, and frontier points spread from the plan's to nothing, on the full loss; and
+    where ``tables`` hold the chunked loss's (compiled per block), as many on the chunked loss, from its own
+    frontier. No offload (Note: [what the compiled options leave out])."""
     none = plan.uniform.get("none")
     require(
         none is not None and none.loss == "full",
-        "the memory budget is weighed on the full loss's step: plan without --loss chunked (the chunked loss is "
+        "the memory budget is weighed from the full loss's step: plan without --loss chunked (the chunked loss is "
         "weighed anyway)",
         fields=("memory_budget",),
     )
     assert none is not None
     skipped: list[str] = []
-    if plan.chosen.loss == "chunked":
+    chunked = [t for t in tables if t.workload["loss"] == "chunked"]
+    if plan.chosen.loss == "chunked" and not chunked:
         skipped.append(
             "the eager plan chunks the loss, which runs outside torch.compile's graphs (its chunks' backward is "
-            "taken in the forward): the compiled options use the full loss"
+            "taken in the forward): the whole model's compiled options use the full loss (--per-block weighs "
+            "the chunked loss beside the compiled blocks)"
         )
     if "offload" in plan.chosen.layers:
         skipped.append("the eager plan offloads, which the compiled trace does not count: left out")
-    ok = [p for p in plan.frontier if p.loss == "full" and "offload" not in p.layers and p.layers != none.layers]
+    full = [p for p in plan.frontier if p.loss == "full" and p.layers != none.layers]
+    out = [none, *_spread(plan, full, most - 1)]
+    if chunked:
+        own = [p for p in loss_frontier(tables, "chunked") if "offload" not in p.layers]
+        cheapest = min(own, key=lambda p: (p.cost, p.peak))  # recompute nothing, on the chunked loss
+        out += [cheapest, *_spread(plan, [p for p in own if p is not cheapest], most - 1)]
+    return list(dict.fromkeys(out)), skipped
+
+
+def _spread(plan: Plan, points: Sequence[PlanPoint], room: int) -> list[PlanPoint]:
+    """The plan's chosen point where it is among ``points``, then the smallest, then points spread towards
+    recomputing nothing: ``room`` at most, none that offloads."""
+    ok = [p for p in points if "offload" not in p.layers]
     chosen = [plan.chosen] if plan.chosen in ok else []
     rest = sorted((p for p in ok if p not in chosen), key=lambda p: p.peak)
-    room = max(0, most - 1 - len(chosen))
+    room = max(0, room - len(chosen))
     if rest and room:  # the smallest first, then spread towards recomputing nothing
         step = (len(rest) - 1) / max(1, room - 1) if room > 1 else 0
         chosen += [rest[round(step * k)] for k in range(min(room, len(rest)))]
-    return [none, *dict.fromkeys(chosen)], skipped
+    return list(dict.fromkeys(chosen))
 
 
 def _bandwidth(plan: Plan) -> float | None:
@@ -312,7 +362,8 @@ def _advice(options: Sequence[CompiledOption], chosen: CompiledOption | None, pl
     eager = f"eager (no compile), recompute's plan: {plan.overhead:+.1%} by the time model"
     alone = [
         f"the budget alone: {f'{knob.budget:g} ({knob.overhead:+.1%})' if knob else 'nothing fits'}",
-        f"recompute's policies alone: {f'{policies.overhead:+.1%}' if policies else 'nothing fits'}",
+        "recompute's policies alone: "
+        + (f"{policies.label()} ({policies.overhead:+.1%})" if policies else "nothing fits"),
         eager,
     ]
     if chosen is None:
@@ -321,17 +372,19 @@ def _advice(options: Sequence[CompiledOption], chosen: CompiledOption | None, pl
             f"under torch.compile nothing weighed fits {gib(plan.budget)}: the smallest is {smallest.label()} at "
             f"{gib(smallest.peak)}; " + "; ".join(alone[2:])
         )
-    if not chosen.recomputes:
+    if not chosen.recomputes and chosen.budget == 1.0:
+        use = "torch.compile as it is (PyTorch's own memory budget, 1.0)"
+    elif not chosen.recomputes:
         use = f"torch.compile's memory budget {chosen.budget:g} alone"
     elif chosen.budget == 1.0:
-        use = "recompute's per-layer policies under torch.compile's default partitioner"
+        use = "recompute's policies under torch.compile's default partitioner"
     else:
-        use = f"both: recompute's per-layer policies and torch.compile's memory budget {chosen.budget:g}"
+        use = f"both: recompute's policies and torch.compile's memory budget {chosen.budget:g}"
     return f"use {use} ({chosen.label()}): {chosen.overhead:+.1%}, peak {gib(chosen.peak)}. " + "; ".join(alone)
 
 
-def _as_plan(plan: Plan, o: CompiledOption, compiled: CompiledPlan) -> Plan:
-    """``plan`` with the compiled option as its chosen point and its memory budget."""
+def _as_plan(plan: Plan, o: CompiledOption, compiled: CompiledPlan, step: Workload) -> Plan:
+    """``plan`` with the compiled option as its chosen point, its memory budget and its loss mode."""
     point = PlanPoint(
         peak=o.peak,
         cost=o.seconds if o.seconds is not None else float(o.extra_flops),
@@ -341,7 +394,7 @@ def _as_plan(plan: Plan, o: CompiledOption, compiled: CompiledPlan) -> Plan:
         flops=float(o.extra_flops),
         step_seconds=plan.model_cost + o.seconds if o.seconds is not None else None,
     )
-    workload = {**plan.workload, "loss": o.loss, "loss_chunk": None}  # the full loss (the eager plan may chunk)
+    workload = {**plan.workload, "loss": step.loss, "loss_chunk": step.loss_chunk}
     return dataclasses.replace(
         plan,
         layers=o.layers,

@@ -50,6 +50,7 @@ from recompute.core.workload import AMP, LOSSES, Workload, parallel_sizes
 from recompute.models.source import ModelSource, resolve_source
 from recompute.runtime import device_name, resolve_device
 from recompute.trace import step_work
+from recompute.trace._compiled_run import CHUNKED_WHOLE
 
 __all__ = ["CPU_GPT2", "BenchResult", "BenchRow", "bench", "bench_source", "bench_spec", "render_bench"]
 
@@ -138,7 +139,7 @@ def bench(
             offloading policy, or a PyTorch before 2.8.
     """
     source = spec if isinstance(spec, ModelSource) else ModelSource.preset(spec, hf=hf)
-    _check_compiled(compiled, memory_budget, warmup, device_profile, wl, policies)
+    _check_compiled(compiled, memory_budget, warmup, device_profile, wl, policies, losses)
     runs, device = _runs(source, wl, policies, losses, steps=steps, warmup=warmup, rounds=rounds)
     # a preset's overheads are the analytic model's (one dtype); another's, or any under amp, are counted; a
     # compiled step's are its graphs' FLOPs (predict)
@@ -180,6 +181,7 @@ def _check_compiled(
     device_profile: Device | Callable[[], Device] | None,
     wl: Workload,
     policies: Sequence[str | Policy],
+    losses: Sequence[str] = (),
 ) -> None:
     """``bench``'s compiled options, checked before anything is traced or built."""
     if compiled is None:
@@ -191,6 +193,11 @@ def _check_compiled(
         budget is None or 0 < budget <= 1, f"memory_budget must be in (0, 1], got {budget}", fields=("memory_budget",)
     )
     require(warmup >= 1, "warmup must be 1 or more under compile: the first step compiles", fields=("warmup",))
+    require(
+        compiled == "block" or "chunked" not in {wl.loss, *losses},
+        f"{CHUNKED_WHOLE}; bench it with compiled 'block' or the full loss",
+        fields=("loss",),
+    )
     require(
         device_profile is None,
         "a compiled bench predicts no step time (the time model prices eager kernels, not Inductor's); drop the "

@@ -26,7 +26,7 @@ from recompute.cli._common import (
 )
 from recompute.cli._lazy import torch_floor
 from recompute.cli.render import render_plan
-from recompute.compile_plan import BUDGETS, fixed_floor, render_compiled_plan, with_memory_budget
+from recompute.compile_plan import BUDGETS, render_compiled_plan, with_memory_budget
 from recompute.core.analytic import estimate
 from recompute.core.costs import CostTable
 from recompute.core.errors import ConfigError, require
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                 result,
                 args.model,
                 wl,
-                floor=fixed_floor(found.tables),
+                tables=found.tables,
                 budgets=budgets,
                 per_block=args.per_block,
                 progress=progress,

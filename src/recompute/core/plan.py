@@ -38,6 +38,7 @@ __all__ = [
     "Traced",
     "best_uniform",
     "frontier",
+    "loss_frontier",
     "parse_budget",
     "plan",
     "require_fits",
@@ -113,6 +114,16 @@ def frontier(tables: CostTable | Sequence[CostTable], *, host_budget: float | No
     tables = _as_tables(tables)
     found = [_point(t, c, tables) for t in tables for c in search(t, host_budget=host_budget).frontier]
     return _pareto(found)
+
+
+def loss_frontier(
+    tables: CostTable | Sequence[CostTable], loss: str, *, host_budget: float | None = None
+) -> list[PlanPoint]:
+    """One loss mode's own frontier, smallest peak first, each point's cost counted as ``frontier`` counts it
+    (against the first table's step)."""
+    tables = _as_tables(tables)
+    table = _table_of(tables, loss)
+    return [_point(table, c, tables) for c in search(table, host_budget=host_budget).frontier]
 
 
 def smallest_achievable(tables: CostTable | Sequence[CostTable], *, host_budget: float | None = None) -> float:

@@ -168,8 +168,9 @@ def _chosen(data: dict[str, Any], peak: float, overhead: float) -> dict[str, flo
 
 def bench_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     """Measured peak memory and step time per policy from a ``recompute bench --json`` result (``read_bench``),
-    next to what the bench predicted for the same workload. The measured overhead is each policy's step time
-    over the ``none`` step time, minus one.
+    next to what the bench predicted for the same workload (for steps run ``torch.compile``d, ``compiled`` says
+    how, and the prediction is the compiled step's trace). The measured overhead is each policy's step time over
+    the ``none`` step time, minus one.
 
     Raises:
         ConfigError: unreadable file, not a bench result, or results for another model.
@@ -188,7 +189,15 @@ def bench_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
         for row in result.rows
     ]
     wl = build_workload(**result.workload)
-    return {"file": str(path), "model": spec.name, "device": result.device, "workload": wl.to_dict(), "rows": rows}
+    return {
+        "file": str(path),
+        "model": spec.name,
+        "device": result.device,
+        "workload": wl.to_dict(),
+        "rows": rows,
+        "compiled": result.compiled,
+        "memory_budget": result.memory_budget,
+    }
 
 
 TRACE_COMPONENTS = {

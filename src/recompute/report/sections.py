@@ -89,9 +89,16 @@ _PROFILE_JS = """
 
 
 def _bench_html(data: dict[str, Any]) -> str:
+    how = "the prediction for the same workload"
+    compiled = data.get("compiled")
+    if compiled:
+        budget = data.get("memory_budget")
+        what = "each block" if compiled == "block" else "the whole model"
+        knob = f"activation_memory_budget {budget:g}" if budget is not None else "PyTorch's memory budget"
+        how = f"the compiled step's trace (steps run torch.compile'd: {what}, {knob})"
     caption = (
         f"From <code>{escape(data['file'])}</code> ({escape(data['device'] or 'device not recorded')}): measured "
-        "peak memory and step-time overhead of each policy next to the analytic prediction for the same workload."
+        f"peak memory and step-time overhead of each policy next to {escape(how)}."
     )
     return section("bench", "Measured against predicted", caption, _pair("bench-memory", "bench-time"))
 

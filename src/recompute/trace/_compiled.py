@@ -306,7 +306,8 @@ def capture_blocks(
     fused: bool | None = None,
 ) -> Captured:
     """What the step saves with each layer of ``stack`` compiled on its own, as torchtitan compiles (Note:
-    [compiled per block]); ``run(model)`` runs its forward, on real or fake tensors alike. ``exclude``: the
+    [compiled per block]); ``run(model)`` runs its forward, on real or fake tensors alike, and returns its output
+    (Note: [saved and still held]). ``exclude``: the
     parameters, buffers and inputs (their storages are not counted). ``step(model)``: a forward and backward,
     for ``Captured.peak``, and ``fused``, as ``capture``'s. The layers are put back after.
 
@@ -464,7 +465,8 @@ def saved_by_eager(run: Callable[[], Any], *, exclude: Iterable[Tensor] = (), cu
     """Bytes the eager step ``run`` (a forward) saves for its backward, counted as ``saved_by_compiled`` counts the
     compiled step's: once per storage, ``exclude``'s (parameters, inputs) not at all; on fake tensors or real.
     A checkpointed region's own saves are its checkpoint's (dropped); what the region keeps to replay (its
-    inputs) is counted. ``cuda``: each storage in 512-byte blocks."""
+    inputs) is counted. Only storages still held when ``run`` returns count (Note: [saved and still held]): it
+    returns, or keeps, the forward's output. ``cuda``: each storage in 512-byte blocks."""
     return sum(_saved_by(run, exclude=exclude, cuda=cuda).values())
 
 
@@ -476,23 +478,36 @@ def _saved_by(
     where: Callable[[], int | None] = lambda: None,
 ) -> dict[int | None, int]:
     """``saved_by_eager``'s bytes by where each storage was first saved (``where()`` as it is saved: a layer's
-    index, or None)."""
+    index, or None), of the storages still held when ``run`` returns (its result kept while they are looked at).
+
+    Note: [saved and still held] Every storage a saved-tensor hook sees is held while ``run`` runs, so that no
+    freed storage's key is reused by another; then only those something else still holds count. A backward taken
+    inside the forward (the chunked loss's chunks, ``recompute.chunked_loss``) saves its logits and frees them
+    before the forward ends: they are no bytes the step holds for its backward. What a ``torch.autograd.Function``
+    keeps on its ``ctx`` outside ``save_for_backward`` (the chunked loss's gradients) no hook sees, eagerly or
+    compiled alike.
+    """
     skip = {_key(t) for t in exclude}
     seen: set[StorageWeakRef] = set()
-    held: list[Tensor] = []  # alive to the end, so no storage is freed and its key reused
-    out: dict[int | None, int] = {}
+    held: list[Tensor] = []  # alive until run returns, so no storage is freed and its key reused
+    found: list[tuple[StorageWeakRef, int | None, int]] = []
 
     def pack(t: Tensor) -> Tensor:
         key = _key(t)
         if key not in skip and key not in seen:
             seen.add(key)
             held.append(t)
-            at = where()
-            out[at] = out.get(at, 0) + _in_blocks(_concrete(t.untyped_storage().nbytes()), cuda)
+            found.append((key, where(), _in_blocks(_concrete(t.untyped_storage().nbytes()), cuda)))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
+        result = run()
+    held.clear()
+    out: dict[int | None, int] = {}
+    for key, at, nbytes in found:
+        if not key.expired():
+            out[at] = out.get(at, 0) + nbytes
+    del result
     return out
 
 
