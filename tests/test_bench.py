@@ -99,7 +99,7 @@ def test_cli_json_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
         (["--compiled", "--device-profile", "d.json"], "--compiled predicts no step time"),
         (["--compiled", "--dp", "2"], "--compiled benches one process; drop --dp 2"),
         (["--compiled", "--keep-grads"], "--keep-grads is not run under compile"),
-        (["--compiled", "--loss-modes", "full,chunked"], "bench it with compiled 'block' or the full --loss"),
+        (["--compiled", "--loss-modes", "full,chunked"], "bench the chunked --loss with compiled 'block', not 'model'"),
         (["--compiled", "--policies", "none,offload"], "moves saved tensors to host memory, which runs eagerly"),
     ],
 )

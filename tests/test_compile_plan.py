@@ -25,7 +25,7 @@ from recompute.cli import main
 from recompute.compile_plan import _bandwidth, with_memory_budget
 from recompute.core.errors import ConfigError
 from recompute.core.export import export
-from recompute.core.plan import loss_frontier, plan
+from recompute.core.plan import loss_frontier, plan, uniform_point
 from recompute.core.pricing import choose_device
 from recompute.models.source import ModelSource, build_source
 from recompute.planning import cost_tables
@@ -150,7 +150,7 @@ def test_the_plan_weighs_the_budget_per_block_as_torchtitan_compiles() -> None:
         # Note: [pricing a compiled option]: the eager plan's price of the assignment, and what the budget
         # recomputes beyond it under budget 1.0 (per FLOP of the plan's own step, the bytes at the bandwidth)
         own = next(x for x in compiled.options if x.layers == o.layers and x.loss == o.loss and x.budget == 1.0)
-        point = next(p for p in (*eager.frontier, *eager.uniform.values()) if p.layers == o.layers)
+        point = next(p for p in (*eager.frontier, *eager.uniform.values()) if (p.layers, p.loss) == (o.layers, o.loss))
         flops, written = o.extra_flops - own.extra_flops, o.extra_bytes - own.extra_bytes
         if eager.timed:
             rate, bandwidth = eager.model_cost / eager.model_flops, _bandwidth(eager)
@@ -187,9 +187,16 @@ def test_per_block_weighs_the_chunked_loss_beside_the_compiled_blocks() -> None:
         floor = max(chunked.fixed.values(), default=0.0)
         assert o.peak == max(floor, o.eager_peak - o.eager_saved + o.saved)
         assert o.recomputes and "chunked loss" in o.label()
-        if o.budget == 1.0:  # the eager plan's price of the chunked step (its loss mode's own step time)
-            point = next(p for p in loss_frontier(found.tables, "chunked") if p.layers == o.layers)
-            assert o.seconds == point.cost
+    # Note: [pricing a compiled option], in time: the eager plan's price of the layers in their loss mode (the
+    # chunked loss's own step time included), and what the budget recomputes beyond them at the step's FLOP rate
+    rate, bandwidth = eager.model_cost / eager.model_flops, _bandwidth(eager)
+    for o in compiled.options:
+        point = uniform_point(found.tables, "none", o.loss) if not o.checkpoints else None
+        point = point or next(p for p in loss_frontier(found.tables, o.loss) if p.layers == o.layers)
+        own = next(x for x in compiled.options if (x.layers, x.loss, x.budget) == (o.layers, o.loss, 1.0))
+        flops, written = o.extra_flops - own.extra_flops, o.extra_bytes - own.extra_bytes
+        assert o.seconds == pytest.approx(point.cost + flops * rate + (written / bandwidth if bandwidth else 0))
+        assert o.budget < 1.0 or o.seconds == point.cost
     nothing = {o.loss: o for o in compiled.options if not any(x != "none" for x in o.layers) and o.budget == 1.0}
     assert nothing["chunked"].peak < nothing["full"].peak  # the eager head no longer keeps the logits
     assert nothing["chunked"].kept == nothing["full"].kept  # the blocks save what they save either way
@@ -236,6 +243,10 @@ def test_plan_memory_budget_at_the_cli(tmp_path: Path, capsys: pytest.CaptureFix
     got = json.loads(capsys.readouterr().out)
     assert got["compiled"]["options"] and got["compiled"]["chosen"]["budget"] == 1.0  # everything fits: no knob
     assert json.loads(out.read_text())["compiled"] == got["compiled"]
+    assert {o["loss"] for o in got["compiled"]["options"]} == {"full"}  # the whole model takes the full loss only
+    assert main([*argv, "--memory-budget", "1.0,0.5", "--per-block", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["compiled"]
+    assert got["per_block"] and {o["loss"] for o in got["options"]} == {"full", "chunked"}
 
 
 def test_torchtitan_exports_the_memory_budget_mode() -> None:
@@ -255,8 +266,14 @@ def test_torchtitan_exports_the_memory_budget_mode() -> None:
     out = export(none, found.tables, "megatron")
     assert not out.exact and any("activation_memory_budget 0.5" in w for w in out.why)
     chunked = dataclasses.replace(none, chosen=dataclasses.replace(none.chosen, loss="chunked"))  # the budget's mix
-    out = export(chunked, found.tables, "torchtitan")
+    out = export(chunked, found.tables, "torchtitan")  # no full-loss option weighed: nothing to price the mode by
+    assert not out.exact and any("no full-loss option under memory_budget 0.5" in w for w in out.why)
+    full = {"loss": "full", "budget": 0.5, "layers": list(none.layers), "peak": 3e9, "seconds": None, "overhead": 0.1}
+    chunked = dataclasses.replace(chunked, compiled={"per_block": True, "options": [full]})
+    out = export(chunked, found.tables, "torchtitan")  # the budget said; the chunked loss is why it is not exact
     assert not out.exact and out.why and all("chunked loss" in w for w in out.why)
+    assert 'mode = "memory_budget"\nmemory_budget = 0.5\n' in out.text
+    assert (out.priced.loss, out.priced.peak, out.priced.overhead) == ("full", 3e9, 0.1)  # the full loss's option
     assert 'recompute.apply(model, "plan.json", loss="chunked"), then torch.compile' in out.text
 
 

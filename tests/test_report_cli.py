@@ -175,11 +175,15 @@ def test_bench_section_says_the_steps_ran_compiled(tmp_path: Path, capsys: pytes
     data = json.loads(path.read_text())
     path.write_text(json.dumps(data | {"compiled": "block", "memory_budget": 0.5}))
     out = tmp_path / "r.html"
+    rows = data["rows"]
+    data["rows"] = rows + [{**r, "loss": "chunked"} for r in rows]  # bench --loss-modes full,chunked
+    path.write_text(json.dumps(data | {"compiled": "block", "memory_budget": 0.5}))
     code, _, err = run(capsys, "report", "--model", "gpt2", "--bench", str(path), "-o", str(out))
     assert code == 0, err
     page = out.read_text()
     bench = page_data(page)["sections"]["bench"]
     assert (bench["compiled"], bench["memory_budget"]) == ("block", 0.5)
+    assert [r["policy"] for r in bench["rows"]][::3] == ["none, full loss", "none, chunked loss"]
     assert (
         "the compiled step&#x27;s trace (steps run torch.compile&#x27;d: each block, activation_memory_budget 0.5)"
         in page

@@ -7,7 +7,8 @@ runtime per byte is least until the saved bytes fall to that fraction of its own
 before the run: PyTorch shows the budget's effect only on the GPU. This module traces the compiled step on fake
 tensors (``recompute.trace.trace_budgets``: one dynamo trace per layer assignment, partitioned under every
 budget) for a few assignments of the eager plan's frontier (recompute nothing, the plan itself and cheaper
-points between) and prices each (assignment, budget):
+points between; compiled per block, as many on the chunked loss's own frontier too) and prices each (assignment,
+budget):
 
 - **peak**: the eager plan's predicted peak of that assignment with the bytes its eager step saves for the
   backward replaced by those its compiled step saves (both counted once per storage, by the same rule, in the
@@ -24,11 +25,11 @@ points between) and prices each (assignment, budget):
 
 Note: [pricing a compiled option] A checkpointed layer's replay is the same computation compiled or eager: its
 forward's matmuls and attention again, and its pointwise ops, which Inductor fuses. The eager plan prices it by
-its kernels' predicted times; pricing it instead by the graphs' FLOPs at the step's average rate plus its
+its kernels' predicted times. Pricing it instead by the graphs' FLOPs at the step's average rate plus its
 pointwise bytes unfused counted its memory-bound work twice, and made the same assignment dearer compiled than
-eager (the quickstart's plan: +57.6 % against +27.8 %). So one price for one replay: the eager plan's, and the
-budget's own recomputation on top, which the eager plan has no price for. Inductor's fused replay is likely
-cheaper than either: on a GPU neither is measured yet.
+eager. So one replay has one price, the eager plan's, and the budget's own recomputation is added on top (the
+eager plan has no price for it). Inductor's fused replay is likely cheaper than either; on a GPU neither is
+measured yet.
 
 The option chosen is the cheapest that fits; the advice names the best of each knob alone beside it.
 
@@ -51,7 +52,7 @@ from typing import Any
 
 from recompute.core.costs import CostTable
 from recompute.core.errors import require
-from recompute.core.plan import loss_frontier
+from recompute.core.plan import loss_frontier, uniform_point
 from recompute.core.plan_file import Plan, PlanPoint
 from recompute.core.policy import Policy
 from recompute.core.progress import Progress, no_progress
@@ -74,11 +75,13 @@ BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.1)
 
 @dataclass(frozen=True)
 class CompiledOption:
-    """One way to run the compiled step: recompute's per-layer policies and the partitioner's budget."""
+    """One way to run the compiled step: recompute's per-layer policies, its loss mode and the partitioner's
+    budget."""
 
     layers: tuple[str, ...]
     """recompute's policy of each layer (applied before ``torch.compile``)."""
     loss: str
+    """``full``, or ``chunked`` (compiled per block only: the loss runs eagerly beside the blocks)."""
     budget: float
     """``activation_memory_budget`` (1.0: PyTorch's default)."""
     saved: int
@@ -91,7 +94,9 @@ class CompiledOption:
     flops: int
     """FLOPs of the partitioned forward and backward graphs."""
     extra_flops: int
-    """``flops`` above the compiled step that recomputes nothing (budget 1.0): what the option recomputes."""
+    """``flops`` above those of the compiled step that recomputes nothing on the full loss (budget 1.0); per
+    block a chunked loss's head is in no graph, and a checkpointed core attention can leave the min cut less to
+    recompute, so it can be negative. Not the option's price (``overhead``)."""
     extra_bytes: int
     """Bytes the backward's recomputed ops without FLOPs write (unfused), above that step's."""
     kept: tuple[int, ...]
@@ -104,12 +109,17 @@ class CompiledOption:
     """``overhead`` in seconds of the predicted step, when the plan is priced in time."""
 
     @property
+    def checkpoints(self) -> bool:
+        """Some layer is checkpointed."""
+        return any(o != "none" for o in self.layers)
+
+    @property
     def recomputes(self) -> bool:
         """recompute's policies act: a layer checkpointed, or the loss chunked."""
-        return any(o != "none" for o in self.layers) or self.loss == "chunked"
+        return self.checkpoints or self.loss == "chunked"
 
     def label(self) -> str:
-        layers = runs(self.layers) if any(o != "none" for o in self.layers) else ""
+        layers = runs(self.layers) if self.checkpoints else ""
         what = ", ".join(x for x in (layers, "chunked loss" if self.loss == "chunked" else "") if x)
         return f"{what or 'nothing'}; budget {self.budget:g}"
 
@@ -157,7 +167,6 @@ def with_memory_budget(
     wl: Workload,
     *,
     tables: Sequence[CostTable] = (),
-    floor: float = 0.0,
     budgets: Sequence[float] = BUDGETS,
     assignments: int = 4,
     per_block: bool = False,
@@ -172,8 +181,8 @@ def with_memory_budget(
         wl: the workload planned (no tp or pp; under FSDP the unsharded model's step is traced).
         tables: the cost tables ``plan`` was made from: each loss mode's floor (the peak of the phases no option
             changes, ``CostTable.fixed``) and step time; per block, the chunked loss's options come from its table
-            (Note: [what the compiled options leave out]).
-        floor: the full loss's floor where no ``tables`` are given.
+            (Note: [what the compiled options leave out]). Without them no floor is taken, and per block the
+            full loss alone is weighed.
         budgets: ``activation_memory_budget`` values, each in (0, 1].
         assignments: at most this many layer assignments traced per loss mode (each one dynamo trace).
         per_block: each layer compiled on its own, the rest eager, as torchtitan compiles (Note: [compiled per
@@ -201,7 +210,7 @@ def with_memory_budget(
             "eager plan's"
         )
         wl = dataclasses.replace(wl, fsdp=False, dp=1)
-    floors = {str(t.workload["loss"]): fixed_floor(tables, str(t.workload["loss"])) for t in tables} or {"full": floor}
+    floors = {str(t.workload["loss"]): fixed_floor(tables, str(t.workload["loss"])) for t in tables}
     options: list[CompiledOption] = []
     eager_layers: dict[str, None] = {}
     base: Any = None
@@ -213,14 +222,14 @@ def with_memory_budget(
         base = base or traced[0]  # the first assignment recomputes nothing, under budget 1.0, on the full loss
         own = traced[0]  # this assignment under budget 1.0: what the budget recomputes is counted from it
         step_flops = plan.model_flops if per_block else base.flops  # per block the head is in no graph
-        eager_layers.update(dict.fromkeys(n for n in own.notes if "ran no compiled graph" in n))
         for t in traced:
+            eager_layers.update(dict.fromkeys(n for n in t.notes if "ran no compiled graph" in n))
             assert t.budget is not None and t.eager_saved is not None
             flops, written = t.flops - own.flops, t.recomputed_bytes - own.recomputed_bytes
             seconds = None
             if plan.timed:  # Note: [pricing a compiled option]
                 seconds = point.cost + flops * plan.model_cost / step_flops + (written / bandwidth if bandwidth else 0)
-            overhead = seconds / plan.model_cost if seconds is not None else point.overhead + flops / step_flops
+            overhead = seconds / plan.model_cost if seconds is not None else point.overhead + flops / plan.model_cost
             options.append(
                 CompiledOption(
                     layers=point.layers,
@@ -229,7 +238,7 @@ def with_memory_budget(
                     saved=t.saved,
                     eager_saved=t.eager_saved,
                     eager_peak=point.peak,
-                    peak=max(floors.get(point.loss, floor), point.peak - t.eager_saved + t.saved),
+                    peak=max(floors.get(point.loss, 0.0), point.peak - t.eager_saved + t.saved),
                     flops=t.flops,
                     extra_flops=t.flops - base.flops,
                     extra_bytes=t.recomputed_bytes - base.recomputed_bytes,
@@ -313,17 +322,17 @@ def _assignments(plan: Plan, most: int, tables: Sequence[CostTable] = ()) -> tup
     if plan.chosen.loss == "chunked" and not chunked:
         skipped.append(
             "the eager plan chunks the loss, which runs outside torch.compile's graphs (its chunks' backward is "
-            "taken in the forward): the whole model's compiled options use the full loss (--per-block weighs "
-            "the chunked loss beside the compiled blocks)"
+            "taken in the forward): these compiled options use the full loss (compiled per block, with the plan's "
+            "cost tables, the chunked loss is weighed beside the blocks)"
         )
     if "offload" in plan.chosen.layers:
         skipped.append("the eager plan offloads, which the compiled trace does not count: left out")
     full = [p for p in plan.frontier if p.loss == "full" and p.layers != none.layers]
     out = [none, *_spread(plan, full, most - 1)]
     if chunked:
-        own = [p for p in loss_frontier(tables, "chunked") if "offload" not in p.layers]
-        cheapest = min(own, key=lambda p: (p.cost, p.peak))  # recompute nothing, on the chunked loss
-        out += [cheapest, *_spread(plan, [p for p in own if p is not cheapest], most - 1)]
+        nothing = uniform_point(tables, "none", "chunked")
+        own = [p for p in loss_frontier(tables, "chunked", host_budget=0.0) if p.layers != nothing.layers]
+        out += [nothing, *_spread(plan, own, most - 1)]
     return list(dict.fromkeys(out)), skipped
 
 
@@ -387,7 +396,7 @@ def _as_plan(plan: Plan, o: CompiledOption, compiled: CompiledPlan, step: Worklo
     """``plan`` with the compiled option as its chosen point, its memory budget and its loss mode."""
     point = PlanPoint(
         peak=o.peak,
-        cost=o.seconds if o.seconds is not None else float(o.extra_flops),
+        cost=o.seconds if o.seconds is not None else o.overhead * plan.model_cost,
         overhead=o.overhead,
         layers=o.layers,
         loss=o.loss,

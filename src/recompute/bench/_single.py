@@ -49,8 +49,7 @@ from recompute.core.torch_range import torch_release
 from recompute.core.workload import AMP, LOSSES, Workload, parallel_sizes
 from recompute.models.source import ModelSource, resolve_source
 from recompute.runtime import device_name, resolve_device
-from recompute.trace import step_work
-from recompute.trace._compiled_run import CHUNKED_WHOLE
+from recompute.trace import CHUNKED_WHOLE, step_work
 
 __all__ = ["CPU_GPT2", "BenchResult", "BenchRow", "bench", "bench_source", "bench_spec", "render_bench"]
 
@@ -195,7 +194,7 @@ def _check_compiled(
     require(warmup >= 1, "warmup must be 1 or more under compile: the first step compiles", fields=("warmup",))
     require(
         compiled == "block" or "chunked" not in {wl.loss, *losses},
-        f"{CHUNKED_WHOLE}; bench it with compiled 'block' or the full loss",
+        f"{CHUNKED_WHOLE}; bench the chunked loss with compiled 'block', not 'model', or bench the full loss alone",
         fields=("loss",),
     )
     require(

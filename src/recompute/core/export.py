@@ -153,18 +153,25 @@ def export(plan: Plan, tables: CostTable | Sequence[CostTable], stack: str, *, p
         suffix=kind.suffix,
     )
     if plan.memory_budget is not None:
-        out = _with_memory_budget(out, plan.memory_budget, per_block=bool((plan.compiled or {}).get("per_block")))
+        out = _with_memory_budget(out, plan.memory_budget, plan.compiled or {}, plan.model_cost)
     header = _header(plan, out, kind, plan_file)
     body = _budget_body(plan.memory_budget) if out.setting.values.get("mode") == "memory_budget" else None
     return replace(out, text="\n".join([*header, *(body or kind.body(setting, table))]) + "\n")
 
 
-def _with_memory_budget(out: Export, budget: float, *, per_block: bool = False) -> Export:
+def _with_memory_budget(out: Export, budget: float, compiled: dict[str, Any], model_cost: float) -> Export:
     """A plan run under ``torch.compile``'s memory budget (``recompute plan --memory-budget``): torchtitan's
     ``memory_budget`` mode says it where no layer is checkpointed (its modes exclude each other); no other stack
-    has the setting. ``per_block``: the plan weighed each layer compiled on its own, as torchtitan compiles."""
+    has the setting. ``compiled``: the options the plan weighed (``Plan.compiled``; ``per_block``: each layer
+    compiled on its own, as torchtitan compiles). With the chunked loss the mode is the closest setting, priced
+    by the option of the full loss under the same budget, where the plan weighed one."""
     own = out.plan
-    if out.stack == "torchtitan" and set(own.layers) == {"none"} and own.loss == "full":
+    per_block = bool(compiled.get("per_block"))
+    full = own if own.loss == "full" else _full_loss_option(compiled, budget, own, model_cost)
+    if out.stack == "torchtitan" and set(own.layers) == {"none"} and full is None:
+        why = f"the plan weighed no full-loss option under memory_budget {budget:g} to price its memory_budget mode"
+        return replace(out, exact=False, why=(*out.why, why))
+    if out.stack == "torchtitan" and set(own.layers) == {"none"} and full is not None:
         values = {"mode": "memory_budget", "memory_budget": budget}
         setting = Setting(f'mode = "memory_budget", memory_budget = {budget:g}', values, own.layers)
         notes = out.notes
@@ -175,14 +182,23 @@ def _with_memory_budget(out: Export, budget: float, *, per_block: bool = False) 
                 "own, the head and loss eager, where the budget is a fraction of each block's: plan with "
                 "--memory-budget ... --per-block for its figures (docs/compiled.md)",
             )
-        return replace(out, setting=setting, priced=own, exact=True, why=(), notes=notes)
-    if out.stack == "torchtitan" and set(own.layers) == {"none"}:
-        return replace(out, exact=False)  # memory_budget mode would say the layers; the chunked loss is why not
+        exact = own.loss == "full"  # else the budget is said, and the chunked loss is why it is not the plan
+        return replace(out, setting=setting, priced=full, exact=exact, why=() if exact else out.why, notes=notes)
     if out.stack == "torchtitan":
         why = "its activation-checkpoint modes exclude each other: memory_budget goes with no per-layer checkpointing"
     else:
         why = f"it has no setting for torch.compile's activation_memory_budget {budget:g}"
     return replace(out, exact=False, why=(*out.why, why))
+
+
+def _full_loss_option(compiled: dict[str, Any], budget: float, own: Priced, model_cost: float) -> Priced | None:
+    """The compiled option the plan weighed with ``own``'s layers on the full loss under ``budget``, or None."""
+    for o in compiled.get("options", ()):
+        if o["loss"] == "full" and o["budget"] == budget and tuple(o["layers"]) == own.layers:
+            cost = o["seconds"] if o["seconds"] is not None else o["overhead"] * model_cost
+            step = model_cost + cost if own.step_seconds is not None else None
+            return Priced(own.layers, "full", o["peak"], "backward (compiled)", cost, o["overhead"], step)
+    return None
 
 
 def _budget_body(budget: float | None) -> list[str]:

@@ -43,6 +43,7 @@ __all__ = [
     "plan",
     "require_fits",
     "smallest_achievable",
+    "uniform_point",
 ]
 
 
@@ -124,6 +125,13 @@ def loss_frontier(
     tables = _as_tables(tables)
     table = _table_of(tables, loss)
     return [_point(table, c, tables) for c in search(table, host_budget=host_budget).frontier]
+
+
+def uniform_point(tables: CostTable | Sequence[CostTable], option: str, loss: str) -> PlanPoint:
+    """``option`` on every layer under ``loss``'s table, its cost counted as ``frontier`` counts it."""
+    tables = _as_tables(tables)
+    table = _table_of(tables, loss)
+    return _point(table, table.compose((option,) * table.n), tables)
 
 
 def smallest_achievable(tables: CostTable | Sequence[CostTable], *, host_budget: float | None = None) -> float:

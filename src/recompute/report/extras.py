@@ -179,7 +179,8 @@ def bench_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     base = result.step_times().get("none")
     rows = [
         {
-            "policy": row.policy,
+            "policy": row.policy if len({r.loss for r in result.rows}) == 1 else f"{row.policy}, {row.loss} loss",
+            "loss": row.loss,
             "measured_peak": float(row.peak),
             "predicted_peak": row.predicted_peak,
             "step_time_s": row.step_s,

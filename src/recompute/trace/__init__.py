@@ -21,7 +21,7 @@ from recompute.trace._compiled import (
     saved_by_compiled,
     saved_by_eager,
 )
-from recompute.trace._compiled_run import CompiledTrace, render_compiled, trace_budgets, trace_compiled
+from recompute.trace._compiled_run import CHUNKED_WHOLE, CompiledTrace, render_compiled, trace_budgets, trace_compiled
 from recompute.trace._flops import flop_counter
 from recompute.trace._profile import cached_profile, cached_profiles, profile, profile_key, profiles, with_loss
 from recompute.trace._ranks import saved_bytes_per_layer
@@ -31,6 +31,7 @@ from recompute.trace._run import step_needs, step_record, step_work, step_works,
 from recompute.trace._work import cached_works
 
 __all__ = [
+    "CHUNKED_WHOLE",
     "COMPONENTS",
     "PARTITIONERS",
     "CompiledTrace",

@@ -307,9 +307,9 @@ def capture_blocks(
 ) -> Captured:
     """What the step saves with each layer of ``stack`` compiled on its own, as torchtitan compiles (Note:
     [compiled per block]); ``run(model)`` runs its forward, on real or fake tensors alike, and returns its output
-    (Note: [saved and still held]). ``exclude``: the
-    parameters, buffers and inputs (their storages are not counted). ``step(model)``: a forward and backward,
-    for ``Captured.peak``, and ``fused``, as ``capture``'s. The layers are put back after.
+    (Note: [saved and still held]). ``exclude``: the parameters, buffers and inputs (their storages are not
+    counted). ``step(model)``: a forward and backward, for ``Captured.peak``, and ``fused``, as ``capture``'s. The
+    layers are put back after.
 
     Note: [compiled per block] torchtitan compiles each transformer block on its own (``torch.compile(block)``,
     the embedding, final norm, head and loss eager), so AOTAutograd partitions one block's graph, and a memory

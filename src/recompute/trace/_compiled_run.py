@@ -5,6 +5,7 @@ on the meta device, made fake, the policy applied (torchtitan's order: checkpoin
 whole model compiled with ``_compiled.capture_backend`` (or, ``per_block``, each layer on its own:
 ``_compiled.capture_blocks``): dynamo and AOTAutograd trace the real step's forward and backward, the partitioner
 cuts them, and nothing of Inductor's code generation runs. Llama-3.1-8B at s = 8192 traces on a laptop.
+
 Note: [the eager part's path] transformers chooses its attention path from values (``recompute.trace._hf_path``):
 without a cache it asks whether the position ids hold packed sequences, which a compile trace cannot read, so a
 whole model compiled takes the general path (a (b, s, s) mask to every layer, K and V repeated for grouped-query
@@ -117,7 +118,8 @@ def trace_compiled(
 
     Raises:
         ConfigError: an unknown partitioner or a budget outside (0, 1], a workload this trace does not run
-            (parallelism), an offload policy, or a model that cannot be built.
+            (parallelism; the chunked loss with the whole model compiled), an offload policy, or a model that
+            cannot be built.
     """
     return trace_budgets(model, wl, policy, (budget,), partitioner=partitioner, per_block=per_block, peak=peak)[0]
 
@@ -148,7 +150,7 @@ def trace_budgets(
     _check(wl, pol, partitioner)
     require(
         per_block or wl.loss != "chunked",
-        f"{CHUNKED_WHOLE}; compile per block (--compiled block) or use the full loss",
+        f"{CHUNKED_WHOLE}; compile per block (per_block=True, --compiled block) or use the full loss",
         fields=("loss",),
     )
     cuda = wl.device == "cuda"
