@@ -43,6 +43,7 @@ MODELS = {
     "tiny": ("qwen2.5-1.5b.json", 2),  # Qwen2.5-1.5B's shape cut to 2 layers: the cost a model's size does not set
     "qwen2.5-1.5b": ("qwen2.5-1.5b.json", None),
     "llama-3.2-3b": ("llama-3.2-3b.json", None),
+    "llama-3.1-8b": ("llama-3.1-8b.json", None),  # the 8B goal's (meta-llama/Llama-3.1-8B's published config)
 }
 """Name -> (config in benchmarks/configs, layers kept or None for all)."""
 
@@ -132,7 +133,7 @@ def _child(config: str, log: str) -> None:
     )
 
 
-def split(models: list[str], folder: Path) -> None:
+def split(models: list[str], folder: Path, file: str = "cold_plan_split.json") -> None:
     """``--split``: one cold plan of each model, in a child process, timed by part."""
     results = {}
     for name in models:
@@ -155,8 +156,8 @@ def split(models: list[str], folder: Path) -> None:
             f"{got['before_steps_s']:.1f} s, the steps {got['steps_s']:.1f} s on {1 + got['workers']} processes "
             f"(CPU s: {by_kind}), after {got['after_steps_s']:.1f} s"
         )
-    out = Path(__file__).parent / "results" / "cold_plan_split.json"
-    command = "python benchmarks/cold_plan.py --split --models " + " ".join(models)
+    out = Path(__file__).parent / "results" / file
+    command = "python benchmarks/cold_plan.py --split --models " + " ".join(models) + f" --out {file}"
     out.write_text(
         json.dumps(
             {"command": command, "plan": f"recompute plan --model CONFIG {' '.join(ARGS)}", "models": results}, indent=2
@@ -185,7 +186,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--before", default="9727924", help="the revision whose cold plan is timed as before")
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen2.5-1.5b"], choices=list(MODELS))
-    parser.add_argument("--out", default="cold_plan.json", help="the results file in benchmarks/results")
+    parser.add_argument(
+        "--out", help="the results file in benchmarks/results (cold_plan.json; with --split cold_plan_split.json)"
+    )
     parser.add_argument("--precision", help="plan's --precision (default: its own, amp)")
     parser.add_argument(
         "--split", action="store_true", help="time one cold plan of this tree by part (--models only: one run each)"
@@ -193,7 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
     if args.split:
-        split(args.models, folder)
+        split(args.models, folder, args.out or "cold_plan_split.json")
         return
     before_src, after_src = export(args.before, folder), ROOT / "src"
     results: dict[str, Any] = {}
@@ -229,9 +232,9 @@ def main() -> None:
         "command": f"python benchmarks/cold_plan.py --runs {args.runs} --before {args.before} --models "
         + " ".join(args.models)
         + (f" --precision {args.precision}" if args.precision else "")
-        + (f" --out {args.out}" if args.out != "cold_plan.json" else ""),
+        + (f" --out {args.out}" if args.out else ""),
     }
-    out = Path(__file__).parent / "results" / args.out
+    out = Path(__file__).parent / "results" / (args.out or "cold_plan.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

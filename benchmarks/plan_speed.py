@@ -19,6 +19,7 @@ Writes benchmarks/results/plan_speed.json.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import resource
@@ -101,6 +102,9 @@ def main() -> None:
         }
         row |= {"goal_s": GOALS[name], "command": f"recompute {' '.join(argv)}", "load": [load, os.getloadavg()[0]]}
         row["same_output"] = outputs["before"] == outputs["after"]
+        if not row["same_output"]:  # what differs, for the reader to judge
+            diff = difflib.unified_diff(outputs["before"].splitlines(), outputs["after"].splitlines(), lineterm="", n=0)
+            row["output_diff"] = list(diff)[2:22]
         out[name] = row
         print(
             f"{name}: after {row['after']['median_s']:.2f} s ({row['after']['median_cpu_s']:.2f} s CPU), before "

@@ -378,7 +378,7 @@ def test_trace_compiled_at_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture
         (["--memory-budget", "0.5"], "--memory-budget is an option of the compiled trace; add --compiled"),
         (["--compiled", "--scale-from", "1"], "drop --scale-from"),
         (["--compiled", "--partitioner", "default", "--memory-budget", "0.5"], "min-cut partitioner's knob"),
-        (["--compiled", "--loss", "chunked"], "compile per block (per_block=True, --compiled block) or use the full --loss"),
+        (["--compiled", "--loss", "chunked"], "(per_block=True, --compiled block) or use the full --loss"),
     ],
     ids=["budget-2", "budget-without-compiled", "scale-from", "budget-default-partitioner", "chunked-whole"],
 )

@@ -9,6 +9,7 @@ exits with code 2; nothing here prints a traceback for it.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import re
@@ -153,13 +154,20 @@ def as_flags(error: ConfigError, parser: argparse.ArgumentParser) -> str:
 
 
 def main_exit() -> NoReturn:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    Note: [a quick exit] A command that traced a model leaves millions of objects (torch's and transformers'
+    modules, fx graphs, the trace's records), and the interpreter's last garbage collections over them took 1.1 s
+    after a cold plan had printed its answer (10.3 s in all). ``gc.freeze()`` moves them out of the collector's
+    reach first: they are freed as the interpreter tears down, and atexit handlers and finalizers run as before.
+    """
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:  # output piped into `head` and friends: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    gc.freeze()  # Note: [a quick exit]
     sys.exit(code)
 
 
