@@ -11,12 +11,14 @@ benchmarks/results/compiled_fidelity.json.
 
     python benchmarks/compiled_fidelity.py [--only gpt2,hf-llama] [--budgets 1.0,0.5,0.1]
     python benchmarks/compiled_fidelity.py --published --budgets 1.0,0.5   # published width, 2 layers, s = 256
+    python benchmarks/compiled_fidelity.py --per-block --loss chunked      # recompute's chunked loss beside the blocks
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import platform
 import time
@@ -180,10 +182,16 @@ def main() -> None:
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="memory budgets in (0, 1]")
     p.add_argument("--published", action="store_true", help="GPT-2 and Qwen2.5-0.5B at published width, 2 layers")
     p.add_argument("--per-block", action="store_true", help="each layer compiled on its own, as torchtitan compiles")
+    p.add_argument("--loss", choices=("full", "chunked"), default="full", help="chunked: beside the blocks (per block)")
     p.add_argument("-o", "--out", type=Path)
     args = p.parse_args()
     known, wl = (PUBLISHED, PUBLISHED_WL) if args.published else (MODELS, WL)
+    if args.loss == "chunked":
+        if not args.per_block:
+            p.error("--loss chunked runs beside compiled blocks only: add --per-block")
+        wl = dataclasses.replace(wl, loss="chunked")
     name = "compiled_fidelity" + ("_published" if args.published else "") + ("_per_block" if args.per_block else "")
+    name += "_chunked" if args.loss == "chunked" else ""
     out = args.out or OUT.with_name(f"{name}.json")
     models = args.only.split(",") if args.only else list(known)
     unknown = [m for m in models if m not in known]

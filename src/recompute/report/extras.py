@@ -177,9 +177,10 @@ def bench_section(path: str | Path, spec: ModelSpec) -> dict[str, Any]:
     """
     result = read_bench(path, model=spec.name)
     base = result.step_times().get("none")
+    losses = len({r.loss for r in result.rows}) > 1  # bench --loss-modes: name each row's
     rows = [
         {
-            "policy": row.policy if len({r.loss for r in result.rows}) == 1 else f"{row.policy}, {row.loss} loss",
+            "policy": f"{row.policy}, {row.loss} loss" if losses else row.policy,
             "loss": row.loss,
             "measured_peak": float(row.peak),
             "predicted_peak": row.predicted_peak,
