@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -485,7 +486,9 @@ def _saved_by(
     inside the forward (the chunked loss's chunks, ``recompute.chunked_loss``) saves its logits and frees them
     before the forward ends: they are no bytes the step holds for its backward. What a ``torch.autograd.Function``
     keeps on its ``ctx`` outside ``save_for_backward`` (the chunked loss's gradients) no hook sees, eagerly or
-    compiled alike.
+    compiled alike. A storage that only unreachable objects hold (a reference cycle the collector has not yet
+    reached) is not held for the backward: the collector runs before the count, so that it does not depend on
+    when the collector last ran.
     """
     skip = {_key(t) for t in exclude}
     seen: set[StorageWeakRef] = set()
@@ -503,6 +506,7 @@ def _saved_by(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()
     held.clear()
+    gc.collect()
     out: dict[int | None, int] = {}
     for key, at, nbytes in found:
         if not key.expired():
