@@ -155,7 +155,7 @@ def test_per_block_budget_is_a_fraction_of_each_block() -> None:
     assert full.layers[0] - full.layers[1] == half.layers[0] - half.layers[1] > 0
     assert half.layers[1] < full.layers[1] and half.other == full.other  # the eager head: no budget reaches it
     assert half.flops >= full.flops  # what the budget drops is recomputed, never less
-    assert not any("ran no compiled graph" in n for n in full.notes)
+    assert not full.eager_layers and not full.eager_note and not any("ran no compiled graph" in n for n in full.notes)
 
 
 class _Scaled(torch.nn.Module):
@@ -189,7 +189,8 @@ def test_per_block_says_which_layers_ran_eagerly() -> None:
     got = trace_compiled(ModelSource(name="net", origin="a test", factory=_Net), WL, per_block=True)
     limit = torch._dynamo.config.recompile_limit if hasattr(torch._dynamo.config, "recompile_limit") else 8
     eager = [n for n in got.notes if "ran no compiled graph" in n]
-    assert len(eager) == 1 and eager[0].startswith(f"layers {', '.join(str(i) for i in range(limit, 10))} ran")
+    assert got.eager_layers == tuple(range(limit, 10)) and eager == [got.eager_note]
+    assert got.eager_note.startswith(f"layers {', '.join(str(i) for i in range(limit, 10))} ran")
 
 
 def test_saved_by_compiled_refuses_an_eager_step() -> None:

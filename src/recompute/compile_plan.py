@@ -223,7 +223,8 @@ def with_memory_budget(
         own = traced[0]  # this assignment under budget 1.0: what the budget recomputes is counted from it
         step_flops = plan.model_flops if per_block else base.flops  # per block the head is in no graph
         for t in traced:
-            eager_layers.update(dict.fromkeys(n for n in t.notes if "ran no compiled graph" in n))
+            if t.eager_note:
+                eager_layers[t.eager_note] = None
             assert t.budget is not None and t.eager_saved is not None
             flops, written = t.flops - own.flops, t.recomputed_bytes - own.recomputed_bytes
             seconds = None

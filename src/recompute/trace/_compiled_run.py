@@ -82,6 +82,11 @@ class CompiledTrace:
     approximation of the real step's, measured against it (Note: [compiled peak] in
     ``recompute.trace._compiled``). None: not traced, or a PyTorch whose dynamo runs no compiled code under a
     dispatch mode."""
+    eager_layers: tuple[int, ...] = ()
+    """Per block: the layers that ran no compiled graph (dynamo gave up on them, as at its recompile limit); their
+    bytes are what they save eagerly, and no budget applies to them."""
+    eager_note: str = ""
+    """The note in ``notes`` that names ``eager_layers`` and why ("" when every layer ran compiled)."""
 
     @property
     def saved(self) -> int:
@@ -238,8 +243,9 @@ def trace_budgets(
             f"dynamic=False) on {on}; partitioned by {_described(partitioner, b)}; no kernel generated or run",
             *built.notes,
         ]
+        eager_note = ""
         if got.eager_layers:
-            notes.append(
+            eager_note = (
                 f"layers {', '.join(map(str, got.eager_layers))} ran no compiled graph (dynamo gave up on them, as at "
                 "its recompile limit): their bytes are what they save eagerly, and no budget applies to them"
                 + (
@@ -248,6 +254,7 @@ def trace_budgets(
                     else ""
                 )
             )
+            notes.append(eager_note)
         if got.graphs > 1 and not per_block:
             notes.append(f"dynamo broke the model into {got.graphs} graphs: what runs eagerly between is not counted")
         if cuda:
@@ -274,6 +281,8 @@ def trace_budgets(
                 recomputed_bytes=got.recomputed_bytes,
                 per_block=per_block,
                 peak=got.peak,
+                eager_layers=got.eager_layers,
+                eager_note=eager_note,
             )
         )
     return tuple(results)
