@@ -77,6 +77,16 @@ def test_graph_flops_are_the_real_eager_steps_where_nothing_is_recomputed() -> N
     assert compiled.flops < block.flops < compiled.flops * 4 / 3
 
 
+@pytest.mark.parametrize("policy", ["none", "block"])
+def test_the_eager_steps_window_is_the_eager_traces(policy: str) -> None:
+    """Note: [checking a compiled peak]: the eager step's window, counted as the compiled step's peak is, equals the
+    eager trace's (MemTracker's) largest forward or backward phase less what exists before the step."""
+    got = trace_budgets(LLAMA, WL, policy, (1.0,), eager=True, peak=True)[0]
+    t = trace(LLAMA, WL, policy)
+    window = max(v for k, v in t.phases.items() if k != "optimizer step") - (t.parameters + t.optimizer + t.other)
+    assert got.eager_peak == window and got.peak is not None and got.peak < window
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_eager_saved_bytes_are_the_trackers(precision: str) -> None:
     wl = Workload(micro_batch=2, seq_len=32, dtype="fp32" if precision == "fp32" else "bf16", device="cpu")
@@ -119,7 +129,10 @@ def test_the_plan_weighs_the_budget_knob_beside_its_policies() -> None:
     chosen, compiled = with_memory_budget(eager, tiny_llama(), wl, budgets=(1.0, 0.3), assignments=2)
     assert len(compiled.options) == 4  # recompute nothing and the eager plan, each under both budgets
     for o in compiled.options:  # the documented price (no floor given): eager saved bytes out, compiled ones in
-        assert o.peak == o.eager_peak - o.eager_saved + o.saved
+        substituted = o.eager_peak - o.eager_saved + o.saved  # and where checked, the larger of it and the trace's
+        assert o.peak == (substituted if o.checked is None else max(substituted, o.checked))
+    assert compiled.chosen is not None and compiled.chosen.checked is not None  # Note: [checking a compiled peak]
+    assert any(n.startswith("compiled peaks checked by a trace of their own") for n in compiled.notes)
     for layers in {o.layers for o in compiled.options}:  # a smaller budget recomputes more, never less
         by_budget = sorted((o for o in compiled.options if o.layers == layers), key=lambda o: -o.budget)
         assert [o.extra_flops for o in by_budget] == sorted(o.extra_flops for o in by_budget)

@@ -107,6 +107,10 @@ class CompiledOption:
     compiled option])."""
     seconds: float | None
     """``overhead`` in seconds of the predicted step, when the plan is priced in time."""
+    checked: float | None = None
+    """Where the option's peak was checked (the whole model compiled; Note: [checking a compiled peak]): the
+    eager plan's peak of ``layers`` with the eager step's traced window replaced by the compiled step's. ``peak``
+    is then the larger of this and the substitution. None: not checked."""
 
     @property
     def checkpoints(self) -> bool:
@@ -203,6 +207,7 @@ def with_memory_budget(
         fields=("memory_budget",),
     )
     points, skipped = _assignments(plan, assignments, tables if per_block else ())
+    sharded = wl.fsdp
     if wl.fsdp:  # an FSDP rank saves what the unsharded model's step saves: its weights are graph inputs either way
         skipped.append(
             "FSDP: the compiled step traced is the unsharded model's on one rank, whose saved activations are an "
@@ -249,8 +254,18 @@ def with_memory_budget(
                 )
             )
     progress("the compiled step, traced under each memory budget", len(points), len(points))
+    checks: list[str] = []
+    if not per_block and sharded:
+        checks.append(
+            "compiled peaks not checked under FSDP (Note: [checking a compiled peak]): the traced step is the "
+            "unsharded model's, whose backward holds every gradient at its end, which an FSDP rank does not"
+        )
+    elif not per_block:  # Note: [checking a compiled peak]
+        options, checks = _checked(options, plan.budget, model, wl, tables, floors, progress)
     fitting = [o for o in options if o.peak <= plan.budget]
-    chosen = min(fitting, key=lambda o: (o.overhead, -o.budget, o.recomputes)) if fitting else None
+    chosen = min(fitting, key=_preferred) if fitting else None
+    if checks and chosen is not None and chosen.checked is None:
+        checks.append(f"the option chosen ({chosen.label()}) is unchecked: {CHECKS} cheaper ones were, and did not fit")
     how = "each layer compiled on its own, the rest eager, as torchtitan compiles" if per_block else "the whole model"
     notes = [
         f"compiled options ({how}): the eager plan's peak of each assignment with its eager saved bytes replaced by "
@@ -259,6 +274,7 @@ def with_memory_budget(
         "beyond the same assignment under budget 1.0: the partitioned graphs' FLOPs at the step's predicted FLOP "
         "rate, and the bytes its recomputed pointwise ops write, unfused, at the device's memory bandwidth "
         "(Inductor fuses them: an upper bound)",
+        *checks,
         *skipped,
         *eager_layers,
     ]
@@ -267,6 +283,78 @@ def with_memory_budget(
     if chosen is None:  # the eager plan stands, with what was weighed
         return dataclasses.replace(plan, compiled=result.to_dict(), notes=(*plan.notes, advice)), result
     return _as_plan(plan, chosen, result, _step(wl, chosen.loss, tables)), result
+
+
+CHECKS = 3
+"""At most this many options' peaks are checked by a trace of their own (the whole model compiled), the cheapest
+that fit first (Note: [checking a compiled peak])."""
+
+
+def _preferred(o: CompiledOption) -> tuple[float, float, bool]:
+    """The order options are chosen in: the cheapest, then the larger budget, then recompute's policies not
+    acting."""
+    return (o.overhead, -o.budget, o.recomputes)
+
+
+def _checked(
+    options: list[CompiledOption],
+    budget: float,
+    model: Any,
+    wl: Workload,
+    tables: Sequence[CostTable],
+    floors: dict[str, float],
+    progress: Progress,
+) -> tuple[list[CompiledOption], list[str]]:
+    """``options`` with the peaks of the cheapest that fit checked, until one still fits (at most ``CHECKS``), and
+    the notes saying what was checked.
+
+    Note: [checking a compiled peak] The substitution (the eager peak with the eager saved bytes swapped for the
+    compiled ones) keeps the eager step's transients. Where the compiled backward recomputes more than it saves
+    (a checkpointed layer under a budget below 1.0), its transients are larger, and the substitution is low:
+    29.1 % under a real Inductor step's peak in one of twelve cases measured (``benchmarks/compiled_peak.py``,
+    docs/compiled.md), so a plan that does not fit could be chosen. The traced peak of the compiled step
+    (``CompiledTrace.peak``: the partitioned graphs run on fake tensors, Inductor's fused buffers left out) has the
+    compiled backward's structure, but not Inductor's scheduler, and is low where that reorders (up to 20.9 %) or
+    where the gradients set the peak (about 10 %). Their larger is at or above the real peak in all twelve cases
+    (+1.4 % to +30.2 %). So before an option is chosen its compiled step is traced once more under its budget,
+    with the peak: the eager plan's peak of its layers, less the eager step's window, plus the compiled step's
+    (both counted alike on the same fake model: ``CompiledTrace.eager_peak``, ``CompiledTrace.peak``), and its
+    peak becomes the larger of that and the substitution. One trace per option checked (a dynamo trace and two
+    fake steps), so only the cheapest that fit are checked, until one still fits. Compiled per block the
+    substitution was exact in every case measured (the peak is in the eager head's backward), and no option is
+    checked. Nor under FSDP: the step traced is the unsharded model's, whose compiled backward returns every
+    gradient at its end, which an FSDP rank, reduce-scattering them layer by layer, does not hold.
+    """
+    trace_budgets = importlib.import_module("recompute.trace").trace_budgets
+    out = list(options)
+    checked: list[str] = []
+    for n in range(CHECKS):
+        fitting = [o for o in out if o.peak <= budget and o.checked is None]
+        if not fitting:
+            break
+        o = min(fitting, key=_preferred)
+        progress("the cheapest options' compiled peaks, checked", n, CHECKS)
+        step = _step(wl, o.loss, tables)
+        t = trace_budgets(model, step, _policy(o.layers), (o.budget,), eager=True, peak=True)[0]
+        if t.peak is None or t.eager_peak is None:
+            return out, [
+                "compiled peaks not checked: this PyTorch's dynamo runs no compiled code under a dispatch mode (2.8 "
+                "and newer do); the peaks are the substitution alone"
+            ]
+        traced = max(floors.get(o.loss, 0.0), o.eager_peak - t.eager_peak + t.peak)
+        done = dataclasses.replace(o, checked=traced, peak=max(o.peak, traced))
+        out[out.index(o)] = done
+        checked.append(f"{done.label()}: substituted {gib(o.peak)}, traced {gib(traced)}")
+        if done.peak <= budget:
+            break
+    progress("the cheapest options' compiled peaks, checked", CHECKS, CHECKS)
+    if not checked:
+        return out, []
+    return out, [
+        "compiled peaks checked by a trace of their own (Note: [checking a compiled peak] in "
+        "src/recompute/compile_plan.py), each option's peak the larger of its substituted and traced figures: "
+        + "; ".join(checked)
+    ]
 
 
 def fixed_floor(tables: Sequence[CostTable], loss: str = "full") -> float:

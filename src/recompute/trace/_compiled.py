@@ -553,6 +553,19 @@ def step_peak(
     return live.peak
 
 
+def eager_step_peak(step: Callable[[], Any], *, exclude: Iterable[Tensor] = (), cuda: bool = False) -> int | None:
+    """``step_peak``'s count of the same step run eagerly (every op's output, from the op to its last reference):
+    the eager step's forward and backward beyond ``exclude``'s storages, from no gradients. Equal to the eager
+    trace's window (its largest forward or backward phase less the parameters, optimizer state, buffers and
+    batch; ``tests/test_compile_plan.py``). None where ``step_peak`` gives None (the same PyTorch's)."""
+    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
+        return None
+    live = _Live(exclude, cuda=cuda, fused=False)
+    with live:
+        step()
+    return live.peak
+
+
 def _boxed(gm: torch.fx.GraphModule, count: Callable[[], None] | None = None) -> Callable[..., Any]:
     """``gm`` as a compiled graph AOTAutograd calls with the list of its inputs, which the graph clears (the boxed
     convention) and runs node by node (``torch.fx.Interpreter.boxed_run``): each input, a saved value in the

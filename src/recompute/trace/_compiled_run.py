@@ -36,7 +36,14 @@ from recompute.core.workload import Workload
 from recompute.models.source import ModelSource, resolve_source
 from recompute.runtime import TORCH_DTYPES, autocast_dtype, forward_autocast, random_batch
 from recompute.trace._build import build_meta, fake_kernels, fakeify
-from recompute.trace._compiled import capture, capture_blocks, check_options, layer_paths, saved_by_eager
+from recompute.trace._compiled import (
+    capture,
+    capture_blocks,
+    check_options,
+    eager_step_peak,
+    layer_paths,
+    saved_by_eager,
+)
 from recompute.trace._cuda import cuda_rules
 from recompute.trace._hf_path import real_step_path
 
@@ -87,6 +94,9 @@ class CompiledTrace:
     bytes are what they save eagerly, and no budget applies to them."""
     eager_note: str = ""
     """The note in ``notes`` that names ``eager_layers`` and why ("" when every layer ran compiled)."""
+    eager_peak: int | None = None
+    """``peak``'s count of the same step run eagerly, on the same fake model (``trace_budgets(..., eager=True,
+    peak=True)``; ``recompute.trace._compiled.eager_step_peak``): what the compiled step's peak is compared with."""
 
     @property
     def saved(self) -> int:
@@ -146,8 +156,9 @@ def trace_budgets(
     budgets] in ``recompute.trace._compiled``), in their order. ``eager``: also what the same step saves run
     eagerly (``saved_by_eager``), first, on the same fake model. ``per_block``: each layer compiled on its own,
     one trace per budget (``capture_blocks``: what runs is what is counted). ``peak``: also the step's peak
-    (``CompiledTrace.peak``), its forward and backward run twice per budget, one trace each; ``unfused``: that
-    peak without Inductor's fusion modelled, the partitioned graphs' own liveness."""
+    (``CompiledTrace.peak``), its forward and backward run twice per budget, one trace each (with ``eager``, the
+    eager step's by the same count too: ``CompiledTrace.eager_peak``); ``unfused``: that peak without Inductor's
+    fusion modelled, the partitioned graphs' own liveness."""
     for b in budgets:
         check_options(partitioner, b)
     require(peak or not unfused, "unfused is the peak's; ask for the peak too (peak=True)")
@@ -188,10 +199,13 @@ def trace_budgets(
                 del kept, loss
 
         weights = [*built.model.parameters(), *built.model.buffers(), *batch]
-        eager_bytes = None
+        eager_bytes = eager_window = None
         if eager:  # the eager step's path through transformers, as the eager trace takes it
             with real_step_path():
                 eager_bytes = saved_by_eager(lambda: run(built.model), exclude=weights, cuda=cuda)
+                if peak:
+                    eager_window = eager_step_peak(lambda: step(built.model), exclude=weights, cuda=cuda)
+                    built.model.zero_grad(set_to_none=True)
 
         each = step if peak else None
         fused = False if unfused else None
@@ -283,6 +297,7 @@ def trace_budgets(
                 peak=got.peak,
                 eager_layers=got.eager_layers,
                 eager_note=eager_note,
+                eager_peak=eager_window,
             )
         )
     return tuple(results)
