@@ -3,8 +3,10 @@
 - one trace partitioned under several budgets equals a trace per budget;
 - the partitioned graphs' FLOPs equal ``FlopCounterMode`` over a real eager step where nothing is recomputed;
 - the eager saved bytes equal ``recompute trace``'s tracker; a CUDA LayerNorm keeps fp32 statistics;
-- ``plan --memory-budget``: every option priced as documented, the cheapest that fits chosen, the plan file
-  carries the budget and ``apply`` sets it; bad values refused in one line.
+- ``plan --memory-budget``: every option priced as documented, the cheapest that fit checked by a trace of their
+  own (the eager step's window counted as the compiled step's is the tracker's; not per block, not under FSDP),
+  the cheapest that fits chosen, the plan file carries the budget and ``apply`` sets it; bad values refused in one
+  line.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import smoke
 from recompute import Policy, Workload
 from recompute.checkpointing import apply
 from recompute.cli import main
-from recompute.compile_plan import _bandwidth, with_memory_budget
+from recompute.compile_plan import _bandwidth, render_compiled_plan, with_memory_budget
 from recompute.core.errors import ConfigError
 from recompute.core.export import export
 from recompute.core.plan import loss_frontier, plan, uniform_point
@@ -145,6 +147,17 @@ def test_the_plan_weighs_the_budget_knob_beside_its_policies() -> None:
     assert chosen.peak == compiled.chosen.peak <= tight
     assert chosen.memory_budget == (compiled.chosen.budget if compiled.chosen.budget < 1.0 else None)
     assert "use " in compiled.advice
+    assert "traced (checked)" in render_compiled_plan(compiled)
+
+
+def test_no_compiled_peak_is_checked_under_fsdp() -> None:
+    """Note: [checking a compiled peak]: the traced step is the unsharded model's, whose compiled backward holds
+    every gradient at its end; an FSDP rank does not, so its options keep the substitution, and the plan says so."""
+    wl = Workload(micro_batch=2, seq_len=64, dtype="fp32", device="cpu", fsdp=True, dp=2)
+    eager = plan(cost_tables(tiny_llama(), wl, losses=()).tables, 1e12)
+    _, compiled = with_memory_budget(eager, tiny_llama(), wl, budgets=(1.0,), assignments=1)
+    assert compiled.options and all(o.checked is None for o in compiled.options)
+    assert any(n.startswith("compiled peaks not checked under FSDP") for n in compiled.notes)
 
 
 def test_the_plan_weighs_the_budget_per_block_as_torchtitan_compiles() -> None:
@@ -155,6 +168,8 @@ def test_the_plan_weighs_the_budget_per_block_as_torchtitan_compiles() -> None:
     eager, _, wl = _planned(budget=tight)
     _, compiled = with_memory_budget(eager, tiny_llama(), wl, budgets=(1.0, 0.3), assignments=2, per_block=True)
     assert compiled.per_block and compiled.to_dict()["per_block"] and len(compiled.options) == 4
+    assert all(o.checked is None for o in compiled.options)  # per block the substitution stands (Note: [checking ...])
+    assert "traced (checked)" not in render_compiled_plan(compiled)
     for o in compiled.options:
         pol = Policy(layers=o.layers) if any(x != "none" for x in o.layers) else "none"
         traced = trace_compiled(tiny_llama(), wl, pol, budget=o.budget, per_block=True)

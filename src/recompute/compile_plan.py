@@ -379,8 +379,12 @@ def render_compiled_plan(r: CompiledPlan) -> str:
         mark = ">" if o is r.chosen else ("*" if o in frontier else "")
         cost = f"{o.overhead:+.1%}" + (f" ({o.seconds * 1e3:,.3g} ms)" if o.seconds is not None else "")
         fits = "yes" if o.peak <= r.budget else "no"
-        rows.append([mark, o.label(), gib(o.saved), gib(o.peak), cost, fits])
-    table = render_table(["", "recompute; memory budget", "saved (compiled)", "peak", "time", "fits"], rows)
+        traced = gib(o.checked) if o.checked is not None else ""
+        rows.append([mark, o.label(), gib(o.saved), gib(o.peak), traced, cost, fits])
+    header = ["", "recompute; memory budget", "saved (compiled)", "peak", "traced (checked)", "time", "fits"]
+    if not any(o.checked is not None for o in r.options):
+        header, rows = header[:4] + header[5:], [row[:4] + row[5:] for row in rows]
+    table = render_table(header, rows)
     return "\n".join(
         [
             f"Under torch.compile ({'each layer on its own, ' if r.per_block else ''}Inductor's min cut), budget "
