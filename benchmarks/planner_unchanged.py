@@ -18,19 +18,19 @@ compares: every frontier point (peak, cost, loss mode) and the cost of the plan 
 
 Since issue 25 every ``--cost time`` plan on a GPU is priced anew: the host's dispatch per kernel and per
 replayed kernel (a phase takes the larger of host and device time), and the communication of tensor and data
-parallelism; the tensor-parallel cases were FLOP plans when captured. Their time frontiers are re-priced by
-design (``REPRICED_SINCE_ISSUE_25``): what must hold of them is what pricing does not touch, the frontier's two
+parallelism; the tensor-parallel cases (``WAS_FLOPS``) were FLOP plans when captured. Their time frontiers are
+re-priced by design (``_repriced``): what must hold of them is what pricing does not touch, the frontier's two
 ends in memory (the smallest peak reachable and the peak with nothing recomputed) and a plan priced in time. The
 FLOP frontiers and plans, which no pricing enters, must be the same point for point.
 
 Since issue 34 a plan's peak is the step's, the optimizer step's included (mixed precision's fp32 master
 weights and AdamW's temporaries peak there, with no activation held). Where that phase is over the captured
-frontier's low end (the 70B case: 46.53 GiB against 39.05), every plan below it now peaks at it: what must hold
-is the captured frontier with each peak raised to that floor (``_floored``), the floor being the optimizer step's
-(the plan at it says so), and no plan under it (each captured budget below it refused, each above it the same
-cost). Issue 34 also counted the backward's kernel scratch (CUDA's softmax backward, flash's), measured on an
-H100: it moved the Llama-3.1-8B chunked frontiers' low end (60.00 GiB captured, 59.83 now at s = 8192), so those
-rows differ from the capture by design.
+frontier's low end (the 70B case: 46.53 GiB against 39.05; both 405B cases, by 0.6 and 1.0 GiB), every plan
+below it now peaks at it: what must hold is the captured frontier with each peak raised to that floor
+(``_floored``), the floor being the optimizer step's (the plan at it says so), and no plan under it (each
+captured budget below it refused, each above it the same cost). Issue 34 also counted the backward's kernel
+scratch (CUDA's softmax backward, flash's), measured on an H100: it moved the Llama-3.1-8B chunked frontiers' low
+end (60.00 GiB captured, 59.83 now at s = 8192), so those rows differ from the capture by design.
 
 The profiled model is a Qwen3-MoE shape with a dense first layer (``results/planner/qwen3moe.json``), profiled
 on fake tensors (the store keeps it). Before, its plan showed only the chosen loss mode's frontier and
@@ -167,8 +167,10 @@ def _floored(old: list[dict], floor: float) -> list[dict]:
 def _plan_same(argv: list[str], cost: str, captured: dict, floor: float) -> bool:
     """The plan at a captured budget costs what it cost then; under the floor none fits."""
     if captured["budget"] < floor:
-        done = subprocess.run(["recompute", "plan", *argv, "--cost", cost, "--budget", repr(captured["budget"])],
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "recompute", "plan", *argv, "--cost", cost, "--budget", repr(captured["budget"])],
+            capture_output=True, text=True,
+        )  # fmt: skip
         return done.returncode == 2 and "no plan fits" in done.stderr
     return _same(_plan(argv, cost, captured["budget"])["predicted"]["cost"], captured["cost"])
 

@@ -6,6 +6,7 @@ import json
 import statistics
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -321,20 +322,34 @@ def test_compiled_steps_are_held_to_the_compiled_trace() -> None:
     (torch_release(torch.__version__) or (0, 0)) < (2, 8),
     reason="the compiled step's peak runs its graphs under a dispatch mode, which dynamo allows from 2.8",
 )
-def test_compiled_blocks_in_rounds() -> None:
+def test_compiled_blocks_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Note: [drift] under compile: each round builds every policy afresh and compiles it again in its warm-up
     (dynamo's caches emptied between), so every round's steps are compiled steps under the same budget; each row
     joins its rounds' timed steps, the first round measures the memory (held to the compiled trace), the drift is
     the reference's last round against its first, and the budget is PyTorch's again after."""
+    from torch._inductor.compile_fx import compile_fx
+
     spec, _ = bench_spec(None, n_layers=2)
     wl = Workload(attention="eager", micro_batch=2, seq_len=128, dtype="fp32", device="cpu")
     budget_before = torch._functorch.config.activation_memory_budget
     ticks: list[str] = []
+    compiles: list[tuple[str, float]] = []  # (the step running, the budget) at each Inductor compile
+    real_compile = torch.compile
+
+    def inductor(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        compiles.append((ticks[-1], torch._functorch.config.activation_memory_budget))
+        return compile_fx(gm, inputs)
+
+    # the steps' compiles (the default backend); the prediction's traces give their own
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, **{"backend": inductor, **kw}))
     r = bench(spec, wl, ["none", "block"], steps=2, rounds=2, compiled="block", memory_budget=0.5,
               progress=lambda label, done, total: ticks.append(label))  # fmt: skip
     assert (r.compiled, r.memory_budget) == ("block", 0.5)
     assert [len(row.step_times) for row in r.rows] == [2, 2] and r.drift is not None
-    assert any("in each of 2 rounds" in n for n in r.notes) and any("round 2/2" in t for t in ticks)
+    assert any("in each of 2 rounds" in n for n in r.notes)
+    assert {b for _, b in compiles} == {0.5}  # every compile under the budget, in both rounds, for both policies
+    for policy in ("none", "block"):
+        assert any(t.startswith(f"{policy}, round 2/2") for t, _ in compiles), (policy, compiles)
     for row in r.rows:
         assert abs(row.peak - row.predicted_peak) <= 64 * 1024, row.policy
     assert r.rows[1].activations < r.rows[0].activations

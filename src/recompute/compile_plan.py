@@ -109,8 +109,9 @@ class CompiledOption:
     """``overhead`` in seconds of the predicted step, when the plan is priced in time."""
     checked: float | None = None
     """Where the option's peak was checked (the whole model compiled; Note: [checking a compiled peak]): the
-    eager plan's peak of ``layers`` with the eager step's traced window replaced by the compiled step's. ``peak``
-    is then the larger of this and the substitution. None: not checked."""
+    eager plan's peak of ``layers`` with the eager step's traced window replaced by the compiled step's, never
+    under the phases no option changes. ``peak`` is then the larger of this and the substitution. None: not
+    checked."""
 
     @property
     def checkpoints(self) -> bool:
@@ -264,7 +265,7 @@ def with_memory_budget(
         options, checks = _checked(options, plan.budget, model, wl, tables, floors, progress)
     fitting = [o for o in options if o.peak <= plan.budget]
     chosen = min(fitting, key=_preferred) if fitting else None
-    if checks and chosen is not None and chosen.checked is None:
+    if chosen is not None and chosen.checked is None and any(o.checked is not None for o in options):
         checks.append(f"the option chosen ({chosen.label()}) is unchecked: {CHECKS} cheaper ones were, and did not fit")
     how = "each layer compiled on its own, the rest eager, as torchtitan compiles" if per_block else "the whole model"
     notes = [
@@ -318,14 +319,19 @@ def _checked(
     where the gradients set the peak (about 10 %). Their larger is at or above the real peak in all twelve cases
     (+1.4 % to +30.2 %). So before an option is chosen its compiled step is traced once more under its budget,
     with the peak: the eager plan's peak of its layers, less the eager step's window, plus the compiled step's
-    (both counted alike on the same fake model: ``CompiledTrace.eager_peak``, ``CompiledTrace.peak``), and its
+    (both counted alike on the same fake model: ``CompiledTrace.eager_window``, ``CompiledTrace.peak``), and its
     peak becomes the larger of that and the substitution. One trace per option checked (a dynamo trace and two
     fake steps), so only the cheapest that fit are checked, until one still fits. Compiled per block the
     substitution was exact in every case measured (the peak is in the eager head's backward), and no option is
     checked. Nor under FSDP: the step traced is the unsharded model's, whose compiled backward returns every
     gradient at its end, which an FSDP rank, reduce-scattering them layer by layer, does not hold.
     """
-    trace_budgets = importlib.import_module("recompute.trace").trace_budgets
+    traced_step = importlib.import_module("recompute.trace")
+    if not traced_step.traces_compiled_peaks():
+        return options, [
+            "compiled peaks not checked: this PyTorch's dynamo runs no compiled code under a dispatch mode (2.8 and "
+            "newer do); the peaks are the substitution alone"
+        ]
     out = list(options)
     checked: list[str] = []
     for n in range(CHECKS):
@@ -335,21 +341,17 @@ def _checked(
         o = min(fitting, key=_preferred)
         progress("the cheapest options' compiled peaks, checked", n, CHECKS)
         step = _step(wl, o.loss, tables)
-        t = trace_budgets(model, step, _policy(o.layers), (o.budget,), eager=True, peak=True)[0]
-        if t.peak is None or t.eager_peak is None:
-            return out, [
-                "compiled peaks not checked: this PyTorch's dynamo runs no compiled code under a dispatch mode (2.8 "
-                "and newer do); the peaks are the substitution alone"
-            ]
-        traced = max(floors.get(o.loss, 0.0), o.eager_peak - t.eager_peak + t.peak)
+        t = traced_step.trace_budgets(model, step, _policy(o.layers), (o.budget,), eager=True, peak=True)[0]
+        assert t.peak is not None and t.eager_window is not None
+        traced = max(floors.get(o.loss, 0.0), o.eager_peak - t.eager_window + t.peak)
         done = dataclasses.replace(o, checked=traced, peak=max(o.peak, traced))
         out[out.index(o)] = done
         checked.append(f"{done.label()}: substituted {gib(o.peak)}, traced {gib(traced)}")
         if done.peak <= budget:
             break
-    progress("the cheapest options' compiled peaks, checked", CHECKS, CHECKS)
     if not checked:
         return out, []
+    progress("the cheapest options' compiled peaks, checked", len(checked), len(checked))
     return out, [
         "compiled peaks checked by a trace of their own (Note: [checking a compiled peak] in "
         "src/recompute/compile_plan.py), each option's peak the larger of its substituted and traced figures: "

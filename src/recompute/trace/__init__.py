@@ -20,6 +20,7 @@ from recompute.trace._compiled import (
     graph_flops,
     saved_by_compiled,
     saved_by_eager,
+    traces_compiled_peaks,
 )
 from recompute.trace._compiled_run import CHUNKED_WHOLE, CompiledTrace, render_compiled, trace_budgets, trace_compiled
 from recompute.trace._flops import flop_counter
@@ -63,5 +64,6 @@ __all__ = [
     "trace_compiled",
     "trace_layer",
     "trace_module",
+    "traces_compiled_peaks",
     "with_loss",
 ]

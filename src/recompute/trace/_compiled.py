@@ -540,7 +540,7 @@ def step_peak(
     compile internals (``ignore_compile_internals``, PyTorch 2.8 on); under any other it would run the frame
     eagerly, so an older PyTorch gets None.
     """
-    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
+    if not traces_compiled_peaks():
         return None
     live = _Live(exclude, cuda=cuda, fused=fused)
     with live:
@@ -553,12 +553,18 @@ def step_peak(
     return live.peak
 
 
+def traces_compiled_peaks() -> bool:
+    """Whether this PyTorch's dynamo runs compiled code under a dispatch mode (2.8 and newer), which ``step_peak``
+    needs (Note: [compiled peak])."""
+    return hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
 def eager_step_peak(step: Callable[[], Any], *, exclude: Iterable[Tensor] = (), cuda: bool = False) -> int | None:
     """``step_peak``'s count of the same step run eagerly (every op's output, from the op to its last reference):
     the eager step's forward and backward beyond ``exclude``'s storages, from no gradients. Equal to the eager
     trace's window (its largest forward or backward phase less the parameters, optimizer state, buffers and
     batch; ``tests/test_compile_plan.py``). None where ``step_peak`` gives None (the same PyTorch's)."""
-    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
+    if not traces_compiled_peaks():
         return None
     live = _Live(exclude, cuda=cuda, fused=False)
     with live:

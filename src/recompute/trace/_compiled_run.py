@@ -94,7 +94,7 @@ class CompiledTrace:
     bytes are what they save eagerly, and no budget applies to them."""
     eager_note: str = ""
     """The note in ``notes`` that names ``eager_layers`` and why ("" when every layer ran compiled)."""
-    eager_peak: int | None = None
+    eager_window: int | None = None
     """``peak``'s count of the same step run eagerly, on the same fake model (``trace_budgets(..., eager=True,
     peak=True)``; ``recompute.trace._compiled.eager_step_peak``): what the compiled step's peak is compared with."""
 
@@ -157,7 +157,7 @@ def trace_budgets(
     eagerly (``saved_by_eager``), first, on the same fake model. ``per_block``: each layer compiled on its own,
     one trace per budget (``capture_blocks``: what runs is what is counted). ``peak``: also the step's peak
     (``CompiledTrace.peak``), its forward and backward run twice per budget, one trace each (with ``eager``, the
-    eager step's by the same count too: ``CompiledTrace.eager_peak``); ``unfused``: that peak without Inductor's
+    eager step's by the same count too: ``CompiledTrace.eager_window``); ``unfused``: that peak without Inductor's
     fusion modelled, the partitioned graphs' own liveness."""
     for b in budgets:
         check_options(partitioner, b)
@@ -297,7 +297,7 @@ def trace_budgets(
                 peak=got.peak,
                 eager_layers=got.eager_layers,
                 eager_note=eager_note,
-                eager_peak=eager_window,
+                eager_window=eager_window,
             )
         )
     return tuple(results)
