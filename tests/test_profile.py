@@ -301,6 +301,21 @@ def test_the_search_over_a_profile_equals_brute_force(profiled: tuple[str, Path,
         assert plan(table, budget).recompute_flops == pytest.approx(best, rel=1e-12)
 
 
+def test_a_cached_profile_names_the_file_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's key is the architecture's: the same config under another name and path finds the profile the
+    first made, named as asked (a plan of mine.json must not say it was built from another user's file)."""
+    monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
+    first = config("llama", tmp_path)
+    (tmp_path / "copy").mkdir()
+    again = tmp_path / "copy" / "mine.json"
+    again.write_text(first.read_text())
+    made, hit = cached_profile(str(first), WL)
+    found, hit_again = cached_profile(str(again), WL)
+    assert (hit, hit_again) == (False, True) and found.key == made.key and found.kinds == made.kinds
+    assert (made.model, found.model) == ("llama", "mine") and str(again) in found.origin
+    assert not any(str(first) in n for n in found.notes) and any(str(again) in n for n in found.notes)
+
+
 def test_a_profile_is_cached_and_plans_without_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RECOMPUTE_CACHE", str(tmp_path / "cache"))
     path = config("llama", tmp_path)

@@ -287,8 +287,8 @@ def with_memory_budget(
 
 
 CHECKS = 3
-"""At most this many options' peaks are checked by a trace of their own (the whole model compiled), the cheapest
-that fit first (Note: [checking a compiled peak])."""
+"""At most this many options' peaks are checked by a trace of their own (not under FSDP), the cheapest that fit
+first (Note: [checking a compiled peak])."""
 
 
 def _preferred(o: CompiledOption) -> tuple[float, float, bool]:
@@ -322,7 +322,7 @@ def _checked(
     with the peak: the eager plan's peak of its layers, less the eager step's window, plus the compiled step's
     (both counted alike on the same fake model: ``CompiledTrace.eager_window``, ``CompiledTrace.peak``), and its
     peak becomes the larger of that and the substitution. One trace per option checked (a dynamo trace and two
-    fake steps; per block, a trace of one block's graph), so only the cheapest that fit are checked, until one
+    fake steps; per block, one block's dynamo trace and the same two fake steps), so only the cheapest that fit are checked, until one
     still fits. Compiled per block the traced peak was the real one in all twelve cases measured, and so was the
     substitution once the fixed phases' floor is taken (the eager embedding's backward, where the gradients set
     the peak at s = 256); the check costs one block's trace there and guards what was not measured. Not under
