@@ -27,6 +27,7 @@ from recompute.core.search import search, smallest_peak
 from recompute.core.workload import Workload
 from recompute.models.identity import config_identity, model_identity
 from recompute.models.source import build_source, resolve_source
+from recompute.planning import profiles_of
 from recompute.trace import cached_profile, cached_profiles, profile, profiles, trace, with_loss
 from recompute.trace._build import fake_kernels
 from recompute.trace._chain import leads
@@ -314,6 +315,8 @@ def test_a_cached_profile_names_the_file_asked_for(tmp_path: Path, monkeypatch: 
     assert (hit, hit_again) == (False, True) and found.key == made.key and found.kinds == made.kinds
     assert (made.model, found.model) == ("llama", "mine") and str(again) in found.origin
     assert not any(str(first) in n for n in found.notes) and any(str(again) in n for n in found.notes)
+    (stored,) = profiles_of(str(again), WL)  # the planner's own read of the store, without torch
+    assert (stored.model, stored.origin, stored.notes) == (found.model, found.origin, found.notes)
 
 
 def test_a_profile_is_cached_and_plans_without_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -311,23 +311,23 @@ def _checked(
     the notes saying what was checked.
 
     Note: [checking a compiled peak] The substitution (the eager peak with the eager saved bytes swapped for the
-    compiled ones) keeps the eager step's transients. Where the compiled backward recomputes more than it saves
-    (a checkpointed layer under a budget below 1.0), its transients are larger, and the substitution is low:
-    29.1 % under a real Inductor step's peak in one of twelve cases measured (``benchmarks/compiled_peak.py``,
-    docs/compiled.md), so a plan that does not fit could be chosen. The traced peak of the compiled step
-    (``CompiledTrace.peak``: the partitioned graphs run on fake tensors, Inductor's fused buffers left out) has the
-    compiled backward's structure, but not Inductor's scheduler, and is low where that reorders (up to 20.9 %) or
-    where the gradients set the peak (about 10 %). Their larger is at or above the real peak in all twelve cases
-    (+1.4 % to +30.2 %). So before an option is chosen its compiled step is traced once more under its budget,
-    with the peak: the eager plan's peak of its layers, less the eager step's window, plus the compiled step's
-    (both counted alike on the same fake model: ``CompiledTrace.eager_window``, ``CompiledTrace.peak``), and its
-    peak becomes the larger of that and the substitution. One trace per option checked (a dynamo trace and two
-    fake steps; per block, one block's dynamo trace and the same two fake steps), so only the cheapest that fit are checked, until one
-    still fits. Compiled per block the traced peak was the real one in all twelve cases measured, and so was the
-    substitution once the fixed phases' floor is taken (the eager embedding's backward, where the gradients set
-    the peak at s = 256); the check costs one block's trace there and guards what was not measured. Not under
-    FSDP: the step traced is the unsharded model's, which holds every gradient through its backward (compiled
-    whole, returns them all at its end), as an FSDP rank, reduce-scattering them layer by layer, does not.
+    compiled ones) keeps the eager step's transients. Where the compiled backward recomputes more than it saves (a
+    checkpointed layer under a budget below 1.0), its transients are larger, and the substitution is low: 29.1 % under a
+    real Inductor step's peak in one of twelve cases measured (``benchmarks/compiled_peak.py``, docs/compiled.md), so a
+    plan that does not fit could be chosen. The traced peak of the compiled step (``CompiledTrace.peak``: the
+    partitioned graphs run on fake tensors, Inductor's fused buffers left out) has the compiled backward's structure,
+    but not Inductor's scheduler, and is low where that reorders (up to 20.9 %) or where the gradients set the peak
+    (about 10 %). Their larger is at or above the real peak in all twelve cases (+1.4 % to +30.2 %). So before an option
+    is chosen its compiled step is traced once more under its budget, with the peak: the eager plan's peak of its
+    layers, less the eager step's window, plus the compiled step's (both counted alike on the same fake model:
+    ``CompiledTrace.eager_window``, ``CompiledTrace.peak``), and its peak becomes the larger of that and the
+    substitution. One trace per option checked (a dynamo trace and two fake steps; per block, one block's dynamo trace
+    and the same two fake steps), so only the cheapest that fit are checked, until one still fits. Compiled per block
+    the traced peak was the real one in all twelve cases measured, and so was the substitution once the fixed phases'
+    floor is taken (the eager embedding's backward, where the gradients set the peak at s = 256); the check costs one
+    block's trace there and guards what was not measured. Not under FSDP: the step traced is the unsharded model's,
+    which holds every gradient through its backward (compiled whole, returns them all at its end), as an FSDP rank,
+    reduce-scattering them layer by layer, does not.
     """
     traced_step = importlib.import_module("recompute.trace")
     if not traced_step.traces_compiled_peaks():

@@ -24,7 +24,7 @@ from recompute.core.analytic.memory import layer_activations
 from recompute.core.analytic.table import analytic_table, with_loss
 from recompute.core.costs import CostTable
 from recompute.core.errors import ConfigError, first_line, require
-from recompute.core.files import is_path
+from recompute.core.files import config_named, is_path
 from recompute.core.identity import ModelId, spec_id
 from recompute.core.plan import smallest_achievable
 from recompute.core.policy import POLICIES
@@ -355,7 +355,8 @@ def profiles_of(
         identity = store.config_identity(hf_config_dict(model))
         found = [store.load("profiles", store.step_key(identity, w.to_dict()), Profile.from_dict) for w in wanted]
         if all(p is not None for p in found):
-            return tuple(p for p in found if p is not None)
+            named = config_named(model)  # the file asked for, not the one that made the stored profile
+            return tuple(p.named(*named) for p in found if p is not None)
     trace = _trace()
     source = trace.resolve_source(model) if isinstance(model, str) else model
     # those not cached measured together (Note: [one pass over the loss modes])

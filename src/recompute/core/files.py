@@ -34,6 +34,7 @@ __all__ = [
     "check_folder",
     "check_input_file",
     "check_writable",
+    "config_named",
     "fsync_dir",
     "is_path",
     "read_capped",
@@ -59,6 +60,17 @@ def is_path(text: str | Path) -> bool:
     test for "the user named a path". Never raises: a name too long for the file system names nothing
     (``Path.exists`` raises ``OSError`` for it)."""
     return bool(str(text)) and os.path.lexists(text)
+
+
+def config_named(path: str | Path) -> tuple[str, str]:
+    """How results name the model of a config.json path or its folder, and where it came from: ``qwen05`` and
+    ``qwen05/config.json`` for ``qwen05/`` or ``qwen05/config.json``; ``mixtral`` for ``mixtral.json``."""
+    path = Path(path)
+    origin = str(path / "config.json" if path.is_dir() else path)
+    if path.is_dir() or path.name == "config.json":
+        folder = path if path.is_dir() else path.parent
+        return folder.resolve().name or path.stem, origin
+    return path.stem, origin
 
 
 def _kind(mode: int) -> str:

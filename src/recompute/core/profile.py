@@ -211,6 +211,15 @@ class Profile:
     layer's figures hold it (its copy back lives from the top offloaded layer's backward to the lowest's): a
     plan that offloads may differ by up to this much from its composed peak and host bytes."""
 
+    def named(self, model: str, origin: str) -> Profile:
+        """This profile under another name and origin: the store's key is the architecture's and the workload's,
+        so the same model given by another file finds the profile another made, which would otherwise name that
+        file (its notes too)."""
+        if (self.model, self.origin) == (model, origin):
+            return self
+        notes = tuple(n.replace(self.origin, origin) for n in self.notes)
+        return replace(self, model=model, origin=origin, notes=notes)
+
     @property
     def n_layers(self) -> int:
         return len(self.layer_kind)

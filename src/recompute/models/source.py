@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from recompute.core.errors import ConfigError, first_line, one_of
-from recompute.core.files import is_path
+from recompute.core.files import config_named, is_path
 from recompute.core.presets import PRESETS
 from recompute.core.raw_config import check_config
 from recompute.core.spec import HF_ALIASES, ModelSpec, check_model_text, hf_config_dict
@@ -71,9 +71,8 @@ class ModelSource:
         raw = hf_config_dict(config)
         origin = f"{type(cfg).__name__}"
         if isinstance(config, (str, Path)):
-            path = Path(config)
-            origin = str(path / "config.json" if path.is_dir() else path)
-            name = name or _config_name(path)
+            named, origin = config_named(config)
+            name = name or named
         return cls(name=name or str(cfg.model_type), origin=origin, config=cfg, raw=raw)
 
     @classmethod
@@ -169,14 +168,6 @@ def resolve_source(text: str) -> ModelSource:
     if is_path(text):  # a dangling link or a loop too: the reader says which
         return ModelSource.from_config(text)
     return ModelSource(name=text, origin=text, factory=_import_factory(text))
-
-
-def _config_name(path: Path) -> str:
-    """``qwen05`` for ``qwen05/`` and ``qwen05/config.json``; ``mixtral`` for ``mixtral.json``."""
-    if path.is_dir() or path.name == "config.json":
-        folder = path if path.is_dir() else path.parent
-        return folder.resolve().name or path.stem
-    return path.stem
 
 
 def load_hf_config(config: Any) -> Any:

@@ -138,7 +138,7 @@ def cached_profiles(
     out: dict[str, tuple[Profile, bool]] = {}
     for loss, hit in found.items():
         if hit is not None:
-            out[loss] = _as_named(hit, source), True
+            out[loss] = hit.named(source.name, source.origin), True
             continue
         key = keys[loss]
         if key:
@@ -156,16 +156,6 @@ def _one_device(wl: Workload) -> None:
         "estimate --analytic models them)",
         fields=fields,
     )
-
-
-def _as_named(found: Profile, source: ModelSource) -> Profile:
-    """A stored profile under the name and origin of the source asked for: the store's key is the architecture's
-    and the workload's, so the same model given by another file (another name, another path) finds the profile
-    another made, which would otherwise name that file."""
-    if (found.model, found.origin) == (source.name, source.origin):
-        return found
-    notes = tuple(n.replace(found.origin, source.origin) for n in found.notes)
-    return dataclasses.replace(found, model=source.name, origin=source.origin, notes=notes)
 
 
 def _cached(key: str) -> Profile | None:
