@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -486,9 +485,9 @@ def _saved_by(
     inside the forward (the chunked loss's chunks, ``recompute.chunked_loss``) saves its logits and frees them
     before the forward ends: they are no bytes the step holds for its backward. What a ``torch.autograd.Function``
     keeps on its ``ctx`` outside ``save_for_backward`` (the chunked loss's gradients) no hook sees, eagerly or
-    compiled alike. A storage that only unreachable objects hold (a reference cycle the collector has not yet
-    reached) is not held for the backward: the collector runs before the count, so that it does not depend on
-    when the collector last ran.
+    compiled alike. A storage that only an uncollected reference cycle holds would still count; the collector is
+    not run before the count (a full collection per count, on every compiled trace), as no count was seen to depend
+    on it.
     """
     skip = {_key(t) for t in exclude}
     seen: set[StorageWeakRef] = set()
@@ -506,7 +505,6 @@ def _saved_by(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()
     held.clear()
-    gc.collect()
     out: dict[int | None, int] = {}
     for key, at, nbytes in found:
         if not key.expired():
@@ -542,9 +540,7 @@ def step_peak(
     """
     if not traces_compiled_peaks():
         return None
-    live = _Live(exclude, cuda=cuda, fused=fused)
-    with live:
-        step()
+    live = _counted_step(step, exclude, cuda, fused)
     require(
         live.graphs > 0,
         "the compiled step ran no compiled graph under the counting mode (dynamo ran it eagerly): its peak would "
@@ -564,12 +560,15 @@ def eager_step_peak(step: Callable[[], Any], *, exclude: Iterable[Tensor] = (), 
     the eager step's forward and backward beyond ``exclude``'s storages, from no gradients. Equal to the eager
     trace's window (its largest forward or backward phase less the parameters, optimizer state, buffers and
     batch; ``tests/test_compile_plan.py``). None where ``step_peak`` gives None (the same PyTorch's)."""
-    if not traces_compiled_peaks():
-        return None
-    live = _Live(exclude, cuda=cuda, fused=False)
+    return _counted_step(step, exclude, cuda, fused=False).peak if traces_compiled_peaks() else None
+
+
+def _counted_step(step: Callable[[], Any], exclude: Iterable[Tensor], cuda: bool, fused: bool) -> _Live:
+    """``step`` run once under ``_Live``'s count (Note: [compiled peak])."""
+    live = _Live(exclude, cuda=cuda, fused=fused)
     with live:
         step()
-    return live.peak
+    return live
 
 
 def _boxed(gm: torch.fx.GraphModule, count: Callable[[], None] | None = None) -> Callable[..., Any]:
